@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+# Triton's interpreter must be switched on before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+CUDA = torch.cuda.is_available()
+if CUDA:
+    os.environ["TRITON_INTERPRET"] = "0"
+
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,133 @@
+"""Choosing a backend for one call.
+
+Precedence: the ``backend=`` argument, then the innermost :func:`use_backend`
+context, then the ``TRANSFORMER_KERNELS_BACKEND`` environment variable, then
+``"auto"``.
+
+``"auto"`` sends CUDA tensors to the CUDA extension when it is built and able,
+else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
+backend over, the reason is logged once at DEBUG level on the
+``transformer_kernels`` logger.  An explicitly requested backend that cannot
+serve a call raises :class:`BackendUnavailableError` carrying the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from typing import Callable, Iterator, Optional
+
+import torch
+
+__all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "use_backend", "select_backend"]
+
+BACKENDS = ("auto", "cuda", "triton", "eager")
+ENV_VAR = "TRANSFORMER_KERNELS_BACKEND"
+
+_logger = logging.getLogger("transformer_kernels")
+_logged_reasons: set[tuple[str, str, str]] = set()
+# A plain list rather than a ContextVar: torch.compile traces reads of module
+# globals without a graph break, and backend choice is a per-process setting.
+_backend_stack: list[str] = []
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when an explicitly requested backend cannot serve a call."""
+
+
+def _check_name(name: str, origin: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{origin} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the calls inside the ``with`` block on backend ``name``.
+
+    An explicit ``backend=`` argument still wins over the context.
+
+    Example::
+
+        with transformer_kernels.use_backend("eager"):
+            out = transformer_kernels.scaled_dot_product_attention(q, k, v)
+    """
+    _backend_stack.append(_check_name(name, "use_backend(name)"))
+    try:
+        yield
+    finally:
+        _backend_stack.pop()
+
+
+def requested_backend(backend: Optional[str]) -> str:
+    """The backend asked for, before any capability check."""
+    if backend is not None:
+        return _check_name(backend, "backend")
+    if _backend_stack:
+        return _backend_stack[-1]
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return _check_name(env, f"environment variable {ENV_VAR}")
+    return "auto"
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _generic_reason(name: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Optional[str]:
+    if name == "eager":
+        return None
+    if name == "cuda":
+        from .backends import cuda
+
+        if device.type != "cuda":
+            return f"the cuda backend needs CUDA tensors, got device {device}"
+        return cuda.unavailable_reason()
+    if not _triton_installed():
+        return "triton is not installed"
+    if device.type == "cuda":
+        if triton_interpreter_enabled():
+            return "TRITON_INTERPRET=1 is set, which only runs on CPU tensors"
+        return None
+    if device.type != "cpu" or not triton_interpreter_enabled():
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors), got device {device}"
+    if torch.bfloat16 in dtypes:
+        # The interpreter silently computes zeros for bfloat16.
+        return "the Triton interpreter does not support bfloat16"
+    return None
+
+
+def select_backend(
+    op: str,
+    backend: Optional[str],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...],
+    op_reason: Callable[[str], Optional[str]],
+) -> str:
+    """Resolve ``backend`` to the concrete backend that runs this call.
+
+    ``op_reason(name)`` returns why backend ``name`` cannot serve this call's
+    arguments (head dim too large, ...), or ``None`` when it can.
+    """
+    requested = requested_backend(backend)
+    candidates = (requested,) if requested != "auto" else (
+        ("cuda", "triton", "eager") if device.type == "cuda" else ("eager",)
+    )
+    for name in candidates:
+        reason = _generic_reason(name, device, dtypes) or op_reason(name)
+        if reason is None:
+            return name
+        if requested != "auto":
+            raise BackendUnavailableError(f"{op}: backend={name!r} cannot serve this call: {reason}")
+        key = (op, name, reason)
+        if key not in _logged_reasons and not torch.compiler.is_compiling():
+            _logged_reasons.add(key)
+            _logger.debug("%s: auto backend skipped %r: %s", op, name, reason)
+    raise AssertionError("the eager backend serves every call")

@@ -1,0 +1,52 @@
+"""Argument checks shared by every op: errors name the argument and what was expected."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    ndim: Optional[int] = None,
+    min_ndim: Optional[int] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    floating: bool = False,
+) -> torch.Tensor:
+    """Check that ``tensor`` is a Tensor with the given rank and dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if min_ndim is not None and tensor.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if floating and not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        expected = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({expected}), got {tensor.dtype}")
+    return tensor
+
+
+def check_same_dtype_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Check that every tensor in ``others`` has ``reference``'s dtype and device."""
+    for name, tensor in others.items():
+        if tensor is None:
+            continue
+        if tensor.device != reference.device:
+            raise ValueError(
+                f"{name} must be on the same device as {reference_name} ({reference.device}), got {tensor.device}"
+            )
+        if tensor.dtype != reference.dtype:
+            raise TypeError(f"{name} must have the same dtype as {reference_name} ({reference.dtype}), got {tensor.dtype}")
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != reference.device:
+            raise ValueError(
+                f"{name} must be on the same device as {reference_name} ({reference.device}), got {tensor.device}"
+            )

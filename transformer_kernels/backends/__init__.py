@@ -1,0 +1,1 @@
+"""Backends: plain functions behind the registered ops (``eager``, ``triton``, ``cuda``)."""

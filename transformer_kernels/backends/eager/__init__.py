@@ -1,0 +1,1 @@
+"""Compositions of PyTorch ops: the CPU path and the fallback for every op."""

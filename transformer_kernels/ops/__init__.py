@@ -1,0 +1,1 @@
+"""One module per op: argument checks, normalization, torch.library registration, autograd."""
