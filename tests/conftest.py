@@ -7,6 +7,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CUDA = torch.cuda.is_available()
+# Where the triton backend runs in tests: real kernels on a GPU, the interpreter on CPU.
+TRITON_DEVICE = torch.device("cuda" if CUDA else "cpu")
 if CUDA:
     os.environ["TRITON_INTERPRET"] = "0"
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One-shot verification on a CUDA machine without network access:
+#   bash benchmarks/gpu_check.sh OUTDIR
+# Installs the package (building the CUDA extension when there is one), runs the
+# GPU tests, runs every Triton kernel under compute-sanitizer, and writes the
+# benchmark report. Everything lands in OUTDIR (at most 8 files):
+#   gpu_check.log  tests.xml  report.md  results.csv  environment.json  <suite>.json
+# Budget: about 9 minutes on one H100; each step has its own time limit.
+set -u
+out=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+log="$out/gpu_check.log"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+status=0
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)" | tee -a "$log"
+    timeout "$limit" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc" | tee -a "$log"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+{ nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
+step install 150 python3 -m pip install --no-build-isolation --no-deps -e .
+step tests 240 python3 -m pytest tests -q -x -m "not slow" -p no:cacheprovider --junitxml="$out/tests.xml"
+step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
+step benchmarks 300 python3 benchmarks/report.py --out "$out"
+tail -n 40 "$out/report.md" 2>/dev/null
+grep -E "^=== .*exit" "$log"
+exit $status

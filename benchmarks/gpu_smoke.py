@@ -1,0 +1,65 @@
+"""Run every Triton kernel once, forward and backward, on small CUDA inputs.
+
+Meant to run under ``compute-sanitizer`` (see gpu_check.sh): odd sizes, every
+mask kind and both layouts, so out-of-bounds accesses in edge tiles show up.
+"""
+
+import torch
+
+import transformer_kernels as tk
+
+
+def attention_cases(device: torch.device, dtype: torch.dtype) -> None:
+    batch, heads, head_dim = 2, 4, 80
+    for lq, lk in ((1, 37), (70, 33), (130, 130)):
+        q = torch.randn(batch, heads, lq, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(batch, heads // 2, lk, head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(batch, heads // 2, lk, head_dim, device=device, dtype=dtype, requires_grad=True)
+        padding = torch.zeros(batch, lk, dtype=torch.bool, device=device)
+        padding[0, lk // 2 :] = True
+        padding[1, : lk // 3] = True
+        float_mask = torch.randn(lq, lk, device=device, dtype=dtype, requires_grad=True)
+        bool_mask = torch.rand(batch, 1, lq, lk, device=device) > 0.3
+        for kwargs in (
+            dict(is_causal=True, key_padding_mask=padding),
+            dict(attn_mask=torch.nn.attention.bias.causal_lower_right(lq, lk)),
+            dict(attn_mask=float_mask, dropout_p=0.1),
+            dict(attn_mask=bool_mask, key_padding_mask=padding),
+        ):
+            out = tk.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="triton", **kwargs)
+            out.backward(torch.randn_like(out))
+
+
+def qkv_cases(device: torch.device, dtype: torch.dtype) -> None:
+    for embed, heads, tokens in ((4, 2, 7), (520, 8, 33)):
+        x = torch.randn(3, tokens, embed, device=device, dtype=dtype, requires_grad=True)
+        weight = torch.randn(3 * embed, embed, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.randn(3 * embed, device=device, dtype=dtype, requires_grad=True)
+        outs = tk.qkv_projection(x, weight, bias, num_heads=heads, backend="triton")
+        sum((o * torch.randn_like(o)).sum() for o in outs).backward()
+
+
+def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> None:
+    for channels, length, kernel_size in ((24, 1, 3), (520, 41, 5), (64, 130, 2)):
+        weight = torch.randn(2 * channels, channels, kernel_size, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.randn(2 * channels, device=device, dtype=dtype, requires_grad=True)
+        channel_last = torch.randn(2, length, channels, device=device, dtype=dtype).transpose(1, 2)
+        for x, padding in ((channel_last, "same"), (channel_last.contiguous(), "causal")):
+            x = x.detach().requires_grad_()
+            out = tk.glu_conv1d(x, weight, bias, padding=padding, pad_value=1.0, residual=x, residual_scale=0.5**0.5,
+                                backend="triton")
+            out.backward(torch.randn_like(out))
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        attention_cases(device, dtype)
+        qkv_cases(device, dtype)
+        glu_conv_cases(device, dtype)
+    torch.cuda.synchronize()
+    print("gpu_smoke: every kernel ran")
+
+
+if __name__ == "__main__":
+    main()
