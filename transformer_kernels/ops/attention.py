@@ -1,5 +1,438 @@
-"""Placeholder: being written."""
+"""Masked scaled-dot-product attention: public function, argument checks, registered ops.
+
+The public function checks and normalizes its arguments once (4-D views, key
+bounds, expanded mask, causal kind, dropout seed), picks a backend and calls
+``transformer_kernels::attention_forward``; autograd runs
+``transformer_kernels::attention_backward`` on the same backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from types import ModuleType
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
+
+from .._backend import select_backend
+from .._checks import check_same_device, check_same_dtype_device, check_tensor
+from ..backends.eager import attention as eager_attention
+
+__all__ = ["scaled_dot_product_attention", "MAX_HEAD_DIM"]
+
+OP_NAME = "scaled_dot_product_attention"
+MAX_HEAD_DIM = 256
+
+# Causal kinds passed to the backends.
+NO_CAUSAL, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+_TRITON_MODULE = "transformer_kernels.backends.triton.attention"
 
 
-def scaled_dot_product_attention(*args, **kwargs):
-    raise NotImplementedError
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Union[Tensor, CausalBias]] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
+    r"""Scaled-dot-product attention with padding and causal masks, fused where a backend allows.
+
+    A drop-in replacement for :func:`torch.nn.functional.scaled_dot_product_attention`:
+    every argument torch has means the same here; ``key_padding_mask`` and
+    ``backend`` are additions.  Computes, for each batch element and head,
+
+    .. code-block:: text
+
+        S   = query @ key.transpose(-2, -1) * scale  (+ attn_mask if it is a float mask)
+        S[excluded] = -inf        # bool attn_mask False, key padding, causal
+        P   = softmax(S, dim=-1)  # rows where every key is excluded: P = 0
+        out = dropout(P, dropout_p) @ value
+
+    Shapes (``...`` is any number of batch dimensions, possibly none; a 3-D
+    ``[N, L, E]`` input has no head dimension):
+
+    - ``query``: ``[..., Hq, Lq, E]``
+    - ``key``:   ``[..., Hk, Lk, E]``
+    - ``value``: ``[..., Hk, Lk, Ev]``
+    - returns:   ``[..., Hq, Lq, Ev]``, contiguous, with ``query``'s dtype.
+
+    ``query``, ``key`` and ``value`` must have the same number of dimensions,
+    the same batch dimensions ``...``, one floating dtype and one device.
+    ``Hk == Hq`` unless ``enable_gqa``.  ``E`` and ``Ev`` are 1 to 256 and
+    may differ; ``Lq`` and ``Lk`` are any lengths >= 1 and may differ.
+    Inputs may have any strides (e.g. ``x.view(B, L, H, D).transpose(1, 2)``);
+    they are read in place, not copied.
+
+    Args:
+        query, key, value: the attention inputs, shapes above.
+        attn_mask: optional, one of
+
+            - a bool tensor broadcastable to ``[..., Hq, Lq, Lk]``: True means
+              the query may attend to the key (torch's convention);
+            - a float tensor of ``query``'s dtype broadcastable to
+              ``[..., Hq, Lq, Lk]``, added to the scaled scores (``-inf``
+              excludes a key).  It receives a gradient when it requires one;
+            - a :class:`torch.nn.attention.bias.CausalBias`
+              (``causal_upper_left(Lq, Lk)`` or ``causal_lower_right(Lq, Lk)``),
+              applied structurally without materializing any mask.
+
+            A broadcast mask is never copied: it is ``expand``-ed.
+        dropout_p: probability in ``[0, 1)`` of dropping an attention weight
+            (after the softmax; kept weights are scaled by ``1 / (1 - dropout_p)``).
+            Like torch, dropout applies whenever ``dropout_p > 0``; pass
+            ``dropout_p=0.0`` in evaluation.
+        is_causal: top-left causal mask: query ``i`` attends to keys ``j <= i``
+            (torch's convention).  An error together with ``attn_mask``.
+        scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention: ``Hq`` must be a multiple of
+            ``Hk``, and query head ``h`` uses key/value head ``h // (Hq // Hk)``.
+        key_padding_mask: optional bool tensor ``[..., Lk]`` (``[B, Lk]`` for
+            4-D inputs, ``[N, Lk]`` for 3-D ones): True marks a *padding* key
+            that no query attends to (the :class:`torch.nn.MultiheadAttention`
+            convention, e.g. ``tokens.eq(pad_id)``).  Suffix padding, left
+            padding and holes are all allowed.  It is never expanded to
+            ``[B, H, Lq, Lk]``; backends skip key blocks that are all padding.
+            It combines with ``attn_mask`` or the causal mask (a key must pass
+            every mask).
+        backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"eager"``; overrides
+            :func:`transformer_kernels.use_backend` and the
+            ``TRANSFORMER_KERNELS_BACKEND`` environment variable.  ``"auto"``
+            runs CUDA tensors on the CUDA extension or Triton when they can
+            serve the call, else on eager; CPU tensors run on eager.  A backend
+            named explicitly that cannot serve the call raises
+            :class:`transformer_kernels.BackendUnavailableError`.
+
+    Causal masks:
+        - top-left (``is_causal=True`` or ``causal_upper_left``): query ``i``
+          sees keys ``j <= i``;
+        - bottom-right (``causal_lower_right``): query ``i`` sees keys
+          ``j <= i + Lk - Lq``, the mask of decoding with a key/value cache.
+
+    Rows without any key:
+        A query row for which every key is excluded (bottom-right causal with
+        ``Lq > Lk``, an all-padding sequence, a mask row that is all False or
+        ``-inf``) gets output 0 and contributes gradient 0 to every input —
+        never NaN.  (The seeds' ``masked_fill(-1e9)`` instead averages all
+        values uniformly on such rows.)
+
+    Dropout:
+        The keep-mask is generated inside the backend from a ``(seed, offset)``
+        pair drawn from torch's default CPU generator at call time, so
+        ``torch.manual_seed`` makes results reproducible, and the backward pass
+        regenerates the same mask instead of storing it.  Masks differ between
+        backends and from torch's own dropout for the same seed.
+
+    Backends:
+        ``triton`` (CUDA fp16/bf16/fp32; CPU under ``TRITON_INTERPRET=1``) is a
+        FlashAttention-style kernel pair that stores only the row
+        log-sum-exps; ``eager`` runs on any device and floating dtype (fp64
+        for :func:`torch.autograd.gradcheck`), composed of PyTorch ops, and on
+        CPU cuts padded keys and the causal triangle out of the work.
+
+    Returns:
+        Tensor ``[..., Hq, Lq, Ev]``.
+
+    Example::
+
+        >>> q = torch.randn(2, 8, 128, 64)
+        >>> k = v = torch.randn(2, 8, 100, 64)
+        >>> pad = torch.arange(100) >= torch.tensor([[100], [60]])  # [2, 100], True = padding
+        >>> out = transformer_kernels.scaled_dot_product_attention(q, k, v, key_padding_mask=pad)
+        >>> out.shape
+        torch.Size([2, 8, 128, 64])
+    """
+    check_tensor("query", query, floating=True)
+    check_tensor("key", key, floating=True)
+    check_tensor("value", value, floating=True)
+    if query.dim() < 2:
+        raise ValueError(f"query must have at least 2 dimensions [..., L, E], got shape {tuple(query.shape)}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != query.dim():
+            raise ValueError(
+                f"{name} must have as many dimensions as query ({query.dim()}), got shape {tuple(tensor.shape)}"
+            )
+    check_same_dtype_device("query", query, key=key, value=value)
+
+    batch_shape = _batch_shape(query)
+    for name, tensor in (("key", key), ("value", value)):
+        if _batch_shape(tensor) != batch_shape:
+            raise ValueError(
+                f"{name} must have query's batch dimensions {tuple(batch_shape)}, got shape {tuple(tensor.shape)}"
+            )
+    num_heads, num_kv_heads = _num_heads(query), _num_heads(key)
+    if _num_heads(value) != num_kv_heads:
+        raise ValueError(
+            f"value must have as many heads as key ({num_kv_heads}), got shape {tuple(value.shape)}"
+        )
+    if enable_gqa:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of "
+                f"the number of key/value heads ({num_kv_heads})"
+            )
+    elif num_kv_heads != num_heads:
+        raise ValueError(
+            f"key must have as many heads as query ({num_heads}), got shape {tuple(key.shape)}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    lq, head_dim = query.shape[-2], query.shape[-1]
+    lk, value_head_dim = key.shape[-2], value.shape[-1]
+    if value.shape[-2] != lk:
+        raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value.shape)}")
+    if key.shape[-1] != head_dim:
+        raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key.shape)}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.numel() == 0:
+            raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(tensor.shape)}")
+        if tensor.shape[-1] > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(tensor.shape)}"
+            )
+
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    causal = CAUSAL_TOP_LEFT if is_causal else NO_CAUSAL
+    mask = None
+    if isinstance(attn_mask, CausalBias):
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot both be set; a CausalBias already is a causal mask")
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (lq, lk):
+            raise ValueError(
+                f"attn_mask is a CausalBias for Lq={attn_mask.seq_len_q}, Lk={attn_mask.seq_len_kv}, "
+                f"but query has Lq={lq} and key has Lk={lk}"
+            )
+        causal = CAUSAL_TOP_LEFT if attn_mask.variant == CausalVariant.UPPER_LEFT else CAUSAL_BOTTOM_RIGHT
+    elif attn_mask is not None:
+        check_tensor("attn_mask", attn_mask)
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask")
+        check_same_device("query", query, attn_mask=attn_mask)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            raise TypeError(
+                f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}"
+            )
+        scores_shape = (*query.shape[:-1], lk)
+        if not _broadcasts_to(attn_mask.shape, scores_shape):
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the scores' shape "
+                f"[..., Hq, Lq, Lk] = {scores_shape}"
+            )
+        mask = _as_4d(attn_mask.expand(scores_shape))
+
+    padding, key_bounds = None, None
+    if key_padding_mask is not None:
+        check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
+        check_same_device("query", query, key_padding_mask=key_padding_mask)
+        expected = (*batch_shape, lk)
+        if tuple(key_padding_mask.shape) != expected:
+            raise ValueError(
+                f"key_padding_mask must have shape [..., Lk] = {expected} (query's batch dimensions, key's length), "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
+        padding = key_padding_mask.reshape(-1, lk).contiguous()
+        key_bounds = _key_bounds(padding)
+
+    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
+    dropout_p = float(dropout_p)
+    dropout_seed = None
+    if dropout_p > 0.0:
+        # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
+        dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
+
+    def op_reason(name: str) -> Optional[str]:
+        if name == "eager":
+            return None
+        if name == "triton":
+            module = _triton_module()
+            if module is None:
+                return f"{_TRITON_MODULE} is not available"
+            return module.unsupported_reason(q, k, v, mask, dropout_p)
+        return "the CUDA extension has no attention kernel"
+
+    chosen = select_backend(OP_NAME, backend, query.device, (query.dtype,), op_reason)
+    out, _ = torch.ops.transformer_kernels.attention_forward(
+        q, k, v, padding, key_bounds, mask, causal, float(scale), dropout_p, dropout_seed, chosen
+    )
+    return out.view(*query.shape[:-1], value_head_dim)
+
+
+# ----------------------------------------------------------------------------
+# Normalization helpers
+# ----------------------------------------------------------------------------
+
+
+def _batch_shape(tensor: Tensor) -> torch.Size:
+    """Dimensions before [H, L, E] (4-D and more) or before [L, E] (2-D and 3-D)."""
+    return tensor.shape[:-3] if tensor.dim() >= 4 else tensor.shape[:-2]
+
+
+def _num_heads(tensor: Tensor) -> int:
+    return tensor.shape[-3] if tensor.dim() >= 4 else 1
+
+
+def _as_4d(tensor: Tensor) -> Tensor:
+    """``[..., H, L, X]`` → ``[B, H, L, X]`` (a view whenever the leading dims allow); 2-D/3-D get H = 1."""
+    if tensor.dim() == 2:
+        return tensor.unsqueeze(0).unsqueeze(0)
+    if tensor.dim() == 3:
+        return tensor.unsqueeze(1)
+    if tensor.dim() > 4:
+        return tensor.flatten(0, -4)
+    return tensor
+
+
+def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
+
+
+def _key_bounds(padding: Tensor) -> Tensor:
+    """int32 ``[B, 2]``: (first non-padding key, last non-padding key + 1); (0, 0) for all-padding rows."""
+    lk = padding.shape[1]
+    index = torch.arange(lk, device=padding.device, dtype=torch.int32)
+    valid = ~padding
+    first = torch.where(valid, index, lk).amin(1)
+    end = torch.where(valid, index + 1, 0).amax(1)
+    first = torch.where(end > 0, first, 0)
+    return torch.stack([first, end], 1).to(torch.int32)
+
+
+def _triton_module() -> Optional[ModuleType]:
+    try:
+        return importlib.import_module(_TRITON_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name != _TRITON_MODULE:
+            raise
+        return None
+
+
+def _backend_module(backend: str) -> ModuleType:
+    if backend == "eager":
+        return eager_attention
+    if backend == "triton":
+        module = _triton_module()
+        if module is not None:
+            return module
+    raise ValueError(f"attention has no {backend!r} backend module")
+
+
+def _lse_dtype(query_dtype: torch.dtype, backend: str) -> torch.dtype:
+    return eager_attention.lse_dtype(query_dtype) if backend == "eager" else torch.float32
+
+
+def _dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(mask_dtype, torch.float32)
+
+
+# ----------------------------------------------------------------------------
+# Registered ops
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_kernels::attention_forward", mutates_args=())
+def attention_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Optional[Tensor],
+    key_bounds: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    causal: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: Optional[Tensor],
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """Normalized attention: ``out [B, Hq, Lq, Ev]`` and the row log-sum-exps ``lse [B, Hq, Lq]``."""
+    out, lse = _backend_module(backend).forward(
+        query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed
+    )
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(
+    query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed, backend
+):
+    batch_size, num_heads, lq, _ = query.shape
+    out = query.new_empty(batch_size, num_heads, lq, value.shape[-1])
+    lse = query.new_empty(batch_size, num_heads, lq, dtype=_lse_dtype(query.dtype, backend))
+    return out, lse
+
+
+@torch.library.custom_op("transformer_kernels::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    key_padding_mask: Optional[Tensor],
+    key_bounds: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    causal: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: Optional[Tensor],
+    backend: str,
+    attn_mask_needs_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`attention_forward`: ``dq, dk, dv`` and ``dmask`` (``[B, Hq, Lq, Lk]`` when
+    ``attn_mask_needs_grad``, else empty)."""
+    dq, dk, dv, dmask = _backend_module(backend).backward(
+        grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
+        causal, scale, dropout_p, dropout_seed, attn_mask_needs_grad,
+    )
+    if attn_mask_needs_grad:
+        dmask = dmask.to(_dmask_dtype(attn_mask.dtype)).contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(
+    grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
+    causal, scale, dropout_p, dropout_seed, backend, attn_mask_needs_grad,
+):
+    if attn_mask_needs_grad:
+        dmask = attn_mask.new_empty(attn_mask.shape, dtype=_dmask_dtype(attn_mask.dtype))
+    else:
+        dmask = query.new_empty(0, dtype=torch.float32)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed)
+    ctx.causal, ctx.scale, ctx.dropout_p, ctx.backend = causal, scale, dropout_p, backend
+    ctx.attn_mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[5]
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
+    dq, dk, dv, dmask = torch.ops.transformer_kernels.attention_backward(
+        grad_out.contiguous(), query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
+        ctx.causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.backend, ctx.attn_mask_needs_grad,
+    )
+    grad_mask = dmask.to(attn_mask.dtype) if ctx.attn_mask_needs_grad else None
+    return dq, dk, dv, None, None, grad_mask, None, None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,9 +1,340 @@
-"""Placeholder: being written."""
+"""Fused GLU convolution of convolutional seq2seq models (Gehring et al., 2017).
+
+One call computes ``conv1d`` + bias + ``F.glu`` + residual and scale, forward
+and backward, plus :func:`glu_conv1d_step` for one-position-at-a-time
+decoding.  Registered as ``torch.ops.transformer_kernels.glu_conv1d`` (with a
+fake kernel and autograd) so it works under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from .._backend import select_backend
+from .._checks import check_same_dtype_device, check_tensor
+
+__all__ = ["glu_conv1d", "glu_conv1d_step"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PADDINGS = ("same", "causal")
 
 
-def glu_conv1d(*args, **kwargs):
-    raise NotImplementedError
+def _backend_module(name: str) -> ModuleType:
+    # Imported on first use so the package imports without triton.
+    return importlib.import_module(f"transformer_kernels.backends.{name}.glu_conv")
 
 
-def glu_conv1d_step(*args, **kwargs):
-    raise NotImplementedError
+def _output_length(length_in: int, kernel_size: int, pad_left: int, pad_right: int) -> int:
+    return length_in + pad_left + pad_right - kernel_size + 1
+
+
+# --------------------------------------------------------------------------- registered ops
+#
+# pad_left / pad_right are explicit so one op serves "same", "causal" and the
+# unpadded window of glu_conv1d_step.  The second output is what the backend
+# keeps for backward besides the inputs: the eager backend returns its
+# pre-activation rows [B, L + pad_left + pad_right, 2C], the Triton backend an
+# empty tensor (its backward recomputes the pre-activation from x).
+
+
+@torch.library.custom_op("transformer_kernels::glu_conv1d", mutates_args=())
+def _glu_conv1d_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    pad_left: int,
+    pad_right: int,
+    pad_value: float,
+    residual_scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backend_module(backend).forward(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale)
+
+
+@_glu_conv1d_op.register_fake
+def _glu_conv1d_fake(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, backend):
+    from ..backends.eager.glu_conv import empty_output
+
+    length_out = _output_length(x.shape[2], weight.shape[2], pad_left, pad_right)
+    out = empty_output(x, weight.shape[0] // 2, length_out)
+    return out, _backend_module(backend).empty_saved(x, weight, pad_left, pad_right)
+
+
+@torch.library.custom_op("transformer_kernels::glu_conv1d_backward", mutates_args=())
+def _glu_conv1d_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    z: torch.Tensor,
+    pad_left: int,
+    pad_right: int,
+    pad_value: float,
+    residual_scale: float,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend_module(backend).backward(
+        grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
+        needs_grad_x, needs_grad_weight, needs_grad_bias,
+    )
+
+
+@_glu_conv1d_backward_op.register_fake
+def _glu_conv1d_backward_fake(
+    grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
+    needs_grad_x, needs_grad_weight, needs_grad_bias, backend,
+):
+    from ..backends.eager.glu_conv import empty_output
+
+    grad_x = empty_output(x, x.shape[1], x.shape[2]) if needs_grad_x else x.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
+    grad_bias = weight.new_empty(weight.shape[0]) if needs_grad_bias and bias is not None else weight.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, backend = inputs
+    # Saved: the inputs x, weight, bias (alive anyway) and the backend's second
+    # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.has_bias = bias is not None
+    ctx.arguments = (pad_left, pad_right, pad_value, residual_scale)
+    ctx.backend = backend
+
+
+def _backward(ctx, grad_out, grad_z_unused):
+    x, weight, bias, z = ctx.saved_tensors
+    pad_left, pad_right, pad_value, residual_scale = ctx.arguments
+    needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
+    grad_x = grad_weight = grad_bias = grad_residual = None
+    if needs_x or needs_weight or needs_bias:
+        grad_x, grad_weight, grad_bias = torch.ops.transformer_kernels.glu_conv1d_backward(
+            grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
+            needs_x, needs_weight, needs_bias and ctx.has_bias, ctx.backend,
+        )
+    if needs_residual:
+        grad_residual = grad_out if residual_scale == 1.0 else grad_out * residual_scale
+    return (
+        grad_x if needs_x else None,
+        grad_weight if needs_weight else None,
+        grad_bias if needs_bias else None,
+        grad_residual,
+        None, None, None, None, None,
+    )
+
+
+_glu_conv1d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_weight_and_bias(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], x_name: str
+) -> tuple[int, int]:
+    """Returns ``(C, k)``: GLU output channels and kernel size."""
+    check_tensor("weight", weight, ndim=3)
+    channels_in = x.shape[1]
+    if weight.shape[1] != channels_in or weight.shape[2] < 1:
+        raise ValueError(
+            f"weight must have shape [2*C, C_in, k] with C_in = {x_name}.shape[1] = {channels_in} and k >= 1, "
+            f"got weight of shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0 or weight.shape[0] % 2 != 0:
+        raise ValueError(
+            f"weight.shape[0] (the convolution's output channels, 2*C) must be even and positive so the GLU "
+            f"can split it into two halves, got weight of shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"bias must have shape [2*C] = [{weight.shape[0]}] to match weight.shape[0], "
+                f"got bias of shape {tuple(bias.shape)}"
+            )
+    check_same_dtype_device(x_name, x, weight=weight, bias=bias)
+    return weight.shape[0] // 2, weight.shape[2]
+
+
+def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...], x_name: str, x: torch.Tensor) -> None:
+    if residual is None:
+        return
+    check_tensor("residual", residual, ndim=len(expected))
+    if tuple(residual.shape) != expected:
+        raise ValueError(f"residual must have the output's shape {list(expected)}, got {tuple(residual.shape)}")
+    check_same_dtype_device(x_name, x, residual=residual)
+
+
+def _resolve_backend(x: torch.Tensor, weight, bias, residual, backend: Optional[str]) -> str:
+    def op_reason(name: str) -> Optional[str]:
+        if name == "cuda":
+            return "the CUDA extension has no glu_conv1d kernel"
+        return _backend_module(name).unsupported_reason(x, weight, bias, residual)
+
+    return select_backend("glu_conv1d", backend, x.device, (x.dtype,), op_reason)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def glu_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    padding: str = "same",
+    pad_value: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+    residual_scale: float = 1.0,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    r"""Convolution, GLU, residual and scale of one convolutional seq2seq layer, fused::
+
+        z   = conv1d(pad(x, padding, pad_value), weight, bias)      # [B, 2*C, L]
+        out = (F.glu(z, dim=1) + residual) * residual_scale           # [B, C, L]
+
+    ``F.glu(z, dim=1)`` is ``z[:, :C] * sigmoid(z[:, C:])``.  The ``[B, 2*C, L]``
+    pre-activation is never written to memory by the Triton kernels.
+
+    Args:
+        x: ``[B, C_in, L]`` as ``nn.Conv1d`` takes it, ``L >= 1``.  Either
+            contiguous or channel-last (a contiguous ``[B, L, C_in]`` tensor
+            transposed with ``.transpose(1, 2)``); a channel-last ``x`` is read
+            in place, without a copy, and the output is channel-last too, so a
+            model can keep activations as ``[B, L, C]`` and drop its permutes.
+            Other strides are read in place as well (output contiguous).
+        weight: ``[2*C, C_in, k]``, ``k >= 1``, exactly as ``nn.Conv1d(C_in, 2*C, k)``
+            holds it.  May come from a parametrization such as
+            ``torch.nn.utils.parametrizations.weight_norm``; gradients then reach
+            its parameters (``original0`` / ``original1``) through autograd.
+        bias: ``[2*C]`` or ``None``.
+        padding: ``"same"``: ``(k - 1) // 2`` positions before ``x`` and ``k // 2``
+            after it (for odd ``k`` this is ``nn.Conv1d(..., padding=(k - 1) // 2)``;
+            even ``k`` puts the extra position on the right, as fairseq does).
+            ``"causal"``: ``k - 1`` positions before ``x`` and none after, so output
+            position ``t`` sees inputs ``t - k + 1 .. t`` only (the decoder).
+        pad_value: the value of every padding position, in both modes.  ``0.0``
+            is ``nn.Conv1d``'s zero padding; the seq2seq decoder fills its left
+            padding with the target pad index (e.g. ``pad_value=1.0``).  Padding
+            takes no gradient.
+        residual: ``[B, C, L]`` (any strides) added to the GLU output, or ``None``
+            (the same as zeros).
+        residual_scale: multiplies ``glu + residual``; it applies whether or not
+            ``residual`` is given (``residual=None`` means adding zero), so
+            ``residual_scale=1.0`` (the default) leaves the sum unchanged.  The
+            seq2seq encoder passes ``residual=x, residual_scale=math.sqrt(0.5)``;
+            its decoder, whose residual comes after attention, passes neither.
+            A Python number (not a tensor).
+        backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"eager"``; ``None``
+            follows :func:`transformer_kernels.use_backend` and the
+            ``TRANSFORMER_KERNELS_BACKEND`` environment variable.
+
+    Returns:
+        ``[B, C, L]`` with ``x``'s dtype, channel-last if ``x`` is channel-last.
+
+    Dtypes: float16, bfloat16, float32 (and float64 on the eager backend); all
+    tensors share ``x``'s dtype and device.  The Triton kernels accumulate in
+    float32 and round once, at the output.
+
+    Autograd: gradients for ``x``, ``weight``, ``bias`` and ``residual``
+    (``grad_residual = grad_out * residual_scale``); not twice differentiable.
+    Saved for backward: ``x``, ``weight`` and ``bias`` themselves (no copies).
+    The Triton backend keeps nothing else: backward recomputes the
+    pre-activation from ``x`` (one extra GEMM instead of a ``[B, 2*C, L]``
+    tensor per layer).  The eager backend also keeps its pre-activation
+    ``[B, L + k - 1, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on
+    a CPU recomputing the convolution would cost more than the memory saves.
+    """
+    check_tensor("x", x, ndim=3, dtypes=_DTYPES)
+    channels_out, kernel_size = _check_weight_and_bias(x, weight, bias, "x")
+    if padding not in _PADDINGS:
+        raise ValueError(f"padding must be one of {_PADDINGS}, got {padding!r}")
+    if x.shape[2] < 1:
+        raise ValueError(f"x must have at least one position (L >= 1), got shape {tuple(x.shape)}")
+    pad_value = _check_number("pad_value", pad_value)
+    residual_scale = _check_number("residual_scale", residual_scale)
+    _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
+    if padding == "same":
+        pad_left, pad_right = (kernel_size - 1) // 2, kernel_size // 2
+    else:
+        pad_left, pad_right = kernel_size - 1, 0
+    name = _resolve_backend(x, weight, bias, residual, backend)
+    out, _ = _glu_conv1d_op(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, name)
+    return out
+
+
+def glu_conv1d_step(
+    x_t: torch.Tensor,
+    state: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    pad_value: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+    residual_scale: float = 1.0,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""One decoding step of ``glu_conv1d(..., padding="causal")``.
+
+    Feeding positions ``0, 1, ..., L-1`` one call at a time, each call getting
+    the ``new_state`` of the previous one (the first getting ``state=None``),
+    gives the columns of ``glu_conv1d(x, weight, bias, padding="causal",
+    pad_value=pad_value, residual=residual, residual_scale=residual_scale)``.
+
+    Args:
+        x_t: ``[B, C_in]``, the input at the new position.
+        state: ``[B, C_in, k - 1]``, the inputs at the ``k - 1`` previous
+            positions, oldest first; or ``None`` for the first step, which
+            starts from ``k - 1`` positions of ``pad_value`` (the causal
+            padding).  A plain tensor: reorder it for beam search with
+            ``state.index_select(0, beam_indices)``.
+        weight: ``[2*C, C_in, k]`` as in :func:`glu_conv1d`.
+        bias: ``[2*C]`` or ``None``.
+        pad_value: fills the initial state when ``state`` is ``None``.
+        residual: ``[B, C]`` or ``None``; residual_scale: as in :func:`glu_conv1d`.
+        backend: as in :func:`glu_conv1d`.
+
+    Returns:
+        ``(out_t, new_state)``: ``out_t`` ``[B, C]``; ``new_state``
+        ``[B, C_in, k - 1]`` holding the last ``k - 1`` inputs including ``x_t``.
+
+    Differentiable like :func:`glu_conv1d`.
+    """
+    check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
+    channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
+    pad_value = _check_number("pad_value", pad_value)
+    residual_scale = _check_number("residual_scale", residual_scale)
+    batch, channels_in = x_t.shape
+    state_shape = (batch, channels_in, kernel_size - 1)
+    if state is None:
+        state = x_t.new_full(state_shape, pad_value)
+    else:
+        check_tensor("state", state, ndim=3)
+        if tuple(state.shape) != state_shape:
+            raise ValueError(
+                f"state must have shape [B, C_in, k - 1] = {list(state_shape)}, got {tuple(state.shape)}"
+            )
+        check_same_dtype_device("x_t", x_t, state=state)
+    _check_residual(residual, (batch, channels_out), "x_t", x_t)
+    window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
+    name = _resolve_backend(window, weight, bias, residual, backend)
+    out, _ = _glu_conv1d_op(
+        window, weight, bias, None if residual is None else residual.unsqueeze(2),
+        0, 0, pad_value, residual_scale, name,
+    )
+    return out.squeeze(2), window[:, :, 1:]

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -19,15 +20,20 @@ def attention(
     causal_bottom_right: bool = False,
     enable_gqa: bool = False,
     masked_value: float = -1e9,
+    dropout_p: float = 0.0,
+    dropout_keep_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Naive attention: scores = q kᵀ · scale, masked_fill, softmax, @ v.
 
     ``attn_mask``: bool (True = takes part) or float (added), broadcastable to
     ``[..., Lq, Lk]``.  ``key_padding_mask``: bool ``[B, Lk]``, True = padding.
     Masked scores are filled with ``masked_value`` like the seeds (-1e9); pass
-    ``float("-inf")`` for exact masking.  Rows where every key is masked are
-    set to 0 (the package's documented convention) when ``masked_value`` is
-    -inf; with -1e9 they become uniform, as in the seeds.
+    ``float("-inf")`` for exact masking.  Rows where every key is masked
+    (including by ``-inf`` in a float mask) are set to 0 (the package's
+    documented convention) when ``masked_value`` is -inf; with -1e9 they
+    become uniform, as in the seeds.  ``dropout_keep_mask`` (bool,
+    broadcastable to the scores) applies dropout with a given keep-mask,
+    scaling kept weights by ``1 / (1 - dropout_p)``.
     """
     lq, lk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -50,9 +56,10 @@ def attention(
         excluded = excluded | key_padding_mask.view(*batch_shape[:-1], 1, lk)
     scores = scores.masked_fill(excluded, masked_value)
     if masked_value == float("-inf"):
-        scores = scores.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
-        weights = torch.softmax(scores, dim=-1)
-        weights = weights.masked_fill(excluded | torch.isneginf(scores), 0.0)
+        empty = torch.isneginf(scores).all(-1, keepdim=True)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     else:
         weights = torch.softmax(scores, dim=-1)
+    if dropout_keep_mask is not None:
+        weights = weights * dropout_keep_mask / (1.0 - dropout_p)
     return torch.matmul(weights, value)

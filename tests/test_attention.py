@@ -1,0 +1,743 @@
+"""transformer_kernels.scaled_dot_product_attention: outputs and gradients against
+the fp64 reference, parity with torch, masks, dropout, errors, registration,
+torch.compile and backend selection.
+
+Backend-agnostic correctness tests run on ``eager`` and, when the Triton
+attention module exists, on a small representative subset for ``triton``
+(CPU tensors under TRITON_INTERPRET=1 here, CUDA tensors on a GPU machine);
+the Triton kernels' own heavier coverage is in tests/test_attention_triton.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CUDA, requires_cuda
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+import transformer_kernels as tk
+from transformer_kernels import BackendUnavailableError, use_backend
+from transformer_kernels.backends.eager import attention as eager_attention
+from transformer_kernels.reference import attention as reference_attention
+
+HAS_TRITON_ATTENTION = (
+    importlib.util.find_spec("triton") is not None
+    and importlib.util.find_spec("transformer_kernels.backends.triton.attention") is not None
+)
+BACKENDS = ["eager"] + (["triton"] if HAS_TRITON_ATTENTION else [])
+
+
+def device_for(backend: str) -> torch.device:
+    return torch.device("cuda" if backend == "triton" and CUDA else "cpu")
+
+
+# ----------------------------------------------------------------------------
+# Case construction and the comparison against the fp64 reference
+# ----------------------------------------------------------------------------
+
+MASK_KINDS = [
+    "none",
+    "causal",  # is_causal=True (top-left)
+    "causal_upper_left",  # CausalBias
+    "causal_lower_right",  # CausalBias
+    "pad_suffix",
+    "pad_left",
+    "pad_holes",
+    "pad_one_all_padding",
+    "bool_2d",
+    "bool_4d_broadcast",
+    "float_grad",
+    "float_broadcast_grad",
+    "bool_2d+pad_holes",
+    "float_grad+pad_suffix",
+    "causal+pad_left",
+    "causal_lower_right+pad_suffix",
+    "causal_lower_right+pad_holes",
+]
+
+
+def make_padding(kind: str, batch: int, lk: int) -> torch.Tensor:
+    """bool [batch, lk], True = padding key."""
+    lengths = torch.randint(1, lk + 1, (batch,))
+    positions = torch.arange(lk)[None, :]
+    if kind == "pad_suffix":
+        return positions >= lengths[:, None]
+    if kind == "pad_left":
+        return positions < (lk - lengths)[:, None]
+    if kind == "pad_holes":
+        padding = torch.rand(batch, lk) < 0.4
+        padding[0, 0] = True  # a leading pad in at least one row
+        return padding
+    if kind == "pad_one_all_padding":
+        padding = positions >= lengths[:, None]
+        padding[batch // 2] = True
+        return padding
+    raise AssertionError(kind)
+
+
+def make_case(
+    kind: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    lq: int,
+    lk: int,
+    head_dim: int,
+    value_head_dim: Optional[int] = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device = torch.device("cpu"),
+) -> dict:
+    """Inputs (leaf tensors) plus keyword arguments for ours and for the reference."""
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    query = torch.randn(batch, heads, lq, head_dim, dtype=dtype)
+    key = torch.randn(batch, kv_heads, lk, head_dim, dtype=dtype)
+    value = torch.randn(batch, kv_heads, lk, value_head_dim, dtype=dtype)
+    ours: dict = {"enable_gqa": kv_heads != heads}
+    ref: dict = {"enable_gqa": kv_heads != heads}
+    mask = None
+    for part in kind.split("+"):
+        if part == "none":
+            pass
+        elif part == "causal":
+            ours["is_causal"] = ref["is_causal"] = True
+        elif part == "causal_upper_left":
+            ours["attn_mask"] = causal_upper_left(lq, lk)
+            ref["is_causal"] = True
+        elif part == "causal_lower_right":
+            ours["attn_mask"] = causal_lower_right(lq, lk)
+            ref["is_causal"] = ref["causal_bottom_right"] = True
+        elif part.startswith("pad_"):
+            ours["key_padding_mask"] = ref["key_padding_mask"] = make_padding(part, batch, lk).to(device)
+        elif part == "bool_2d":
+            mask = torch.rand(lq, lk) < 0.7
+        elif part == "bool_4d_broadcast":
+            mask = torch.rand(batch, 1, lq, lk) < 0.6
+        elif part == "float_grad":
+            mask = torch.randn(batch, heads, lq, lk, dtype=dtype)
+            mask[..., 0, :] = float("-inf")  # one row masked entirely
+        elif part == "float_broadcast_grad":
+            mask = torch.randn(1, 1, lq, lk, dtype=dtype).masked_fill(torch.rand(lq, lk) < 0.3, float("-inf"))
+        else:
+            raise AssertionError(part)
+    leaves = {"query": query, "key": key, "value": value}
+    if mask is not None:
+        mask = mask.to(device)
+        if mask.is_floating_point():
+            leaves["attn_mask"] = mask
+        ours["attn_mask"] = ref["attn_mask"] = mask
+    for name, tensor in leaves.items():
+        leaves[name] = tensor.to(device).requires_grad_()
+        if name == "attn_mask":
+            ours["attn_mask"] = leaves[name]
+    return {"leaves": leaves, "ours": ours, "ref": ref}
+
+
+def reference_outputs(case: dict, grad_out: torch.Tensor, scale: Optional[float] = None):
+    """fp64 reference output and gradients (same order as ``case['leaves']``)."""
+    leaves = {name: t.detach().double().requires_grad_() for name, t in case["leaves"].items()}
+    ref = dict(case["ref"])
+    if "attn_mask" in leaves:
+        ref["attn_mask"] = leaves["attn_mask"]
+    out = reference_attention(
+        leaves["query"], leaves["key"], leaves["value"], scale=scale, masked_value=float("-inf"), **ref
+    )
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out.double())
+    return out, grads
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    error = (actual.double() - expected.double()).abs().max().item()
+    bound = tol * (1.0 + expected.abs().max().item())
+    assert error <= bound, f"{what}: max abs error {error:.3e} > {bound:.3e}"
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+
+
+def check_against_reference(case: dict, backend: str, tol: float, scale: Optional[float] = None) -> None:
+    leaves = case["leaves"]
+    out = tk.scaled_dot_product_attention(
+        leaves["query"], leaves["key"], leaves["value"], scale=scale, backend=backend, **case["ours"]
+    )
+    grad_out = torch.randn_like(out)
+    expected, expected_grads = reference_outputs(case, grad_out, scale)
+    assert out.dtype == leaves["query"].dtype
+    assert_close(out, expected, tol, "out")
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+    for name, grad, expected_grad in zip(leaves, grads, expected_grads):
+        assert_close(grad, expected_grad, tol, f"grad {name}")
+
+
+# (Lq, Lk): equal, Lk > Lq, Lq > Lk (bottom-right rows without keys), decode.
+# 300 x 300 crosses the eager path's per-sequence and causal-staircase thresholds.
+SHAPES = [(7, 7), (33, 130), (130, 33), (1, 33), (300, 300)]
+TRITON_SUBSET = [
+    ("none", (20, 45)),
+    ("causal", (45, 20)),
+    ("causal_lower_right+pad_holes", (20, 45)),
+    ("pad_one_all_padding", (7, 7)),
+    ("float_grad+pad_suffix", (33, 33)),
+    ("bool_4d_broadcast", (1, 33)),
+]
+REFERENCE_CASES = [("eager", kind, shape) for kind in MASK_KINDS for shape in SHAPES] + [
+    ("triton", kind, shape) for kind, shape in TRITON_SUBSET if "triton" in BACKENDS
+]
+
+
+@pytest.mark.parametrize(("backend", "kind", "shape"), REFERENCE_CASES)
+def test_matches_reference(backend, kind, shape):
+    lq, lk = shape
+    dtype = torch.float64 if backend == "eager" else torch.float32
+    batch, heads = (3, 2) if max(lq, lk) >= 300 else (3, 4)
+    case = make_case(kind, batch, heads, heads, lq, lk, 16, dtype=dtype, device=device_for(backend))
+    check_against_reference(case, backend, tolerance(dtype) if backend == "eager" else 2e-3)
+
+
+@pytest.mark.parametrize("head_dim", [2, 16, 48, 64, 80, 128, 256])
+def test_head_dims(head_dim):
+    case = make_case("causal+pad_left", 2, 2, 2, 33, 40, head_dim)
+    check_against_reference(case, "eager", 1e-9)
+
+
+@pytest.mark.parametrize("lq", [1, 7, 33, 130])
+@pytest.mark.parametrize("lk", [1, 7, 33, 130])
+def test_lengths(lq, lk):
+    case = make_case("causal_lower_right+pad_suffix", 2, 2, 2, lq, lk, 16)
+    check_against_reference(case, "eager", 1e-9)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal_lower_right+pad_holes", "float_grad"])
+def test_value_head_dim_differs(kind):
+    case = make_case(kind, 2, 2, 2, 9, 12, 16, value_head_dim=24)
+    check_against_reference(case, "eager", 1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 1)])
+def test_grouped_query_attention(backend, heads, kv_heads):
+    dtype = torch.float64 if backend == "eager" else torch.float32
+    case = make_case("causal+pad_left", 2, heads, kv_heads, 20, 20, 16, dtype=dtype, device=device_for(backend))
+    check_against_reference(case, backend, 1e-9 if backend == "eager" else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_eager_low_precision(dtype):
+    case = make_case("causal+pad_suffix", 2, 4, 4, 70, 70, 32, dtype=dtype)
+    check_against_reference(case, "eager", tolerance(dtype))
+
+
+def test_custom_scale():
+    case = make_case("pad_holes", 2, 2, 2, 9, 11, 8)
+    check_against_reference(case, "eager", 1e-9, scale=0.37)
+
+
+# ----------------------------------------------------------------------------
+# Layouts: strides, 2-D/3-D/5-D inputs
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs_are_read_in_place(backend):
+    device = device_for(backend)
+    dtype = torch.float64 if backend == "eager" else torch.float32
+    batch, length, heads, head_dim = 2, 19, 4, 16
+    packed = torch.randn(batch, length, 3 * heads * head_dim, dtype=dtype, device=device, requires_grad=True)
+    q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in packed.chunk(3, dim=-1))
+    assert not q.is_contiguous()
+    padding = make_padding("pad_suffix", batch, length).to(device)
+    out = tk.scaled_dot_product_attention(q, k, v, is_causal=True, key_padding_mask=padding, backend=backend)
+    (grad_packed,) = torch.autograd.grad(out.square().sum(), packed)
+
+    packed_ref = packed.detach().double().requires_grad_()
+    qr, kr, vr = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in packed_ref.chunk(3, dim=-1))
+    ref = reference_attention(qr, kr, vr, is_causal=True, key_padding_mask=padding, masked_value=float("-inf"))
+    (grad_ref,) = torch.autograd.grad(ref.square().sum(), packed_ref)
+    tol = 1e-9 if backend == "eager" else 2e-3
+    assert out.is_contiguous()
+    assert_close(out, ref, tol, "out")
+    assert_close(grad_packed, grad_ref, tol, "grad")
+
+
+def test_strided_head_dim():
+    base = torch.randn(2, 3, 10, 32, dtype=torch.float64)
+    q, k, v = base[..., ::2], base.flip(2)[..., 1::2], base[..., :16]
+    out = tk.scaled_dot_product_attention(q, k, v, backend="eager")
+    ref = reference_attention(q, k, v, masked_value=float("-inf"))
+    assert_close(out, ref, 1e-9, "out")
+
+
+def test_3d_inputs_with_padding():
+    q, k, v = (torch.randn(4, 9, 16, dtype=torch.float64) for _ in range(3))
+    padding = make_padding("pad_holes", 4, 9)
+    out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding, is_causal=True)
+    ref = reference_attention(q, k, v, key_padding_mask=padding, is_causal=True, masked_value=float("-inf"))
+    assert out.shape == (4, 9, 16)
+    assert_close(out, ref, 1e-9, "out")
+
+
+def test_2d_inputs():
+    q, k, v = torch.randn(5, 8, dtype=torch.float64), torch.randn(7, 8, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7))
+    assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7)), 1e-9, "out")
+
+
+def test_5d_inputs_flatten_batch_dims():
+    q = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    padding = make_padding("pad_suffix", 6, 5).view(2, 3, 5)
+    mask = torch.rand(3, 1, 6, 5) < 0.8
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, key_padding_mask=padding)
+    assert out.shape == (2, 3, 4, 6, 8)
+    flat = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(
+        *flat, attn_mask=mask.expand(2, 3, 4, 6, 5).flatten(0, 1), key_padding_mask=padding.flatten(0, 1),
+        masked_value=float("-inf"),
+    )
+    assert_close(out.flatten(0, 1), ref, 1e-9, "out")
+    grad = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k, v), grad.view_as(out))
+    grads_ref = torch.autograd.grad(ref, flat, grad)
+    for g, g_ref in zip(grads, grads_ref):
+        assert_close(g.flatten(0, 1), g_ref, 1e-9, "grad")
+
+
+# ----------------------------------------------------------------------------
+# Semantics shared with torch
+# ----------------------------------------------------------------------------
+
+TORCH_PARITY = [
+    dict(),
+    dict(is_causal=True),
+    dict(attn_mask="bool"),
+    dict(attn_mask="float"),
+    dict(attn_mask=causal_upper_left(12, 17)),
+    dict(attn_mask=causal_lower_right(12, 17)),
+    dict(enable_gqa=True, is_causal=True),
+    dict(scale=0.2, attn_mask="bool"),
+]
+
+
+@pytest.mark.parametrize("kwargs", TORCH_PARITY, ids=[str(i) for i in range(len(TORCH_PARITY))])
+def test_parity_with_torch_sdpa(kwargs):
+    kwargs = dict(kwargs)
+    heads, kv_heads = (4, 2) if kwargs.get("enable_gqa") else (4, 4)
+    q = torch.randn(2, heads, 12, 32, requires_grad=True)
+    k = torch.randn(2, kv_heads, 17, 32, requires_grad=True)
+    v = torch.randn(2, kv_heads, 17, 32, requires_grad=True)
+    inputs = [q, k, v]
+    if kwargs.get("attn_mask") == "bool":
+        kwargs["attn_mask"] = torch.rand(2, 1, 12, 17) < 0.7
+        kwargs["attn_mask"][..., 0] = True  # torch's math returns NaN-free rows only when a key is left
+    elif kwargs.get("attn_mask") == "float":
+        kwargs["attn_mask"] = torch.randn(1, heads, 12, 17, requires_grad=True)
+        inputs.append(kwargs["attn_mask"])
+    out = tk.scaled_dot_product_attention(q, k, v, **kwargs)
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    grad_out = torch.randn_like(out)
+    for name, grad, expected_grad in zip(
+        "qkvm", torch.autograd.grad(out, inputs, grad_out), torch.autograd.grad(expected, inputs, grad_out)
+    ):
+        assert_close(grad, expected_grad, 1e-5, f"grad {name}")
+    assert_close(out, expected, 1e-5, "out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kind", ["causal_lower_right", "pad_one_all_padding", "bool_2d", "float_grad"]
+)
+def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind):
+    device = device_for(backend)
+    # Lq > Lk: bottom-right causal leaves the first Lq - Lk rows without keys.
+    case = make_case(kind, 4, 2, 2, 12, 5, 8, dtype=torch.float32, device=device)
+    leaves = case["leaves"]
+    if kind == "bool_2d":
+        case["ours"]["attn_mask"][3] = False
+    out = tk.scaled_dot_product_attention(leaves["query"], leaves["key"], leaves["value"], backend=backend, **case["ours"])
+    expected, _ = reference_outputs(case, torch.ones_like(out))
+    rows_without_keys = expected.abs().amax(-1) == 0
+    assert rows_without_keys.any()
+    assert (out[rows_without_keys] == 0).all()
+    grads = torch.autograd.grad(out.sum(), list(leaves.values()))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][rows_without_keys] == 0).all()
+
+
+# ----------------------------------------------------------------------------
+# gradcheck (fp64, eager)
+# ----------------------------------------------------------------------------
+
+GRADCHECK_CASES = [
+    ("float_grad+pad_suffix", 2, 1, 1, 5, 6),
+    ("causal_lower_right+pad_holes", 2, 2, 1, 7, 4),
+    ("bool_4d_broadcast", 2, 2, 1, 4, 5),
+    ("float_broadcast_grad", 1, 2, 2, 5, 6),
+]
+
+
+@pytest.mark.parametrize(("kind", "batch", "heads", "kv_heads", "lq", "lk"), GRADCHECK_CASES)
+def test_gradcheck_eager(kind, batch, heads, kv_heads, lq, lk):
+    case = make_case(kind, batch, heads, kv_heads, lq, lk, 4)
+    leaves = case["leaves"]
+    kwargs = {k: v for k, v in case["ours"].items() if k != "attn_mask" or "attn_mask" not in leaves}
+
+    def fn(query, key, value, *mask):
+        extra = {"attn_mask": mask[0]} if mask else {}
+        return tk.scaled_dot_product_attention(query, key, value, backend="eager", **kwargs, **extra)
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
+
+
+def test_gradcheck_eager_with_dropout():
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def fn(query, key, value):
+        torch.manual_seed(1234)  # the same keep-mask on every evaluation
+        return tk.scaled_dot_product_attention(query, key, value, dropout_p=0.3, is_causal=True, backend="eager")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+# ----------------------------------------------------------------------------
+# Hypothesis: random shapes and masks (eager)
+# ----------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    head_dim=st.sampled_from([1, 3, 8, 20]),
+    mask_kind=st.sampled_from(["none", "bool", "float", "causal", "causal_lower_right"]),
+    padding_kind=st.sampled_from([None, "pad_suffix", "pad_left", "pad_holes", "pad_one_all_padding"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(batch, kv_heads, group, lq, lk, head_dim, mask_kind, padding_kind, seed):
+    torch.manual_seed(seed)
+    kind = "none" if mask_kind in ("none", "bool", "float") else mask_kind
+    if padding_kind is not None:
+        kind = padding_kind if kind == "none" else f"{kind}+{padding_kind}"
+    case = make_case(kind, batch, kv_heads * group, kv_heads, lq, lk, head_dim)
+    if mask_kind in ("bool", "float"):
+        shape = [s if torch.rand(()) < 0.5 else 1 for s in (batch, kv_heads * group, lq, lk)]
+        mask = torch.rand(shape) < 0.6 if mask_kind == "bool" else torch.randn(shape, dtype=torch.float64)
+        if mask_kind == "float":
+            mask = mask.masked_fill(torch.rand(shape) < 0.2, float("-inf")).requires_grad_()
+            case["leaves"]["attn_mask"] = mask
+        case["ours"]["attn_mask"] = case["ref"]["attn_mask"] = mask
+    check_against_reference(case, "eager", 1e-9)
+
+
+# ----------------------------------------------------------------------------
+# Dropout
+# ----------------------------------------------------------------------------
+
+
+def keep_mask_of(backend: str, shape: tuple, dropout_p: float, seed: int, device: torch.device) -> torch.Tensor:
+    """Recover a call's keep-mask: with value = identity every output entry is one attention weight."""
+    batch, heads, lq, lk = shape
+    query = torch.zeros(batch, heads, lq, 8, device=device)
+    key = torch.zeros(batch, heads, lk, 8, device=device)
+    value = torch.eye(lk, device=device).expand(batch, heads, lk, lk)
+    torch.manual_seed(seed)
+    out = tk.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, backend=backend)
+    return out != 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_statistics(backend):
+    device = device_for(backend)
+    dropout_p = 0.3
+    batch, heads, lq, lk = (2, 4, 256, 128) if backend == "eager" else (1, 2, 64, 64)
+    keep = keep_mask_of(backend, (batch, heads, lq, lk), dropout_p, 0, device)
+    samples = keep.numel()
+    keep_rate = keep.double().mean().item()
+    # 6 standard deviations of a binomial proportion.
+    assert abs(keep_rate - (1 - dropout_p)) < 6 * math.sqrt(dropout_p * (1 - dropout_p) / samples)
+
+    # Uniform attention over value = 1 averages to 1 in expectation: dropout preserves the mean.
+    query = torch.zeros(batch, heads, lq, 8, device=device)
+    key = torch.zeros(batch, heads, lk, 8, device=device)
+    value = torch.ones(batch, heads, lk, 8, device=device)
+    out = tk.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, backend=backend)
+    assert abs(out.mean().item() - 1.0) < 6 * math.sqrt(dropout_p / (1 - dropout_p) / samples)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_is_reproducible_under_manual_seed(backend):
+    device = device_for(backend)
+    q, k, v = (torch.randn(2, 2, 16, 8, device=device) for _ in range(3))
+    results = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        results.append(tk.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend=backend))
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backend):
+    device = device_for(backend)
+    dtype = torch.float64 if backend == "eager" else torch.float32
+    dropout_p, seed = 0.25, 77
+    shape = (2, 2, 9, 13)
+    keep = keep_mask_of(backend, shape, dropout_p, seed, device)
+    case = make_case("causal_lower_right+pad_suffix", *shape[:2], shape[1], shape[2], shape[3], 8, dtype=dtype, device=device)
+    leaves = case["leaves"]
+    torch.manual_seed(seed)
+    out = tk.scaled_dot_product_attention(
+        leaves["query"], leaves["key"], leaves["value"], dropout_p=dropout_p, backend=backend, **case["ours"]
+    )
+    grad_out = torch.randn_like(out)
+    case["ref"].update(dropout_p=dropout_p, dropout_keep_mask=keep.double())
+    expected, expected_grads = reference_outputs(case, grad_out)
+    tol = 1e-9 if backend == "eager" else 2e-3
+    assert_close(out, expected, tol, "out")
+    for name, grad, expected_grad in zip(leaves, torch.autograd.grad(out, list(leaves.values()), grad_out), expected_grads):
+        assert_close(grad, expected_grad, tol, f"grad {name}")
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+
+def _bad_inputs():
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    return [
+        ("batch", dict(query=q, key=torch.randn(3, 4, 10, 16), value=torch.randn(3, 4, 10, 16)), ValueError, "key must have query's batch dimensions"),
+        ("heads", dict(key=torch.randn(2, 2, 10, 16), value=torch.randn(2, 2, 10, 16)), ValueError, "key must have as many heads as query"),
+        ("gqa_divisible", dict(key=torch.randn(2, 3, 10, 16), value=torch.randn(2, 3, 10, 16), enable_gqa=True), ValueError, "multiple of"),
+        ("value_heads", dict(value=torch.randn(2, 2, 10, 16)), ValueError, "value must have as many heads as key"),
+        ("head_dim", dict(key=torch.randn(2, 4, 10, 8)), ValueError, "key must have query's head dim"),
+        ("value_length", dict(value=torch.randn(2, 4, 9, 16)), ValueError, "value must have key's length"),
+        ("head_dim_too_large", dict(query=torch.randn(2, 4, 8, 257), key=torch.randn(2, 4, 10, 257)), ValueError, "at most 256"),
+        ("value_head_dim_too_large", dict(value=torch.randn(2, 4, 10, 300)), ValueError, "value head dim"),
+        ("ndim", dict(key=torch.randn(4, 10, 16)), ValueError, "key must have as many dimensions as query"),
+        ("dtype", dict(key=k.double()), TypeError, "key must have the same dtype as query"),
+        ("integer", dict(query=torch.ones(2, 4, 8, 16, dtype=torch.int64)), TypeError, "query must have a floating-point dtype"),
+        ("empty", dict(query=torch.randn(2, 4, 0, 16)), ValueError, "zero-sized"),
+        ("mask_shape", dict(attn_mask=torch.ones(8, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
+        ("mask_dtype", dict(attn_mask=torch.zeros(8, 10, dtype=torch.float64)), TypeError, "attn_mask must have dtype"),
+        ("mask_int", dict(attn_mask=torch.zeros(8, 10, dtype=torch.int32)), TypeError, "attn_mask must have dtype"),
+        ("mask_and_causal", dict(attn_mask=torch.ones(8, 10, dtype=torch.bool), is_causal=True), ValueError, "cannot both be set"),
+        ("causal_bias_and_causal", dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError, "cannot both be set"),
+        ("causal_bias_lengths", dict(attn_mask=causal_lower_right(8, 11)), ValueError, "CausalBias for Lq=8, Lk=11"),
+        ("padding_dtype", dict(key_padding_mask=pad.float()), TypeError, "key_padding_mask must have dtype"),
+        ("padding_shape", dict(key_padding_mask=pad[:, :9]), ValueError, r"key_padding_mask must have shape \[\.\.\., Lk\] = \(2, 10\)"),
+        ("padding_4d", dict(key_padding_mask=pad[:, None, None, :]), ValueError, "key_padding_mask must have shape"),
+        ("dropout_high", dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+        ("dropout_negative", dict(dropout_p=-0.1), ValueError, "dropout_p"),
+        ("backend_name", dict(backend="fast"), ValueError, "backend must be one of"),
+        ("not_a_tensor", dict(value=[1.0]), TypeError, "value must be a torch.Tensor"),
+    ]
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [c[1:] for c in _bad_inputs()], ids=[c[0] for c in _bad_inputs()])
+def test_bad_input_raises_clear_error(overrides, error, match):
+    args = dict(query=torch.randn(2, 4, 8, 16), key=torch.randn(2, 4, 10, 16), value=torch.randn(2, 4, 10, 16))
+    args.update(overrides)
+    with pytest.raises(error, match=match):
+        tk.scaled_dot_product_attention(**args)
+
+
+@requires_cuda
+def test_device_mismatch_raises():
+    q = torch.randn(2, 4, 8, 16, device="cuda")
+    with pytest.raises(ValueError, match="key must be on the same device as query"):
+        tk.scaled_dot_product_attention(q, q.cpu(), q)
+    with pytest.raises(ValueError, match="key_padding_mask must be on the same device"):
+        tk.scaled_dot_product_attention(q, q, q, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------
+# Registration: opcheck, torch.compile
+# ----------------------------------------------------------------------------
+
+
+def _op_arguments(backend: str, device: torch.device, dropout: bool, float_mask: bool):
+    dtype = torch.float32
+    q = torch.randn(2, 4, 9, 16, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
+    padding = make_padding("pad_holes", 2, 11).to(device)
+    from transformer_kernels.ops.attention import _key_bounds
+
+    mask = None
+    if float_mask:
+        mask = torch.randn(1, 4, 9, 11, device=device, dtype=dtype, requires_grad=True).expand(2, 4, 9, 11)
+    seed = torch.tensor([3, 4], dtype=torch.int64) if dropout else None
+    causal = 0 if float_mask else 2
+    return (q, k, v, padding, _key_bounds(padding), mask, causal, 0.25, 0.2 if dropout else 0.0, seed, backend)
+
+
+OPCHECK_CASES = [("eager", False, False), ("eager", True, False), ("eager", False, True)] + (
+    [("triton", False, True)] if "triton" in BACKENDS else []
+)
+
+
+@pytest.mark.parametrize(("backend", "dropout", "float_mask"), OPCHECK_CASES)
+def test_opcheck_forward_and_backward(backend, dropout, float_mask):
+    device = device_for(backend)
+    args = _op_arguments(backend, device, dropout, float_mask)
+    torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, args)
+
+    out, lse = torch.ops.transformer_kernels.attention_forward(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    q, k, v, padding, bounds, mask, causal, scale, dropout_p, seed, _ = args
+    backward_args = (
+        torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding, bounds,
+        None if mask is None else mask.detach(), causal, scale, dropout_p, seed, backend, float_mask,
+    )
+    torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    def block(q, k, v, mask, padding):
+        scores_bias = mask * 0.5
+        out = tk.scaled_dot_product_attention(q, k, v, attn_mask=scores_bias, key_padding_mask=padding)
+        return out.relu().sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True)
+    q, k, v = (torch.randn(2, 2, 12, 16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(2, 1, 12, 12, requires_grad=True)
+    padding = make_padding("pad_suffix", 2, 12)
+    inputs = (q, k, v, mask)
+    expected = block(q, k, v, mask, padding)
+    actual = compiled(q, k, v, mask, padding)
+    assert_close(actual, expected, 1e-5, "out")
+    grads = torch.autograd.grad(actual.sum(), inputs)
+    expected_grads = torch.autograd.grad(expected.sum(), inputs)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert_close(grad, expected_grad, 1e-5, "grad")
+
+
+# ----------------------------------------------------------------------------
+# Backend selection
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """Names of the backends whose forward ran."""
+    from transformer_kernels.ops import attention as attention_op
+
+    calls = []
+    original = attention_op._backend_module
+
+    def spy(name):
+        calls.append(name)
+        return original(name)
+
+    monkeypatch.setattr(attention_op, "_backend_module", spy)
+    return calls
+
+
+def _small_inputs(dtype=torch.float32):
+    return [torch.randn(1, 2, 4, 8, dtype=dtype) for _ in range(3)]
+
+
+def test_auto_on_cpu_runs_eager(backend_calls, monkeypatch):
+    monkeypatch.delenv("TRANSFORMER_KERNELS_BACKEND", raising=False)
+    tk.scaled_dot_product_attention(*_small_inputs())
+    tk.scaled_dot_product_attention(*_small_inputs(), backend="auto")
+    assert backend_calls == ["eager", "eager"]
+
+
+@pytest.mark.skipif("triton" not in BACKENDS or CUDA, reason="needs the Triton attention module and the interpreter")
+def test_backend_argument_context_and_environment(backend_calls, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "triton")
+    tk.scaled_dot_product_attention(*_small_inputs())  # environment
+    with use_backend("eager"):
+        tk.scaled_dot_product_attention(*_small_inputs())  # context beats environment
+        tk.scaled_dot_product_attention(*_small_inputs(), backend="triton")  # argument beats context
+    assert backend_calls == ["triton", "eager", "triton"]
+
+
+def test_environment_variable_and_context_select_eager(backend_calls, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "eager")
+    tk.scaled_dot_product_attention(*_small_inputs())
+    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "auto")
+    with use_backend("eager"):
+        tk.scaled_dot_product_attention(*_small_inputs())
+    assert backend_calls == ["eager", "eager"]
+
+
+def test_invalid_environment_variable_raises(monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="TRANSFORMER_KERNELS_BACKEND"):
+        tk.scaled_dot_product_attention(*_small_inputs())
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors")
+def test_explicit_unavailable_backend_raises(monkeypatch):
+    with pytest.raises(BackendUnavailableError, match="backend='cuda'"):
+        tk.scaled_dot_product_attention(*_small_inputs(), backend="cuda")
+    if importlib.util.find_spec("triton") is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(BackendUnavailableError, match="backend='triton'.*needs CUDA tensors"):
+            tk.scaled_dot_product_attention(*_small_inputs(), backend="triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(BackendUnavailableError, match="backend='triton'"):
+            tk.scaled_dot_product_attention(*_small_inputs(torch.bfloat16), backend="triton")
+        with pytest.raises(BackendUnavailableError, match="backend='triton'"):
+            tk.scaled_dot_product_attention(*_small_inputs(torch.float64), backend="triton")
+
+
+# ----------------------------------------------------------------------------
+# GPU: low-precision error against an fp32 reference (FlashAttention's criterion)
+# ----------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("kind", "length", "head_dim"), [
+    ("causal+pad_suffix", 1000, 64), ("none", 513, 128), ("causal_lower_right+pad_holes", 257, 80),
+    ("float_grad+pad_left", 200, 64), ("bool_4d_broadcast", 300, 32),
+])
+def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_dim):
+    device = torch.device("cuda")
+    case = make_case(kind, 2, 4, 4, length, length, head_dim, dtype=torch.float32, device=device)
+    leaves = case["leaves"]
+    low = {name: t.detach().to(dtype).requires_grad_() for name, t in leaves.items()}
+    ours_kwargs = dict(case["ours"])
+    if "attn_mask" in low:
+        ours_kwargs["attn_mask"] = low["attn_mask"]
+    out = tk.scaled_dot_product_attention(low["query"], low["key"], low["value"], **ours_kwargs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(low.values()), grad_out)
+
+    def naive(tensors):
+        ref_kwargs = dict(case["ref"])
+        if "attn_mask" in tensors:
+            ref_kwargs["attn_mask"] = tensors["attn_mask"]
+        result = reference_attention(
+            tensors["query"], tensors["key"], tensors["value"], masked_value=float("-inf"), **ref_kwargs
+        )
+        return result, torch.autograd.grad(result, list(tensors.values()), grad_out.to(result.dtype))
+
+    fp32 = {name: t.detach().float().requires_grad_() for name, t in low.items()}
+    expected, expected_grads = naive(fp32)
+    torch_low, torch_low_grads = naive({name: t.detach().requires_grad_() for name, t in low.items()})
+
+    def error(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    assert error(out, expected) <= 2 * error(torch_low, expected) + 1e-5
+    for name, grad, expected_grad, torch_grad in zip(low, grads, expected_grads, torch_low_grads):
+        assert error(grad, expected_grad) <= 2 * error(torch_grad, expected_grad) + 1e-5, name

@@ -1,0 +1,418 @@
+"""transformer_kernels.glu_conv1d / glu_conv1d_step against the seed's padding + conv1d + GLU + residual·scale."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import requires_cuda
+
+import transformer_kernels as tk
+from transformer_kernels import BackendUnavailableError
+from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
+
+SCALE = math.sqrt(0.5)
+
+# (k, L, C_in, C): every k in {1, 2, 3, 5, 7}, L in {1, 3, 40, 1000}, C in {4, 24, 256, 520},
+# including L < k, C_in != C and channel counts that are not multiples of the Triton tiles.
+EAGER_SHAPES = [
+    (1, 1, 4, 4),
+    (2, 3, 4, 24),
+    (3, 40, 24, 24),
+    (5, 1000, 24, 4),
+    (7, 40, 256, 256),
+    (3, 3, 520, 520),
+    (7, 1, 24, 24),
+    (2, 1000, 4, 4),
+]
+
+
+def _make_inputs(batch, k, length, channels_in, channels, *, dtype, device="cpu", channels_last=False, bias=True,
+                 residual=True, residual_channels_last=None):
+    def activation(c):
+        t = torch.randn(batch, length, c, dtype=dtype, device=device)
+        return t.transpose(1, 2) if channels_last else t.transpose(1, 2).contiguous()
+
+    x = activation(channels_in)
+    weight = torch.randn(2 * channels, channels_in, k, dtype=dtype, device=device) / math.sqrt(channels_in * k)
+    b = torch.randn(2 * channels, dtype=dtype, device=device) if bias else None
+    r = None
+    if residual:
+        r = torch.randn(batch, length, channels, dtype=dtype, device=device).transpose(1, 2)
+        if not (channels_last if residual_channels_last is None else residual_channels_last):
+            r = r.contiguous()
+    return x, weight, b, r
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+
+
+def _run(fn, x, weight, bias, residual, grad, **kwargs):
+    """Output and gradients (x, weight, bias, residual) of fn on fresh leaves."""
+    x, weight, bias, residual = _leaves(x, weight, bias, residual)
+    out = fn(x, weight, bias, residual=residual, **kwargs)
+    inputs = [t for t in (x, weight, bias, residual) if t is not None]
+    grads = torch.autograd.grad(out, inputs, grad)
+    return out, grads
+
+
+def _assert_matches_reference(x, weight, bias, residual, *, backend, atol, rtol, **kwargs):
+    ref_inputs = [t.double() if t is not None else None for t in (x, weight, bias, residual)]
+    grad = torch.randn(x.shape[0], weight.shape[0] // 2, x.shape[2], dtype=torch.float64, device=x.device)
+    ref_out, ref_grads = _run(reference_glu_conv1d, *ref_inputs, grad, **kwargs)
+    out, grads = _run(tk.glu_conv1d, x, weight, bias, residual, grad.to(x.dtype), backend=backend, **kwargs)
+    assert out.shape == ref_out.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    for name, got, expected in zip(("x", "weight", "bias", "residual"), grads, ref_grads):
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"grad {name}: {m}")
+    return out
+
+
+# --------------------------------------------------------------------------- eager vs reference
+
+
+@pytest.mark.parametrize("k,length,channels_in,channels", EAGER_SHAPES)
+@pytest.mark.parametrize("padding", ["same", "causal"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["nores", "res"])
+def test_eager_matches_reference_fp64(k, length, channels_in, channels, padding, channels_last, with_residual):
+    x, weight, bias, residual = _make_inputs(
+        2, k, length, channels_in, channels, dtype=torch.float64, channels_last=channels_last, residual=with_residual
+    )
+    pad_value = 1.0 if with_residual else -0.5
+    out = _assert_matches_reference(
+        x, weight, bias, residual, backend="eager", atol=1e-10, rtol=1e-10,
+        padding=padding, pad_value=pad_value, residual_scale=SCALE,
+    )
+    assert _has_layout(out, channels_last)
+
+
+def test_eager_fp32_without_bias_mixed_layouts():
+    x, weight, _, residual = _make_inputs(3, 3, 40, 24, 24, dtype=torch.float32, channels_last=True,
+                                          residual_channels_last=False)
+    _assert_matches_reference(x, weight, None, residual, backend="eager", atol=2e-5, rtol=2e-5,
+                              padding="causal", pad_value=2.0, residual_scale=SCALE)
+
+
+def _has_layout(t, channels_last):
+    """Dense in the layout asked for (with a size-1 dimension both layouts hold at once)."""
+    return t.transpose(1, 2).is_contiguous() if channels_last else t.is_contiguous()
+
+
+def test_residual_scale_applies_without_residual():
+    x, weight, bias, _ = _make_inputs(2, 3, 7, 4, 4, dtype=torch.float64, residual=False)
+    out = tk.glu_conv1d(x, weight, bias, residual_scale=0.25, backend="eager")
+    torch.testing.assert_close(out, F.glu(F.conv1d(x, weight, bias, padding=1), dim=1) * 0.25)
+
+
+def test_same_padding_equals_nn_conv1d_and_causal_equals_left_pad():
+    x, weight, bias, _ = _make_inputs(2, 5, 9, 4, 6, dtype=torch.float64, residual=False)
+    conv = nn.Conv1d(4, 12, 5, padding=2).double()
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+        conv.bias.copy_(bias)
+    torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, backend="eager"), F.glu(conv(x), dim=1))
+    left = torch.full((2, 4, 4), 3.0, dtype=torch.float64)  # the decoder's pad-index filled prefix
+    expected = F.glu(F.conv1d(torch.cat([left, x], dim=2), weight, bias), dim=1)
+    torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=3.0, backend="eager"), expected)
+
+
+def test_even_kernel_same_padding_puts_extra_position_right():
+    x, weight, bias, _ = _make_inputs(1, 4, 6, 4, 4, dtype=torch.float64, residual=False)
+    expected = F.glu(F.conv1d(F.pad(x, (1, 2)), weight, bias), dim=1)
+    torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, backend="eager"), expected)
+
+
+def test_strided_input_read_in_place():
+    x, weight, bias, residual = _make_inputs(2, 3, 40, 24, 24, dtype=torch.float64)
+    x_strided = torch.randn(2, 48, 80, dtype=torch.float64)[:, ::2, ::2]
+    out = tk.glu_conv1d(x_strided, weight, bias, residual=residual, backend="eager")
+    torch.testing.assert_close(out, reference_glu_conv1d(x_strided, weight, bias, residual=residual))
+    assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_eager_gradcheck_fp64(channels_last):
+    x, weight, bias, residual = _make_inputs(2, 3, 6, 3, 2, dtype=torch.float64, channels_last=channels_last)
+    inputs = _leaves(x, weight, bias, residual)
+    for padding in ("same", "causal"):
+        assert torch.autograd.gradcheck(
+            lambda x, w, b, r: tk.glu_conv1d(x, w, b, padding=padding, pad_value=0.7, residual=r,
+                                             residual_scale=SCALE, backend="eager"),
+            inputs,
+        )
+
+
+def test_eager_gradcheck_step_fp64():
+    x_t, state = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, 2, dtype=torch.float64)
+    weight, bias = torch.randn(4, 3, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    inputs = _leaves(x_t, state, weight, bias)
+    assert torch.autograd.gradcheck(lambda x_t, s, w, b: tk.glu_conv1d_step(x_t, s, w, b, backend="eager")[0], inputs)
+
+
+def test_only_some_gradients_requested():
+    x, weight, bias, residual = _make_inputs(2, 3, 10, 4, 4, dtype=torch.float64)
+    weight = weight.requires_grad_()
+    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
+    (grad_weight,) = torch.autograd.grad(out.sum(), weight)
+    ref_weight = weight.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(reference_glu_conv1d(x, ref_weight, bias, residual=residual).sum(), ref_weight)
+    torch.testing.assert_close(grad_weight, expected)
+
+
+def test_weight_norm_gradients_reach_g_and_v():
+    torch.manual_seed(1)
+    ours = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).double())
+    theirs = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).double())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 16, 8, dtype=torch.float64).transpose(1, 2)
+    out = tk.glu_conv1d(x, ours.weight, ours.bias, padding="causal", pad_value=1.0, backend="eager")
+    expected = reference_glu_conv1d(x, theirs.weight, theirs.bias, padding="causal", pad_value=1.0)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for name in ("original0", "original1"):
+        got = getattr(ours.parametrizations.weight, name).grad
+        want = getattr(theirs.parametrizations.weight, name).grad
+        assert got is not None and got.abs().sum() > 0
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
+
+
+def test_empty_batch():
+    x, weight, bias, _ = _make_inputs(0, 3, 5, 4, 4, dtype=torch.float32, residual=False)
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    out = tk.glu_conv1d(x, weight, bias, backend="eager")
+    assert out.shape == (0, 4, 5)
+    out.sum().backward()
+    assert torch.count_nonzero(weight.grad) == 0
+
+
+# --------------------------------------------------------------------------- decoding step
+
+
+def _decode(x, weight, bias, residual, *, pad_value, backend, reorder_at=None, order=None):
+    state, outs = None, []
+    for t in range(x.shape[2]):
+        if t == reorder_at:
+            state = state.index_select(0, order)
+            x = x.index_select(0, order)
+            residual = residual.index_select(0, order)
+        out_t, state = tk.glu_conv1d_step(x[:, :, t], state, weight, bias, pad_value=pad_value,
+                                          residual=residual[:, :, t], residual_scale=SCALE, backend=backend)
+        assert state.shape == (x.shape[0], x.shape[1], weight.shape[2] - 1)
+        outs.append(out_t)
+    return torch.stack(outs, dim=2)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_step_by_step_equals_causal(k):
+    x, weight, bias, residual = _make_inputs(3, k, 9, 6, 4, dtype=torch.float64)
+    full = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual, residual_scale=SCALE,
+                         backend="eager")
+    torch.testing.assert_close(_decode(x, weight, bias, residual, pad_value=1.0, backend="eager"), full)
+
+
+def test_step_state_reorders_with_index_select():
+    x, weight, bias, residual = _make_inputs(4, 3, 8, 6, 4, dtype=torch.float64)
+    order = torch.tensor([2, 0, 0, 3])
+    steps = _decode(x, weight, bias, residual, pad_value=1.0, backend="eager", reorder_at=5, order=order)
+    full = tk.glu_conv1d(x[order], weight, bias, padding="causal", pad_value=1.0, residual=residual[order],
+                         residual_scale=SCALE, backend="eager")
+    torch.testing.assert_close(steps[:, :, 5:], full[:, :, 5:])
+
+
+def test_step_errors():
+    weight = torch.randn(8, 6, 3)
+    with pytest.raises(ValueError, match=r"state must have shape \[B, C_in, k - 1\]"):
+        tk.glu_conv1d_step(torch.randn(2, 6), torch.randn(2, 6, 3), weight)
+    with pytest.raises(ValueError, match="x_t must be 2-D"):
+        tk.glu_conv1d_step(torch.randn(2, 6, 1), None, weight)
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \[2, 4\]"):
+        tk.glu_conv1d_step(torch.randn(2, 6), None, weight, residual=torch.randn(2, 8))
+
+
+# --------------------------------------------------------------------------- Triton (interpreter on CPU)
+
+def _needs_triton():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (k, L, C_in, C, padding, channels_last, residual, bias): small for the interpreter, still covering every k,
+# L < k, channel counts off the tile sizes (520 channels span 9 to 17 tiles), split-K weight gradients (L=40).
+TRITON_CASES = [
+    (1, 3, 4, 4, "same", False, True, True),
+    (2, 40, 24, 4, "same", True, True, True),
+    (3, 40, 4, 24, "causal", False, False, True),
+    (5, 3, 24, 24, "causal", True, True, False),
+    (7, 1, 4, 24, "same", False, True, True),
+    (3, 3, 520, 4, "causal", True, False, True),
+    (2, 3, 4, 520, "same", False, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("k,length,channels_in,channels,padding,channels_last,with_residual,with_bias", TRITON_CASES)
+def test_triton_matches_reference(dtype, k, length, channels_in, channels, padding, channels_last, with_residual,
+                                  with_bias):
+    _needs_triton()
+    x, weight, bias, residual = _make_inputs(2, k, length, channels_in, channels, dtype=dtype, device=TRITON_DEVICE,
+                                             channels_last=channels_last, bias=with_bias, residual=with_residual)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    if channels_in == 520:
+        tolerance *= 4  # sums of 1560 products per output element
+    out = _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=tolerance, rtol=tolerance,
+                                    padding=padding, pad_value=0.75, residual_scale=SCALE)
+    assert _has_layout(out, channels_last)
+
+
+def test_triton_step_by_step_equals_causal():
+    _needs_triton()
+    x, weight, bias, residual = _make_inputs(2, 3, 5, 4, 4, dtype=torch.float32, device=TRITON_DEVICE)
+    full = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual, residual_scale=SCALE,
+                         backend="triton")
+    steps = _decode(x, weight, bias, residual, pad_value=1.0, backend="triton")
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_strided_input_and_empty_batch():
+    _needs_triton()
+    _, weight, bias, residual = _make_inputs(2, 3, 6, 4, 4, dtype=torch.float32, device=TRITON_DEVICE)
+    x_strided = torch.randn(2, 8, 12, device=TRITON_DEVICE)[:, ::2, ::2]
+    out = tk.glu_conv1d(x_strided, weight, bias, residual=residual, backend="triton")
+    torch.testing.assert_close(out, reference_glu_conv1d(x_strided, weight, bias, residual=residual),
+                               atol=1e-5, rtol=1e-5)
+    x_empty = torch.randn(0, 4, 6, device=TRITON_DEVICE, requires_grad=True)
+    weight = weight.detach().requires_grad_()
+    tk.glu_conv1d(x_empty, weight, bias, backend="triton").sum().backward()
+    assert torch.count_nonzero(weight.grad) == 0
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _opcheck(backend, device, channels_last):
+    x, weight, bias, residual = _make_inputs(2, 3, 7, 4, 6, dtype=torch.float32, device=device,
+                                             channels_last=channels_last)
+    x, weight, bias, residual = _leaves(x, weight, bias, residual)
+    op = torch.ops.transformer_kernels.glu_conv1d.default
+    torch.library.opcheck(op, (x, weight, bias, residual, 1, 1, 0.5, SCALE, backend))
+    torch.library.opcheck(op, (x, weight, None, None, 2, 0, 0.0, 1.0, backend))
+    saved = op(x, weight, bias, residual, 2, 0, 1.0, SCALE, backend)[1].detach()
+    grad_out = torch.randn(2, 6, 7, device=device)
+    torch.library.opcheck(
+        torch.ops.transformer_kernels.glu_conv1d_backward.default,
+        (grad_out, x.detach(), weight.detach(), bias.detach(), saved, 2, 0, 1.0, SCALE, True, True, True, backend),
+    )
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_opcheck_eager(channels_last):
+    _opcheck("eager", "cpu", channels_last)
+
+
+def test_opcheck_triton():
+    _needs_triton()
+    _opcheck("triton", TRITON_DEVICE, True)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_fake_output_layout_matches_real(channels_last):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, weight, bias, residual = _make_inputs(2, 3, 7, 4, 6, dtype=torch.float32, channels_last=channels_last)
+    real = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
+    with FakeTensorMode() as mode:
+        fake = tk.glu_conv1d(*(mode.from_tensor(t) for t in (x, weight, bias)), residual=mode.from_tensor(residual),
+                             backend="eager")
+    assert fake.shape == real.shape and fake.stride() == real.stride()
+    assert _has_layout(real, channels_last) and not _has_layout(real, not channels_last)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_argument():
+    x, weight, bias = torch.randn(2, 6, 5), torch.randn(8, 6, 3), torch.randn(8)
+    with pytest.raises(ValueError, match=r"weight must have shape \[2\*C, C_in, k\] with C_in = x.shape\[1\] = 6"):
+        tk.glu_conv1d(x, torch.randn(8, 5, 3))
+    with pytest.raises(ValueError, match=r"weight.shape\[0\].*must be even"):
+        tk.glu_conv1d(x, torch.randn(7, 6, 3))
+    with pytest.raises(ValueError, match="padding must be one of"):
+        tk.glu_conv1d(x, weight, padding="valid")
+    with pytest.raises(ValueError, match=r"bias must have shape \[2\*C\] = \[8\]"):
+        tk.glu_conv1d(x, weight, torch.randn(4))
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \[2, 4, 5\]"):
+        tk.glu_conv1d(x, weight, bias, residual=torch.randn(2, 6, 5))
+    with pytest.raises(ValueError, match="x must be 3-D"):
+        tk.glu_conv1d(torch.randn(6, 5), weight)
+    with pytest.raises(ValueError, match=r"at least one position \(L >= 1\)"):
+        tk.glu_conv1d(torch.randn(2, 6, 0), weight)
+    with pytest.raises(TypeError, match="weight must have the same dtype as x"):
+        tk.glu_conv1d(x, weight.double())
+    with pytest.raises(ValueError, match="residual must be on the same device as x"):
+        tk.glu_conv1d(x, weight, residual=torch.randn(2, 4, 5, device="meta"))
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        tk.glu_conv1d(x.long(), weight.long())
+    with pytest.raises(TypeError, match="residual_scale must be a Python float"):
+        tk.glu_conv1d(x, weight, residual_scale=torch.tensor(0.5))
+
+
+def test_unavailable_backends_raise():
+    x, weight = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(8, 6, 3, dtype=torch.float64)
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        tk.glu_conv1d(x, weight, backend="cuda")
+    pytest.importorskip("triton")
+    with pytest.raises(BackendUnavailableError, match="float16, bfloat16 and float32"):
+        tk.glu_conv1d(x.to(TRITON_DEVICE), weight.to(TRITON_DEVICE), backend="triton")
+
+
+# --------------------------------------------------------------------------- GPU tolerances
+
+
+def _max_errors(fn, x, weight, bias, residual, grad, **kwargs):
+    out, grads = _run(fn, x, weight, bias, residual, grad, **kwargs)
+    return [out.float()] + [g.float() for g in grads]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k,length,channels,padding,channels_last", [
+    (3, 60, 512, "same", True),
+    (3, 37, 520, "causal", False),
+    (5, 1000, 256, "causal", True),
+    (2, 3, 24, "same", False),
+])
+def test_gpu_error_within_twice_pytorch(dtype, k, length, channels, padding, channels_last):
+    """Error of ours in dtype vs an fp32 reference <= 2x the error of PyTorch's own dtype math (+1e-5)."""
+    x, weight, bias, residual = _make_inputs(16, k, length, channels, channels, dtype=dtype, device="cuda",
+                                             channels_last=channels_last)
+    kwargs = dict(padding=padding, pad_value=1.0, residual_scale=SCALE)
+    grad = torch.randn(16, channels, length, device="cuda", dtype=dtype)
+    upcast = [t.float() if t is not None else None for t in (x, weight, bias, residual)]
+    exact = _max_errors(reference_glu_conv1d, *upcast, grad.float(), **kwargs)
+    torch_low = _max_errors(reference_glu_conv1d, x, weight, bias, residual, grad, **kwargs)
+    ours = _max_errors(tk.glu_conv1d, x, weight, bias, residual, grad, backend="triton", **kwargs)
+    for name, e, t, o in zip(("out", "x", "weight", "bias", "residual"), exact, torch_low, ours):
+        ours_error = (o - e).abs().max().item()
+        torch_error = (t - e).abs().max().item()
+        assert ours_error <= 2 * torch_error + 1e-5, f"{name}: ours {ours_error} vs torch {torch_error}"
+
+
+@requires_cuda
+def test_gpu_fp32_and_step():
+    x, weight, bias, residual = _make_inputs(4, 3, 50, 64, 64, dtype=torch.float32, device="cuda", channels_last=True)
+    _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,
+                              padding="causal", pad_value=1.0, residual_scale=SCALE)
+    full = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual, residual_scale=SCALE)
+    steps = _decode(x, weight, bias, residual, pad_value=1.0, backend="triton")
+    torch.testing.assert_close(steps, full, atol=1e-2, rtol=1e-2)

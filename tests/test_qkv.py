@@ -1,0 +1,413 @@
+"""transformer_kernels.qkv_projection: eager, Triton (interpreter on CPU) and GPU tolerance tests."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_kernels as tk
+from transformer_kernels import BackendUnavailableError
+from transformer_kernels.reference import qkv_projection as reference_qkv
+
+from conftest import CUDA, requires_cuda
+
+# (x shape, num_heads): the seeds' tiny E = 4 with two heads, E not a multiple
+# of 16, head dims 2..16, an unbatched [L, E] input and two leading batch dims.
+SHAPES = [
+    ((2, 5, 4), 2),
+    ((3, 7, 24), 3),
+    ((2, 3, 6, 40), 5),
+    ((9, 16), 4),
+    ((1, 1, 8), 1),
+    ((2, 33, 48), 3),
+]
+
+
+def _inputs(shape, num_proj, dtype=torch.float32, bias=True, device="cpu"):
+    embed_dim = shape[-1]
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    weight = torch.randn(num_proj * embed_dim, embed_dim, dtype=dtype, device=device) / embed_dim**0.5
+    weight.requires_grad_()
+    b = torch.randn(num_proj * embed_dim, dtype=dtype, device=device, requires_grad=True) if bias else None
+    return x, weight, b
+
+
+def _chunk_path(x, weight, bias, num_heads):
+    """nn.MultiheadAttention's packed linear + chunk + head split."""
+    *batch, seq_len, embed_dim = x.shape
+    num_proj = weight.shape[0] // embed_dim
+    packed = F.linear(x, weight, bias)
+    return tuple(
+        y.view(*batch, seq_len, num_heads, embed_dim // num_heads).transpose(-3, -2)
+        for y in packed.chunk(num_proj, dim=-1)
+    )
+
+
+def _grads(outputs, inputs, grad_outputs):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(outputs, inputs, grad_outputs)
+
+
+def _assert_close_all(actual, expected, **tol):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, **tol)
+
+
+def _check_against_references(backend, shape, num_heads, num_proj, dtype, bias, tol, device="cpu"):
+    x, weight, b = _inputs(shape, num_proj, dtype, bias, device)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=num_heads, backend=backend)
+    assert len(outputs) == num_proj
+    *batch, seq_len, embed_dim = shape
+    for out in outputs:
+        assert out.shape == (*batch, num_heads, seq_len, embed_dim // num_heads)
+        assert out.is_contiguous()
+    grad_outputs = [torch.randn_like(o) for o in outputs]
+    grads = _grads(outputs, (x, weight, b), grad_outputs)
+
+    # fp32 references for low-precision runs
+    x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    b32 = None if b is None else b.detach().float().requires_grad_()
+    g32 = [g.float() for g in grad_outputs]
+    for reference in (reference_qkv, _chunk_path):
+        expected = reference(x32, w32, b32, num_heads)
+        expected_grads = _grads(expected, (x32, w32, b32), g32)
+        _assert_close_all([o.float() for o in outputs], list(expected), **tol)
+        _assert_close_all([g.float() for g in grads], list(expected_grads), **tol)
+
+
+# --------------------------------------------------------------------------- eager
+
+
+@pytest.mark.parametrize("num_proj", [1, 2, 3])
+@pytest.mark.parametrize("shape,num_heads", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_matches_references(shape, num_heads, num_proj, bias):
+    _check_against_references("eager", shape, num_heads, num_proj, torch.float32, bias, dict(rtol=1e-5, atol=1e-5))
+
+
+def test_eager_gradcheck_float64():
+    x, weight, b = _inputs((2, 3, 6), 3, torch.float64)
+    assert torch.autograd.gradcheck(lambda *a: tk.qkv_projection(*a, num_heads=3, backend="eager"), (x, weight, b))
+    x, weight, _ = _inputs((4, 8), 2, torch.float64)
+    assert torch.autograd.gradcheck(lambda *a: tk.qkv_projection(*a, num_heads=2, backend="eager"), (x, weight))
+
+
+def test_auto_backend_on_cpu_is_eager_and_matches():
+    x, weight, b = _inputs((2, 5, 12), 3)
+    expected = reference_qkv(x, weight, b, 4)
+    _assert_close_all(tk.qkv_projection(x, weight, b, num_heads=4), list(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_share_no_storage_even_when_views_would_be_contiguous():
+    # B = L = 1: every head-split view of the packed result would be contiguous.
+    x, weight, b = _inputs((1, 1, 8), 3)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=1, backend="eager")
+    storages = {o.untyped_storage().data_ptr() for o in outputs}
+    assert len(storages) == 3
+
+
+# --------------------------------------------------------------------------- triton (interpreter on CPU)
+
+TRITON_DEVICE = "cuda" if CUDA else "cpu"
+TRITON_CASES = [
+    ((2, 5, 4), 2, 3, torch.float32, True),
+    ((3, 7, 24), 3, 2, torch.float32, False),
+    ((2, 2, 3, 40), 5, 1, torch.float32, True),
+    ((9, 16), 4, 3, torch.float32, True),
+    ((2, 5, 4), 2, 3, torch.float16, True),
+    ((2, 9, 48), 3, 3, torch.float16, True),
+    ((2, 6, 40), 5, 2, torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("shape,num_heads,num_proj,dtype,bias", TRITON_CASES)
+def test_triton_matches_references(monkeypatch, shape, num_heads, num_proj, dtype, bias):
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    _check_against_references("triton", shape, num_heads, num_proj, dtype, bias, tol, TRITON_DEVICE)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter-only: forces tile configurations through the SM count")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_sms", [1, 1000], ids=["large_tiles", "small_tiles_split_tokens"])
+def test_triton_every_config_path(monkeypatch, num_sms, dtype):
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+
+    # 1 SM: every grid counts as full, so the large tiles run (128x256 forward
+    # and 128x128 backward for fp16, 128x128 tf32 for fp32); 1000 SMs: the
+    # 64x64 tiles run and the weight gradient splits the 1040 tokens over
+    # program_id(1) (fp32 partial sums, then a sum).  The interpreter
+    # computes tf32 dots in full fp32.
+    monkeypatch.setattr(triton_qkv, "_num_sms", lambda device: num_sms)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    forward_cfg = triton_qkv.gemm_config("forward", dtype, True, 1040, 48, num_sms)
+    weight_cfg = triton_qkv.gemm_config("grad_weight", dtype, True, 48, 16, num_sms)
+    if num_sms == 1:
+        assert forward_cfg.block_m == 128 and weight_cfg.block_m == 128
+    else:
+        assert forward_cfg.block_m == 64 and weight_cfg.block_m == 64
+        assert triton_qkv.grad_weight_splits(3, 1040, weight_cfg.block_k, num_sms) == 2
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    _check_against_references("triton", (2, 520, 16), 2, 3, dtype, True, tol)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_strided_inputs_and_unusual_gradients(backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    # x transposed (non-contiguous), weight a transposed view.
+    x = torch.randn(3, 24, 6, device=device).transpose(1, 2).requires_grad_()
+    weight = torch.randn(24, 72, device=device).t().requires_grad_()
+    b = torch.randn(72, device=device, requires_grad=True)
+    q, k, v = tk.qkv_projection(x, weight, b, num_heads=3, backend=backend)
+    rq, rk, rv = reference_qkv(x, weight, b, 3)
+    _assert_close_all([q, k, v], [rq, rk, rv], rtol=1e-4, atol=1e-4)
+    # A stride-0 gradient (from .sum()), a transposed one, and no gradient for v.
+    g_k = torch.randn(3, 3, 8, 6, device=device).transpose(-1, -2)
+    loss = q.sum() + (k * g_k).sum()
+    ref_loss = rq.sum() + (rk * g_k).sum()
+    grads = torch.autograd.grad(loss, (x, weight, b))
+    expected = torch.autograd.grad(ref_loss, (x, weight, b))
+    _assert_close_all(list(grads), list(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_token_major_gradients(backend):
+    # Gradients laid out [B, L, H, Dh] (e.g. from the packed-linear path): both
+    # backends read them in place, without packing them first.
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x, weight, b = _inputs((2, 7, 24), 3, device=device)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=3, backend=backend)
+    grad_outputs = [torch.randn(2, 7, 3, 8, device=device).transpose(1, 2) for _ in outputs]
+    expected = reference_qkv(x, weight, b, 3)
+    _assert_close_all(
+        list(_grads(outputs, (x, weight, b), grad_outputs)),
+        list(_grads(expected, (x, weight, b), grad_outputs)),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_only_needed_gradients(backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    weight = torch.randn(32, 16, device=device)  # frozen
+    b = torch.randn(32, device=device)
+    k, v = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
+    (k.sum() + (v * v).sum()).backward()
+    x_ref = x.detach().requires_grad_()
+    rk, rv = reference_qkv(x_ref, weight, b, 2)
+    (rk.sum() + (rv * rv).sum()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
+
+    x = torch.randn(2, 5, 16, device=device)
+    weight.requires_grad_()
+    (q,) = tk.qkv_projection(x, weight[:16], None, num_heads=4, backend=backend)
+    q.sum().backward()
+    torch.testing.assert_close(weight.grad[:16], x.reshape(-1, 16).sum(0).expand(16, 16), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_empty_batch(backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = torch.randn(0, 5, 8, device=device, requires_grad=True)
+    weight = torch.randn(24, 8, device=device, requires_grad=True)
+    b = torch.randn(24, device=device, requires_grad=True)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
+    assert [o.shape for o in outputs] == [(0, 2, 5, 4)] * 3
+    sum(o.sum() for o in outputs).backward()
+    assert x.grad.shape == x.shape
+    assert torch.count_nonzero(weight.grad) == 0 and torch.count_nonzero(b.grad) == 0
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_opcheck(backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    op = torch.ops.transformer_kernels.qkv_projection_forward
+    x, weight, b = _inputs((2, 3, 8), 3, device=device)
+    torch.library.opcheck(op, (x, weight, b, 2, backend))
+    x, weight, _ = _inputs((5, 12), 2, device=device)
+    torch.library.opcheck(op, (x, weight, None, 3, backend))
+
+
+def test_fake_outputs_match_real_strides():
+    x, weight, b = _inputs((2, 3, 5, 12), 3)
+    real = tk.qkv_projection(x, weight, b, num_heads=4, backend="eager")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake_inputs = [mode.from_tensor(t) for t in (x, weight, b)]
+        fake = tk.qkv_projection(*fake_inputs, num_heads=4, backend="eager")
+    assert [(f.shape, f.stride(), f.dtype) for f in fake] == [(r.shape, r.stride(), r.dtype) for r in real]
+
+
+def test_torch_compile_fullgraph():
+    x, weight, b = _inputs((2, 5, 8), 3)
+
+    def attention_block(x, weight, b):
+        q, k, v = tk.qkv_projection(x, weight, b, num_heads=2, backend="eager")
+        return F.scaled_dot_product_attention(q, k, v).sum()
+
+    compiled = torch.compile(attention_block, fullgraph=True)
+    expected_grads = torch.autograd.grad(attention_block(x, weight, b), (x, weight, b))
+    grads = torch.autograd.grad(compiled(x, weight, b), (x, weight, b))
+    _assert_close_all(list(grads), list(expected_grads), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- attention interop
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_outputs_feed_attention_without_copy(backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x, weight, b = _inputs((2, 9, 16), 3, device=device)
+    q, k, v = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
+    # Contiguous [B, H, L, Dh]: the layout attention reads with unit-stride rows; nothing to copy.
+    for t in (q, k, v):
+        assert t.is_contiguous() and t.shape == (2, 2, 9, 8)
+    try:
+        out = tk.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+    except NotImplementedError:
+        pytest.skip("transformer_kernels.scaled_dot_product_attention is not implemented yet")
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    tol = 2e-3 if CUDA else 1e-4  # the GPU kernels may use tf32 for fp32
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    out.sum().backward()
+    assert x.grad is not None and weight.grad is not None and b.grad is not None
+
+
+# --------------------------------------------------------------------------- autocast
+
+
+def test_autocast_cpu_runs_in_bfloat16_like_linear():
+    x, weight, b = _inputs((2, 5, 16), 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = tk.qkv_projection(x, weight, b, num_heads=2)
+        expected = _chunk_path(x, weight, b, 2)
+    assert all(o.dtype == torch.bfloat16 for o in outputs)
+    _assert_close_all(list(outputs), list(expected), rtol=2e-2, atol=2e-2)
+    sum(o.float().sum() for o in outputs).backward()
+    assert x.grad.dtype == weight.grad.dtype == b.grad.dtype == torch.float32
+    # float64 is not autocast-eligible (as for nn.Linear): it stays float64.
+    x64, w64, _ = _inputs((2, 3, 4), 1, torch.float64, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (out,) = tk.qkv_projection(x64, w64, num_heads=2)
+    assert out.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_argument():
+    x = torch.randn(2, 5, 12)
+    w = torch.randn(36, 12)
+    with pytest.raises(ValueError, match=r"E = x.shape\[-1\] = 12 must be divisible by num_heads = 5"):
+        tk.qkv_projection(x, w, num_heads=5)
+    with pytest.raises(ValueError, match=r"weight must have shape \[n\*E, E\].*got weight of shape \(30, 12\)"):
+        tk.qkv_projection(x, torch.randn(30, 12), num_heads=3)
+    with pytest.raises(ValueError, match=r"n in \(1, 2, 3\).*\(48, 12\)"):
+        tk.qkv_projection(x, torch.randn(48, 12), num_heads=3)
+    with pytest.raises(ValueError, match=r"weight must have shape.*\(36, 10\)"):
+        tk.qkv_projection(x, torch.randn(36, 10), num_heads=3)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        tk.qkv_projection(x, torch.randn(3, 12, 12), num_heads=3)
+    with pytest.raises(ValueError, match=r"bias must have shape \[n\*E\] = \[36\]"):
+        tk.qkv_projection(x, w, torch.randn(12), num_heads=3)
+    with pytest.raises(TypeError, match="weight must have the same dtype as x"):
+        tk.qkv_projection(x, w.double(), num_heads=3)
+    with pytest.raises(TypeError, match="bias must have the same dtype as x"):
+        tk.qkv_projection(x, w, torch.randn(36, dtype=torch.float16), num_heads=3)
+    with pytest.raises(ValueError, match="weight must be on the same device as x"):
+        tk.qkv_projection(x, w.to("meta"), num_heads=3)
+    with pytest.raises(ValueError, match="x must have at least 2 dimensions"):
+        tk.qkv_projection(torch.randn(12), w, num_heads=3)
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        tk.qkv_projection(x.int(), w, num_heads=3)
+    with pytest.raises(TypeError, match="num_heads must be an int"):
+        tk.qkv_projection(x, w, num_heads=3.0)
+    with pytest.raises(ValueError, match="num_heads must be positive"):
+        tk.qkv_projection(x, w, num_heads=0)
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        tk.qkv_projection(torch.randn(2, 5, 0), torch.randn(0, 0), num_heads=1)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        tk.qkv_projection(x.double(), w.double(), num_heads=3, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        tk.qkv_projection(x, w, num_heads=3, backend="cuda")
+
+
+def test_triton_refuses_int32_overflow_before_launching():
+    huge = torch.randn(1, 1, 16, device=TRITON_DEVICE).expand(2**12, 2**16, 16)  # 2**32 elements, no memory
+    with pytest.raises(BackendUnavailableError, match="int32"):
+        tk.qkv_projection(huge, torch.randn(48, 16, device=TRITON_DEVICE), num_heads=2, backend="triton")
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _error(value, reference):
+    return (value.double() - reference.double()).abs().max().item()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,num_heads,num_proj", [((4, 128, 512), 8, 3), ((3, 77, 40), 5, 2), ((2, 16, 4), 2, 3), ((2, 1000, 768), 12, 1)]
+)
+def test_cuda_error_within_twice_pytorch(dtype, shape, num_heads, num_proj):
+    x, weight, b = _inputs(shape, num_proj, torch.float32, device="cuda")
+    grad_outputs = None
+
+    def run(fn, dt):
+        xs, ws, bs = (t.detach().to(dt).requires_grad_() for t in (x, weight, b))
+        outs = fn(xs, ws, bs)
+        nonlocal grad_outputs
+        if grad_outputs is None:
+            grad_outputs = [torch.randn(o.shape, device="cuda") for o in outs]
+        grads = torch.autograd.grad(outs, (xs, ws, bs), [g.to(dt) for g in grad_outputs])
+        return list(outs) + list(grads)
+
+    ours = run(lambda *a: tk.qkv_projection(*a, num_heads=num_heads, backend="triton"), dtype)
+    expected = run(lambda *a: reference_qkv(*a, num_heads), torch.float64)
+    torch_low = run(lambda *a: reference_qkv(*a, num_heads), dtype)
+    for ours_t, exp_t, low_t in zip(ours, expected, torch_low):
+        assert ours_t.dtype == dtype
+        assert _error(ours_t, exp_t) <= 2 * _error(low_t, exp_t) + 1e-5
+
+
+@requires_cuda
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_cuda_float32_follows_allow_tf32(monkeypatch, allow_tf32):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
+    x, weight, b = _inputs((4, 100, 256), 3, device="cuda")
+    outs = tk.qkv_projection(x, weight, b, num_heads=4, backend="triton")
+    expected = reference_qkv(x.double(), weight.double(), b.double(), 4)
+    torch_fp32 = reference_qkv(x, weight, b, 4)  # cuBLAS under the same flag
+    for o, e, t in zip(outs, expected, torch_fp32):
+        assert _error(o, e) <= 2 * _error(t, e) + 1e-5
+
+
+@requires_cuda
+def test_cuda_autocast_runs_in_float16():
+    x, weight, b = _inputs((2, 64, 128), 3, device="cuda")
+    with torch.autocast("cuda"):
+        outputs = tk.qkv_projection(x, weight, b, num_heads=4)
+        expected = _chunk_path(x, weight, b, 4)
+    assert all(o.dtype == torch.float16 for o in outputs)
+    _assert_close_all(list(outputs), list(expected), rtol=2e-3, atol=2e-3)
+    sum(o.float().sum() for o in outputs).backward()
+    assert weight.grad.dtype == torch.float32
+
+
+@requires_cuda
+def test_cuda_gradients_of_expanded_and_unused_outputs():
+    x, weight, b = _inputs((2, 300, 192), 3, device="cuda")
+    q, k, v = tk.qkv_projection(x, weight, b, num_heads=3, backend="triton")
+    grads = torch.autograd.grad(q.sum() + (k * k).sum(), (x, weight, b))
+    rq, rk, _ = reference_qkv(x, weight, b, 3)
+    expected = torch.autograd.grad(rq.sum() + (rk * rk).sum(), (x, weight, b))
+    _assert_close_all(list(grads), list(expected), rtol=1e-3, atol=1e-3)

@@ -1,0 +1,96 @@
+"""Fused QKV projection as PyTorch ops: the CPU path and the fallback everywhere.
+
+Forward is one GEMM with the packed weight (``F.linear``), whose ``[T, n*E]``
+result is then split into heads; each output is copied once into its own
+contiguous ``[*batch, H, L, Dh]`` tensor, the layout every backend returns.
+The seeds' path does the same copy per projection on top of three GEMMs.
+
+Backward needs the head-split gradients as ``[T, E]`` matrices.  When the
+strides allow views (gradients laid out ``[*batch, L, H, Dh]``) it multiplies
+them in place, accumulating into one ``grad_x`` and into row blocks of one
+``grad_weight``; otherwise (the usual contiguous ``[*batch, H, L, Dh]``) one
+copy packs them into ``[T, n*E]`` and the gradients are one GEMM each.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["unsupported_reason", "forward", "backward"]
+
+
+def unsupported_reason(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int
+) -> Optional[str]:
+    return None
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int) -> list[torch.Tensor]:
+    *batch, seq_len, embed_dim = x.shape
+    num_proj = weight.shape[0] // embed_dim
+    head_dim = embed_dim // num_heads
+    packed = F.linear(x, weight, bias).view(*batch, seq_len, num_proj, num_heads, head_dim)
+    outputs = []
+    for i in range(num_proj):
+        head_split = packed.select(-3, i).transpose(-3, -2)
+        # Outputs of one op must not share storage: with n > 1 always copy,
+        # even when a head-split view happens to be contiguous already.
+        if num_proj == 1:
+            outputs.append(head_split.contiguous())
+        else:
+            outputs.append(head_split.clone(memory_format=torch.contiguous_format))
+    return outputs
+
+
+def _as_token_matrix(grad: torch.Tensor, embed_dim: int) -> Optional[torch.Tensor]:
+    """``[*batch, H, L, Dh]`` -> ``[T, E]`` as a view, or ``None`` when the strides need a copy."""
+    try:
+        return grad.transpose(-3, -2).view(-1, embed_dim)
+    except RuntimeError:
+        return None
+
+
+def backward(
+    grads: list[torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    has_bias: bool,
+    num_heads: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    embed_dim = x.shape[-1]
+    x2d = x.reshape(-1, embed_dim)
+    matrices = [_as_token_matrix(g, embed_dim) for g in grads]
+    if any(m is None for m in matrices):
+        # Contiguous [*batch, H, L, Dh] gradients (what attention's backward
+        # returns): one copy packs them as [T, n*E], then one GEMM per
+        # gradient instead of n smaller ones.
+        packed = torch.stack([g.transpose(-3, -2) for g in grads], dim=-3).view(-1, weight.shape[0])
+        blocks = [(packed, weight)]
+    else:
+        blocks = [(m, weight[i * embed_dim : (i + 1) * embed_dim]) for i, m in enumerate(matrices)]
+
+    grad_x = x.new_empty(0)
+    if needs_grad_x:
+        grad_x = torch.mm(*blocks[0])
+        for g, w in blocks[1:]:
+            grad_x.addmm_(g, w)
+        grad_x = grad_x.view(x.shape)
+
+    grad_weight = x.new_empty(0)
+    if needs_grad_weight:
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        rows = 0
+        for g, _ in blocks:
+            torch.mm(g.t(), x2d, out=grad_weight[rows : rows + g.shape[1]])
+            rows += g.shape[1]
+
+    grad_bias = x.new_empty(0)
+    if has_bias and needs_grad_bias:
+        grad_bias = torch.cat([g.sum(0) for g, _ in blocks])
+    return grad_x, grad_weight, grad_bias

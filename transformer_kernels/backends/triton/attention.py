@@ -1,0 +1,1113 @@
+"""Triton backend of ``scaled_dot_product_attention``: flash-style forward and
+backward kernels with in-kernel masking and dropout.
+
+Inputs arrive normalized by the op layer (see ``ops/attention.py``):
+query ``[B, Hq, Lq, D]``, key ``[B, Hk, Lk, D]``, value ``[B, Hk, Lk, Dv]`` with
+any strides, ``Hq % Hk == 0`` (grouped-query attention: query head ``h`` reads
+kv head ``h // (Hq // Hk)``).  Every mask kind is a constexpr switch of one
+kernel family:
+
+* ``CAUSAL``: 0 none, 1 top-left (query ``i`` sees keys ``j <= i``),
+  2 bottom-right (``j <= i + Lk - Lq``).  Key blocks wholly above the diagonal
+  are never visited; only the blocks the diagonal crosses pay for the mask.
+* ``HAS_KEY_PADDING``: bool ``[B, Lk]`` (True = padding) read one key block at
+  a time; ``key_bounds`` ``[B, 2]`` int32 (first kept key, last kept key + 1)
+  lets the kernels skip whole key blocks of padding.
+* ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
+  bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
+  scores).
+* ``HAS_DROPOUT``: keep-mask from Philox, counters (key index, query index,
+  batch*head, offset) keyed by the seed, so backward regenerates it exactly.
+
+Scores are kept in base-2 units (``qk_scale = scale * log2(e)``) so the
+softmax uses ``exp2``.  Rows where every key is excluded get output 0 and
+``lse = +inf``, which makes every probability in backward exactly 0: such rows
+never produce NaN and have zero gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._backend import triton_interpreter_enabled
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, next_power_of_2
+
+__all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
+_MAX_GRID_Y = 65535
+_DROPOUT_LEVELS = 1 << 16
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ---------------------------------------------------------------------------
+# Shared tile helpers
+# ---------------------------------------------------------------------------
+
+
+def _kernel(fn):
+    """``triton.jit`` for a kernel that never specializes on argument alignment.
+
+    The launchers guarantee 16-byte aligned q/k/v/out/gradient tensors whose
+    strides and head dims are multiples of 16 elements (copying the rare input
+    that is not), and the kernels state it (``_aligned_base``, ``x // 16 * 16``)
+    so their loads vectorize.  Without alignment specialization every launch
+    compiles exactly the variant ``compile_targets()`` checks.
+    """
+    arguments = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    return triton.jit(fn, do_not_specialize_on_alignment=arguments)
+
+
+@triton.jit
+def _aligned_base(ptr, batch, stride_b, head, stride_h):
+    return tl.multiple_of(ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h, 16)
+
+
+
+@triton.jit
+def _masked_scores(
+    qk, q_idx, k_idx, keep,
+    mask_base, stride_mm, stride_mn,
+    seq_len_q, causal_shift, qk_scale,
+    APPLY_CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+):
+    # Scores of one tile in base-2 units, -inf where a key is excluded.  The tile
+    # may be query-major (forward, dQ) or key-major (dK/dV): `q_idx` and `k_idx`
+    # carry the orientation, already shaped to broadcast against `qk`, and
+    # `keep` holds the key-side tests (bounds, padding) the caller made.
+    s = qk * qk_scale
+    if APPLY_CAUSAL:
+        keep = keep & (k_idx <= q_idx + causal_shift)
+    if HAS_DENSE_MASK:
+        mask_tile = tl.load(
+            mask_base + q_idx * stride_mm + k_idx * stride_mn,
+            mask=keep & (q_idx < seq_len_q),
+            other=0,
+        )
+        if MASK_IS_BOOL:
+            keep = keep & (mask_tile != 0)
+        else:
+            s += mask_tile.to(tl.float32) * LOG2E
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _dropout_keep(
+    q_idx, key_start, head_batch, dropout_seed, dropout_offset, dropout_threshold,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Query-major keep-mask [BLOCK_Q, BLOCK_K] for queries `q_idx` and keys
+    # key_start + arange(BLOCK_K) (key_start % 8 == 0) of one (batch, head).
+    # One Philox call, counter (key // 8, query, batch*head, offset), yields
+    # 4 x 32 random bits: 16 bits for each of 8 consecutive keys.  Element
+    # (i, j) thus depends only on its coordinates, so forward and both backward
+    # kernels regenerate the same mask whatever their tile shapes, and a key is
+    # kept when its 16 bits are >= threshold = round(p * 2**16).
+    groups = key_start // 8 + tl.arange(0, BLOCK_K // 8)
+    zero = q_idx[:, None] * 0 + groups[None, :] * 0
+    r0, r1, r2, r3 = tl.philox(
+        dropout_seed, groups[None, :] + zero, q_idx[:, None] + zero, zero + head_batch, zero + dropout_offset
+    )
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))
+    halves = tl.join(words & 0xFFFF, words >> 16)
+    return tl.reshape(halves, [BLOCK_Q, BLOCK_K]) >= dropout_threshold
+
+
+@triton.jit
+def _key_range(
+    row_start, seq_len_q, seq_len_k, causal_shift,
+    key_bounds_ptr, stride_kbb, stride_kbe, batch,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+):
+    # Keys that rows [row_start, row_start + BLOCK_M) can see: [lo, hi).  Keys
+    # below `full_hi` are visible to every row of the block, so only
+    # [full_hi, hi) needs the causal test.
+    lo = 0
+    hi = seq_len_k
+    if HAS_KEY_PADDING:
+        lo = tl.load(key_bounds_ptr + batch * stride_kbb)
+        hi = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
+    # Starting on a multiple of 8 keeps dropout's 8-key Philox groups whole;
+    # the keys this adds are padding, or get the causal test.
+    lo = lo // 8 * 8
+    full_hi = hi
+    if CAUSAL != 0:
+        row_end = tl.minimum(row_start + BLOCK_M, seq_len_q)
+        hi = tl.minimum(hi, row_end + causal_shift)
+        full_hi = tl.maximum(tl.minimum(hi, row_start + causal_shift + 1) // 8 * 8, lo)
+    hi = tl.maximum(hi, lo)
+    return lo, full_hi, hi
+
+
+# ---------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _forward_inner(
+    acc, l_i, m_i, q, offs_m,
+    k_base, v_base, key_padding_base, mask_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+    offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+    head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    key_start, key_end,
+    APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_idx = offs_m[:, None]
+    for start_n in range(key_start, key_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_in = offs_n < key_end
+        k_t = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=key_in[None, :] & (offs_d[:, None] < head_dim),
+            other=0.0,
+        )
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        keep = key_in
+        if HAS_KEY_PADDING:
+            padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+            keep = keep & (padding == 0)
+        s = _masked_scores(
+            qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
+            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key so far keeps m = -inf; shifting by 0 then
+        # gives p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            kept = _dropout_keep(
+                offs_m, start_n, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
+            )
+            p = tl.where(kept, p * dropout_scale, 0.0)
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+            mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# Forward: one program per (query block, batch*head).
+#   for each key block [n, n + BLOCK_N) the rows can see (causality and the
+#   key bounds prune the range):
+#       S   = Q Kᵀ · scale · log2(e)   (+ float mask · log2(e)); excluded → -inf
+#       m'  = max(m, rowmax S);  P = exp2(S - m');  l = l · exp2(m - m') + rowsum P
+#       acc = acc · exp2(m - m') + dropout(P) V
+#   out = acc / l,  lse = (m + log2 l) · ln 2   (rows with l = 0: out 0, lse +inf)
+# The loop runs twice under causality: first over key blocks every row sees
+# (no causal test), then over the blocks the diagonal crosses.
+@_kernel
+def _attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, key_padding_ptr, key_bounds_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lseb, stride_lseh, stride_lsem,
+    stride_kpb, stride_kpn,
+    stride_kbb, stride_kbe,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
+    qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    if CAUSAL != 0:
+        # Causal rows near the end do the most work: start them first.
+        block_m = tl.num_programs(0) - 1 - block_m
+    head_batch = tl.program_id(1) + head_batch_start
+    batch = head_batch // num_q_heads
+    head = head_batch % num_q_heads
+    kv_head = head // group_size
+    causal_shift = 0
+    if CAUSAL == 2:
+        causal_shift = seq_len_k - seq_len_q
+
+    head_dim = head_dim // 16 * 16
+    head_dim_v = head_dim_v // 16 * 16
+    stride_qm = stride_qm // 16 * 16
+    stride_kn = stride_kn // 16 * 16
+    stride_vn = stride_vn // 16 * 16
+    stride_om = stride_om // 16 * 16
+
+    row_start = block_m * BLOCK_M
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_in = offs_m < seq_len_q
+
+    batch64 = batch.to(tl.int64)
+    q_base = _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
+    k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
+    v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
+    # Optional tensors arrive as None when their switch is off.
+    key_padding_base = key_padding_ptr
+    if HAS_KEY_PADDING:
+        key_padding_base = key_padding_ptr + batch64 * stride_kpb
+    mask_base = mask_ptr
+    if HAS_DENSE_MASK:
+        mask_base = mask_ptr + batch64 * stride_mb + head.to(tl.int64) * stride_mh
+
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=row_in[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    key_lo, key_full_hi, key_hi = _key_range(
+        row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
+        BLOCK_M, CAUSAL, HAS_KEY_PADDING,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i, m_i = _forward_inner(
+        acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+        key_lo, key_full_hi,
+        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+    )
+    if CAUSAL != 0:
+        acc, l_i, m_i = _forward_inner(
+            acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+            offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+            head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+            key_full_hi, key_hi,
+            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        )
+
+    no_key = l_i == 0.0
+    out = acc / tl.where(no_key, 1.0, l_i)[:, None]
+    lse = tl.where(no_key, float("inf"), (m_i + tl.math.log2(tl.where(no_key, 1.0, l_i))) * LN2)
+    out_base = _aligned_base(out_ptr, batch, stride_ob, head, stride_oh)
+    tl.store(
+        out_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
+    )
+    lse_base = lse_ptr + batch64 * stride_lseb + head.to(tl.int64) * stride_lseh
+    tl.store(lse_base + offs_m * stride_lsem, lse, mask=row_in)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------
+
+
+# Backward pre-pass: one program per (query block, batch*head).
+#   delta_i = Σ_d dO_id · O_id   (= Σ_j P_ij dP_ij, also with dropout)
+# so that dS = P ∘ (dP - delta) needs no second pass over the keys.
+@_kernel
+def _attention_backward_delta_kernel(
+    grad_out_ptr, out_ptr, delta_ptr,
+    stride_gob, stride_goh, stride_gom, stride_god,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_q_heads, seq_len_q, head_dim_v, head_batch_start,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    head_batch = tl.program_id(1) + head_batch_start
+    batch = head_batch // num_q_heads
+    head = head_batch % num_q_heads
+    head_dim_v = head_dim_v // 16 * 16
+    stride_gom = stride_gom // 16 * 16
+    stride_om = stride_om // 16 * 16
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < seq_len_q) & (offs_dv[None, :] < head_dim_v)
+    grad_out = tl.load(
+        _aligned_base(grad_out_ptr, batch, stride_gob, head, stride_goh)
+        + offs_m[:, None] * stride_gom + offs_dv[None, :] * stride_god,
+        mask=mask, other=0.0,
+    )
+    out = tl.load(
+        _aligned_base(out_ptr, batch, stride_ob, head, stride_oh)
+        + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+        mask=mask, other=0.0,
+    )
+    delta = tl.sum(grad_out.to(tl.float32) * out.to(tl.float32), 1)
+    tl.store(delta_ptr + head_batch.to(tl.int64) * seq_len_q + offs_m, delta, mask=offs_m < seq_len_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, k_idx, key_keep,
+    q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
+    stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
+    offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
+    head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    key_start, row_start, row_end,
+    APPLY_CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_m in range(row_start, row_end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_in = offs_m < row_end
+        q_t = tl.load(
+            q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+            mask=row_in[None, :] & (offs_d[:, None] < head_dim),
+            other=0.0,
+        )
+        # Rows outside the range get lse = +inf, hence P = 0.
+        lse = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * LOG2E
+        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+        s_t = _masked_scores(
+            qk_t, offs_m[None, :], k_idx, key_keep, mask_base, stride_mm, stride_mn,
+            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+        )
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        grad_out = tl.load(
+            grad_out_base + offs_m[:, None] * stride_gom + offs_dv[None, :] * stride_god,
+            mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
+            other=0.0,
+        )
+        dp_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            kept_t = tl.trans(_dropout_keep(
+                offs_m, key_start, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
+            ))
+            dv += tl.dot(tl.where(kept_t, p_t * dropout_scale, 0.0).to(grad_out.dtype), grad_out,
+                         input_precision=DOT_PRECISION)
+            dp_t = tl.where(kept_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
+        delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if STORE_GRAD_SCORES:
+            tl.store(
+                grad_scores_base + offs_m[None, :] * stride_gsm + k_idx * stride_gsn,
+                ds_t,
+                mask=row_in[None, :] & (k_idx < seq_len_k),
+            )
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+# dK/dV: one program per (key block, batch*kv head); K and V stay on chip.
+#   for each query head h of the kv head's group, for each query block [m, m + BLOCK_M)
+#   that can see the key block (causality prunes the start):
+#       Sᵀ = K Qᵀ · scale · log2(e) (+ mask);  Pᵀ = exp2(Sᵀ - lse · log2(e))
+#       dV += dropout(Pᵀ) dO;  dPᵀ = dropout(V dOᵀ);  dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+#       dK += dSᵀ Q        (and dS is stored when the float mask needs its grad)
+#   dK *= scale.
+# The group's heads are summed inside the program rather than with atomics:
+# the result is deterministic, needs no fp32 scratch copy of dK/dV, and the
+# grid (key blocks x B*Hk) still fills the GPU at the lengths where it matters.
+# Key blocks outside the key bounds skip the loop and write zeros.
+@_kernel
+def _attention_backward_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, grad_scores_ptr,
+    key_padding_ptr, key_bounds_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gob, stride_goh, stride_gom, stride_god,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_gsb, stride_gsh, stride_gsm, stride_gsn,
+    stride_kpb, stride_kpn,
+    stride_kbb, stride_kbe,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    num_q_heads, num_kv_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
+    scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    kv_head_batch = tl.program_id(1) + head_batch_start
+    batch = kv_head_batch // num_kv_heads
+    kv_head = kv_head_batch % num_kv_heads
+    causal_shift = 0
+    if CAUSAL == 2:
+        causal_shift = seq_len_k - seq_len_q
+
+    head_dim = head_dim // 16 * 16
+    head_dim_v = head_dim_v // 16 * 16
+    stride_qm = stride_qm // 16 * 16
+    stride_kn = stride_kn // 16 * 16
+    stride_vn = stride_vn // 16 * 16
+    stride_gom = stride_gom // 16 * 16
+    stride_dkn = stride_dkn // 16 * 16
+    stride_dvn = stride_dvn // 16 * 16
+
+    key_start = tl.program_id(0) * BLOCK_N
+    offs_n = key_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_in = offs_n < seq_len_k
+    batch64 = batch.to(tl.int64)
+
+    k = tl.load(
+        _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
+        + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=key_in[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    v = tl.load(
+        _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
+        + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
+        other=0.0,
+    )
+
+    # Rows that see any key of this block: i + shift >= key_start.  Rows from
+    # `row_full` on see all of it, so only [row_lo, row_full) needs the causal test.
+    row_lo = 0
+    row_full = 0
+    key_keep = key_in
+    if CAUSAL != 0:
+        row_lo = tl.minimum(tl.maximum(key_start - causal_shift, 0), seq_len_q)
+        row_full = tl.minimum(tl.maximum(key_start + BLOCK_N - 1 - causal_shift, row_lo), seq_len_q)
+    if HAS_KEY_PADDING:
+        padding = tl.load(key_padding_ptr + batch64 * stride_kpb + offs_n * stride_kpn, mask=key_in, other=1)
+        key_keep = key_keep & (padding == 0)
+        first_key = tl.load(key_bounds_ptr + batch * stride_kbb)
+        end_key = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
+        outside_bounds = (key_start >= end_key) | (key_start + BLOCK_N <= first_key)
+        row_lo = tl.where(outside_bounds, seq_len_q, row_lo)
+        row_full = tl.where(outside_bounds, seq_len_q, row_full)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for group_index in range(0, group_size):
+        head = kv_head * group_size + group_index
+        head_batch = batch * num_q_heads + head
+        head64 = head.to(tl.int64)
+        q_base = _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
+        grad_out_base = _aligned_base(grad_out_ptr, batch, stride_gob, head, stride_goh)
+        lse_base = lse_ptr + head_batch.to(tl.int64) * seq_len_q
+        delta_base = delta_ptr + head_batch.to(tl.int64) * seq_len_q
+        mask_base = mask_ptr
+        if HAS_DENSE_MASK:
+            mask_base = mask_ptr + batch64 * stride_mb + head64 * stride_mh
+        grad_scores_base = grad_scores_ptr
+        if STORE_GRAD_SCORES:
+            grad_scores_base = grad_scores_ptr + batch64 * stride_gsb + head64 * stride_gsh
+        if CAUSAL != 0:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, offs_n[:, None], key_keep[:, None],
+                q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
+                stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
+                offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
+                head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+                key_start, row_lo, row_full,
+                True, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, offs_n[:, None], key_keep[:, None],
+            q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
+            stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
+            offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
+            head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+            key_start, row_full, seq_len_q,
+            False, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        )
+
+    dk *= scale
+    tl.store(
+        _aligned_base(dk_ptr, batch, stride_dkb, kv_head, stride_dkh)
+        + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=key_in[:, None] & (offs_d[None, :] < head_dim),
+    )
+    tl.store(
+        _aligned_base(dv_ptr, batch, stride_dvb, kv_head, stride_dvh)
+        + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
+    )
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, grad_out, lse, delta, offs_m,
+    k_base, v_base, key_padding_base, mask_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+    offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+    head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    key_start, key_end,
+    APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_idx = offs_m[:, None]
+    for start_n in range(key_start, key_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_in = offs_n < key_end
+        k_t = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=key_in[None, :] & (offs_d[:, None] < head_dim),
+            other=0.0,
+        )
+        v_t = tl.load(
+            v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+            mask=key_in[None, :] & (offs_dv[:, None] < head_dim_v),
+            other=0.0,
+        )
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        keep = key_in
+        if HAS_KEY_PADDING:
+            padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+            keep = keep & (padding == 0)
+        s = _masked_scores(
+            qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
+            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+        )
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(grad_out, v_t, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            kept = _dropout_keep(
+                offs_m, start_n, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
+            )
+            dp = tl.where(kept, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
+    return dq
+
+
+# dQ: one program per (query block, batch*head), same key range as forward.
+#   for each visible key block:
+#       P = exp2(S - lse · log2(e));  dP = dropout(dO Vᵀ);  dS = P ∘ (dP - delta)
+#       dQ += dS K
+#   dQ *= scale.
+@_kernel
+def _attention_backward_dq_kernel(
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr,
+    key_padding_ptr, key_bounds_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gob, stride_goh, stride_gom, stride_god,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_kpb, stride_kpn,
+    stride_kbb, stride_kbe,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
+    scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    if CAUSAL != 0:
+        block_m = tl.num_programs(0) - 1 - block_m
+    head_batch = tl.program_id(1) + head_batch_start
+    batch = head_batch // num_q_heads
+    head = head_batch % num_q_heads
+    kv_head = head // group_size
+    causal_shift = 0
+    if CAUSAL == 2:
+        causal_shift = seq_len_k - seq_len_q
+
+    head_dim = head_dim // 16 * 16
+    head_dim_v = head_dim_v // 16 * 16
+    stride_qm = stride_qm // 16 * 16
+    stride_kn = stride_kn // 16 * 16
+    stride_vn = stride_vn // 16 * 16
+    stride_gom = stride_gom // 16 * 16
+    stride_dqm = stride_dqm // 16 * 16
+
+    row_start = block_m * BLOCK_M
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_in = offs_m < seq_len_q
+
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    q = tl.load(
+        _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
+        + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=row_in[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    grad_out = tl.load(
+        _aligned_base(grad_out_ptr, batch, stride_gob, head, stride_goh)
+        + offs_m[:, None] * stride_gom + offs_dv[None, :] * stride_god,
+        mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
+        other=0.0,
+    )
+    lse = tl.load(lse_ptr + head_batch.to(tl.int64) * seq_len_q + offs_m, mask=row_in, other=float("inf")) * LOG2E
+    delta = tl.load(delta_ptr + head_batch.to(tl.int64) * seq_len_q + offs_m, mask=row_in, other=0.0)
+    k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
+    v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
+    key_padding_base = key_padding_ptr
+    if HAS_KEY_PADDING:
+        key_padding_base = key_padding_ptr + batch64 * stride_kpb
+    mask_base = mask_ptr
+    if HAS_DENSE_MASK:
+        mask_base = mask_ptr + batch64 * stride_mb + head64 * stride_mh
+
+    key_lo, key_full_hi, key_hi = _key_range(
+        row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
+        BLOCK_M, CAUSAL, HAS_KEY_PADDING,
+    )
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_inner(
+        dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+        key_lo, key_full_hi,
+        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+    )
+    if CAUSAL != 0:
+        dq = _dq_inner(
+            dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
+            offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
+            head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+            key_full_hi, key_hi,
+            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        )
+    dq *= scale
+    tl.store(
+        _aligned_base(dq_ptr, batch, stride_dqb, head, stride_dqh)
+        + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=row_in[:, None] & (offs_d[None, :] < head_dim),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Tile shape and launch options of one kernel.
+
+    ``block_m`` tiles queries and ``block_n`` keys, whichever of the two the
+    kernel's program owns (forward and dQ own a query block, dK/dV a key block).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by (kernel, head dim bucket): the bucket is max(BLOCK_D, BLOCK_DV)
+# rounded up to 64, 128 or 256.  Every entry compiles for sm_80 and sm_90
+# within shared memory and without spills (stack frame 0) in the variants
+# compile_targets() lists.
+#
+# FAST: 16-bit inputs without a dense mask or dropout (causal and key padding
+# allowed) -- the shapes the performance targets are about.  Tiles follow the
+# Triton flash-attention tutorial's sm_80/sm_90 choices, with 8 warps where the
+# causal/padding tests would otherwise push 128-row tiles past 255 registers.
+_FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
+    ("forward", 64): BlockConfig(128, 64, 8, 3),
+    ("forward", 128): BlockConfig(128, 64, 8, 3),
+    ("forward", 256): BlockConfig(64, 64, 8, 2),
+    ("dkdv", 64): BlockConfig(32, 64, 4, 3),
+    ("dkdv", 128): BlockConfig(32, 64, 4, 3),
+    ("dkdv", 256): BlockConfig(16, 64, 8, 2),
+    ("dq", 64): BlockConfig(128, 32, 4, 3),
+    ("dq", 128): BlockConfig(64, 64, 4, 3),
+    ("dq", 256): BlockConfig(64, 32, 8, 2),
+}
+# SAFE: float32 inputs (twice the bytes per element; tf32x3 dots keep three
+# operand splits live), or a dense mask (a [BLOCK_M, BLOCK_N] tile of mask
+# pointers and values) or dropout (Philox state).  Smaller tiles keep these
+# within registers.
+_SAFE_CONFIGS: dict[tuple[str, int], BlockConfig] = {
+    ("forward", 64): BlockConfig(64, 32, 4, 2),
+    ("forward", 128): BlockConfig(64, 32, 4, 2),
+    ("forward", 256): BlockConfig(32, 32, 4, 1),
+    ("dkdv", 64): BlockConfig(32, 64, 4, 2),
+    ("dkdv", 128): BlockConfig(16, 64, 8, 2),
+    ("dkdv", 256): BlockConfig(16, 32, 8, 1),
+    ("dq", 64): BlockConfig(64, 32, 4, 2),
+    ("dq", 128): BlockConfig(64, 32, 8, 2),
+    ("dq", 256): BlockConfig(32, 16, 8, 1),
+}
+# Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
+# diagonal paths at the short lengths the tests can afford.
+_INTERPRETER_CONFIGS = {
+    "forward": BlockConfig(32, 16, 1, 1),
+    "dkdv": BlockConfig(16, 32, 1, 1),
+    "dq": BlockConfig(32, 16, 1, 1),
+}
+_DELTA_BLOCK_M = 32
+_DELTA_NUM_WARPS = 4
+
+
+def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, heavy_masks: bool) -> BlockConfig:
+    """The configuration ``kernel`` ("forward", "dkdv" or "dq") runs with;
+    ``heavy_masks``: a dense attn_mask or dropout is on."""
+    if triton_interpreter_enabled():
+        return _INTERPRETER_CONFIGS[kernel]
+    bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
+    table = _SAFE_CONFIGS if heavy_masks or dtype == torch.float32 else _FAST_CONFIGS
+    return table[(kernel, bucket)]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: three tf32 products recover ~fp32 accuracy on tensor
+    # cores (plain tf32 errs near 3e-4, far from torch's float32 math).
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------
+
+
+def unsupported_reason(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    dropout_p: float,
+) -> Optional[str]:
+    """Why the Triton kernels cannot serve these arguments, or ``None``."""
+    if query.dtype not in SUPPORTED_DTYPES:
+        return f"the triton backend supports float16, bfloat16 and float32, got {query.dtype}"
+    head_dim = max(query.shape[-1], value.shape[-1])
+    if head_dim > MAX_HEAD_DIM:
+        return f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def _is_aligned(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.data_ptr() % 16 == 0
+        and tensor.stride(-1) == 1
+        and tensor.shape[-1] % 16 == 0
+        and all(stride % 16 == 0 for stride, size in zip(tensor.stride()[:-1], tensor.shape[:-1]) if size > 1)
+    )
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` [B, H, L, E] as the kernels require it: 16-byte aligned, unit
+    stride along E, other strides and E multiples of 16 elements.  Anything
+    else (an odd head dim, an odd view) is copied with E zero-padded: zero
+    columns change no dot product, and padded output columns are cut off."""
+    if _is_aligned(tensor):
+        return tensor
+    padded = tensor.new_zeros((*tensor.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
+    padded[..., : tensor.shape[-1]] = tensor
+    return padded
+
+
+def _unpadded(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    return tensor if tensor.shape[-1] == width else tensor[..., :width].contiguous()
+
+
+def _unit_last_stride(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A mask with stride 1 along its last dimension, so every launch matches
+    a compiled-and-checked variant (Triton turns a stride of 1 into a
+    constant).  Broadcast (stride-0) leading dimensions stay broadcast."""
+    if tensor is None or tensor.stride(-1) == 1:
+        return tensor
+    if tensor.shape[-1] == 1:
+        return tensor.as_strided(tensor.shape, (*tensor.stride()[:-1], 1))
+    broadcast = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride()[:-1])
+    return tensor[broadcast].contiguous().expand(tensor.shape)
+
+
+def _mask_arguments(
+    key_padding_mask: Optional[torch.Tensor],
+    key_bounds: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+) -> tuple[list, list, dict]:
+    """Pointers and strides (in kernel order, from key_padding_ptr on) and the
+    constexpr switches of the optional masks; absent tensors pass ``None``."""
+    if key_padding_mask is not None and key_bounds is None:
+        raise ValueError("key_bounds must accompany key_padding_mask")
+    key_padding_mask, key_bounds, attn_mask = (_unit_last_stride(t) for t in (key_padding_mask, key_bounds, attn_mask))
+    pointers = [key_padding_mask, key_bounds, attn_mask]
+    strides = [
+        *(key_padding_mask.stride() if key_padding_mask is not None else (0, 0)),
+        *(key_bounds.stride() if key_bounds is not None else (0, 0)),
+        *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0)),
+    ]
+    switches = dict(
+        HAS_KEY_PADDING=key_padding_mask is not None,
+        HAS_DENSE_MASK=attn_mask is not None,
+        MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+    )
+    return pointers, strides, switches
+
+
+def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -> dict:
+    if dropout_p == 0.0:
+        return dict(dropout_seed=0, dropout_offset=0, dropout_threshold=0, dropout_scale=1.0, HAS_DROPOUT=False)
+    seed, offset = (int(x) for x in dropout_seed.tolist())
+    # Kernels compare 16 random bits per element with round(p * 2**16); the
+    # scale uses that quantized keep probability so the mean stays exact.
+    threshold = min(round(dropout_p * _DROPOUT_LEVELS), _DROPOUT_LEVELS - 1)
+    return dict(
+        dropout_seed=seed,
+        dropout_offset=offset & 0x7FFFFFFF,  # one 32-bit Philox counter word
+        dropout_threshold=threshold,
+        dropout_scale=_DROPOUT_LEVELS / (_DROPOUT_LEVELS - threshold),
+        HAS_DROPOUT=True,
+    )
+
+
+def _config_arguments(config: BlockConfig, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> dict:
+    return dict(
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_DV=next_power_of_2(head_dim_v),
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _launch(kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: list, kwargs: dict) -> None:
+    for start in range(0, num_head_batches, _MAX_GRID_Y):
+        grid = (num_blocks, min(_MAX_GRID_Y, num_head_batches - start))
+        kernel[grid](*args, head_batch_start=start, **kwargs, **config_args)
+
+
+def forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    key_bounds: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    causal: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-attention forward; returns ``out [B, Hq, Lq, Dv]`` (query's dtype,
+    contiguous) and ``lse [B, Hq, Lq]`` float32 (+inf on fully-masked rows)."""
+    value_head_dim = value.shape[-1]
+    query, key, value = _aligned(query), _aligned(key), _aligned(value)
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    out = query.new_empty((batch, num_q_heads, seq_len_q, head_dim_v))
+    lse = torch.empty((batch, num_q_heads, seq_len_q), dtype=torch.float32, device=query.device)
+    mask_pointers, mask_strides, switches = _mask_arguments(key_padding_mask, key_bounds, attn_mask)
+    dropout = _dropout_arguments(dropout_p, dropout_seed)
+    heavy_masks = switches["HAS_DENSE_MASK"] or dropout["HAS_DROPOUT"]
+    config = block_config("forward", head_dim, head_dim_v, query.dtype, heavy_masks)
+    with torch.cuda.device_of(query):
+        _launch(
+            _attention_forward_kernel,
+            triton.cdiv(seq_len_q, config.block_m),
+            batch * num_q_heads,
+            _config_arguments(config, query.dtype, head_dim, head_dim_v),
+            [
+                query, key, value, out, lse, *mask_pointers,
+                *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(), *mask_strides,
+                num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
+            ],
+            dict(qk_scale=scale * math.log2(math.e), **dropout, CAUSAL=causal, **switches),
+        )
+    return _unpadded(out, value_head_dim), lse
+
+
+def backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    key_bounds: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    causal: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: Optional[torch.Tensor],
+    attn_mask_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash-attention backward; returns ``dq, dk, dv`` (contiguous, dtypes of
+    the inputs, GQA heads summed into their kv head) and ``dmask``, the float32
+    ``[B, Hq, Lq, Lk]`` gradient of the scaled, masked scores when
+    ``attn_mask_needs_grad`` (else an empty tensor)."""
+    query_head_dim, value_head_dim = query.shape[-1], value.shape[-1]
+    grad_out, query, key, value, out = (_aligned(t) for t in (grad_out, query, key, value, out))
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    group_size = num_q_heads // num_kv_heads
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    grad_scores = None
+    if attn_mask_needs_grad:
+        # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
+        grad_scores = torch.zeros((batch, num_q_heads, seq_len_q, seq_len_k), dtype=torch.float32, device=query.device)
+    mask_pointers, mask_strides, switches = _mask_arguments(key_padding_mask, key_bounds, attn_mask)
+    dropout = _dropout_arguments(dropout_p, dropout_seed)
+    heavy_masks = switches["HAS_DENSE_MASK"] or dropout["HAS_DROPOUT"]
+    scales = dict(scale=scale, qk_scale=scale * math.log2(math.e), **dropout, CAUSAL=causal, **switches)
+    with torch.cuda.device_of(query):
+        _launch(
+            _attention_backward_delta_kernel,
+            triton.cdiv(seq_len_q, _DELTA_BLOCK_M),
+            batch * num_q_heads,
+            dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=next_power_of_2(head_dim_v), num_warps=_DELTA_NUM_WARPS),
+            [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],
+            {},
+        )
+        dkdv_config = block_config("dkdv", head_dim, head_dim_v, query.dtype, heavy_masks)
+        _launch(
+            _attention_backward_dkdv_kernel,
+            triton.cdiv(seq_len_k, dkdv_config.block_n),
+            batch * num_kv_heads,
+            _config_arguments(dkdv_config, query.dtype, head_dim, head_dim_v),
+            [
+                query, key, value, grad_out, lse, delta, dk, dv, grad_scores, *mask_pointers,
+                *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+                *(grad_scores.stride() if attn_mask_needs_grad else (0, 0, 0, 0)), *mask_strides,
+                num_q_heads, num_kv_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v,
+            ],
+            dict(scales, STORE_GRAD_SCORES=attn_mask_needs_grad),
+        )
+        dq_config = block_config("dq", head_dim, head_dim_v, query.dtype, heavy_masks)
+        _launch(
+            _attention_backward_dq_kernel,
+            triton.cdiv(seq_len_q, dq_config.block_m),
+            batch * num_q_heads,
+            _config_arguments(dq_config, query.dtype, head_dim, head_dim_v),
+            [
+                query, key, value, grad_out, lse, delta, dq, *mask_pointers,
+                *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride(), *mask_strides,
+                num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v,
+            ],
+            scales,
+        )
+    if grad_scores is None:
+        grad_scores = torch.empty(0, dtype=torch.float32, device=query.device)
+    return (
+        _unpadded(dq, query_head_dim), _unpadded(dk, query_head_dim), _unpadded(dv, value_head_dim), grad_scores,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Compile targets
+# ---------------------------------------------------------------------------
+
+_KERNELS = {
+    "forward": _attention_forward_kernel,
+    "dkdv": _attention_backward_dkdv_kernel,
+    "dq": _attention_backward_dq_kernel,
+}
+_FP32_POINTERS = ("lse_ptr", "delta_ptr", "grad_scores_ptr")
+_FLOAT_SCALARS = ("scale", "qk_scale", "dropout_scale")
+# Strides that are 1 in every launch (the launchers ensure it), which Triton
+# compiles as constants.
+_UNIT_STRIDES = (
+    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_god", "stride_dqd", "stride_dkd", "stride_dvd",
+    "stride_lsem", "stride_kpn", "stride_kbe", "stride_mn", "stride_gsn",
+)
+_LIGHT_SWITCHES = dict(CAUSAL=2, HAS_KEY_PADDING=True, HAS_DENSE_MASK=False, MASK_IS_BOOL=False, HAS_DROPOUT=False)
+_ALL_SWITCHES = dict(CAUSAL=2, HAS_KEY_PADDING=True, HAS_DENSE_MASK=True, MASK_IS_BOOL=False, HAS_DROPOUT=True)
+
+
+def _signature(kernel, dtype_name: str, constexprs: dict) -> dict:
+    """Triton types of ``kernel``'s arguments; adds the unit strides to ``constexprs``."""
+    constexprs.update({name: 1 for name in _UNIT_STRIDES if name in kernel.arg_names})
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in _FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name == "key_padding_ptr":
+            signature[name] = "*u1"  # torch.bool
+        elif name == "key_bounds_ptr":
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{dtype_name}"  # the float mask has the query's dtype
+        elif name in _FLOAT_SCALARS:
+            signature[name] = "fp32"
+        elif name == "dropout_seed":
+            signature[name] = "i64"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+def _attention_target(kernel_name: str, bucket: int, config: BlockConfig, dtype: torch.dtype, switches: dict):
+    kernel = _KERNELS[kernel_name]
+    dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
+    constexprs = dict(
+        switches,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=bucket, BLOCK_DV=bucket,
+        DOT_PRECISION=_dot_precision(dtype),
+    )
+    if kernel_name == "dkdv":
+        constexprs["STORE_GRAD_SCORES"] = switches["HAS_DENSE_MASK"]
+        if not switches["HAS_DENSE_MASK"]:
+            constexprs["grad_scores_ptr"] = None
+    if not switches["HAS_DENSE_MASK"]:
+        constexprs["mask_ptr"] = None
+    variant = "all_masks" if switches["HAS_DENSE_MASK"] else "causal_padding"
+    return CompileTarget(
+        name=f"attention_{kernel_name}_{dtype_name}_d{bucket}_{variant}",
+        kernel=kernel,
+        signature=_signature(kernel, dtype_name, constexprs),
+        constexprs=constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def compile_targets() -> list[CompileTarget]:
+    """Every configuration the dispatcher can choose, with the heaviest
+    switches it can be chosen with: FAST configs with bottom-right causal and
+    key padding (in bfloat16, and float16 at head dim 128), SAFE configs with
+    every switch on -- bottom-right causal, key padding, float mask, dropout,
+    dS store -- in float32 (the heaviest dtype; float16 too at head dim 128).
+    Lighter switches only remove code."""
+    targets = []
+    for (kernel_name, bucket), config in _FAST_CONFIGS.items():
+        for dtype in (torch.bfloat16, torch.float16) if bucket == 128 else (torch.bfloat16,):
+            targets.append(_attention_target(kernel_name, bucket, config, dtype, _LIGHT_SWITCHES))
+    for (kernel_name, bucket), config in _SAFE_CONFIGS.items():
+        for dtype in (torch.float32, torch.float16) if bucket == 128 else (torch.float32,):
+            targets.append(_attention_target(kernel_name, bucket, config, dtype, _ALL_SWITCHES))
+    for dtype, block_dv in ((torch.bfloat16, 64), (torch.float32, 256)):
+        dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
+        constexprs = dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=block_dv)
+        targets.append(CompileTarget(
+            name=f"attention_delta_{dtype_name}_d{block_dv}",
+            kernel=_attention_backward_delta_kernel,
+            signature=_signature(_attention_backward_delta_kernel, dtype_name, constexprs),
+            constexprs=constexprs,
+            num_warps=_DELTA_NUM_WARPS,
+            num_stages=1,
+        ))
+    return targets

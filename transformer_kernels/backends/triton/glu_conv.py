@@ -1,0 +1,633 @@
+"""Triton kernels for the fused GLU convolution (conv1d + bias + GLU + residual, scaled).
+
+Notation: ``x`` ``[B, C_in, L]``, ``weight`` ``[2C, C_in, k]``, pre-activation
+``z = conv1d(pad(x), weight) + bias`` ``[B, 2C, L_out]`` split into the value
+half ``a = z[:, :C]`` and the gate half ``g = z[:, C:]``;
+``out = (a * sigmoid(g) + residual) * residual_scale``.  Padding puts
+``pad_left`` positions holding ``pad_value`` before ``x`` (and enough after it
+for ``L_out``), so ``xpad[b, ci, s + tap] = x[b, ci, s + tap - pad_left]``.
+
+Every tensor is addressed through its own strides, so ``[B, C, L]`` tensors
+may be channel-first (contiguous) or channel-last (a contiguous ``[B, L, C]``
+transposed) without a copy.  The launchers pass the weight repacked as
+``[k, C_in, 2C]`` so that weight tiles are contiguous along output channels.
+
+Kernels:
+
+* ``_glu_conv1d_fwd_kernel``: implicit GEMM producing both GLU halves, then
+  the epilogue.  With ``COMPUTE_GRAD`` it is the first backward step: it
+  recomputes ``a`` and ``g`` from ``x`` and writes ``grad_z`` instead of
+  ``out`` (forward keeps no pre-activation for backward).
+* ``_glu_conv1d_bwd_input_kernel``: ``grad_x``, a transposed convolution of
+  ``grad_z``.
+* ``_glu_conv1d_bwd_weight_kernel``: ``grad_weight`` per tap and
+  ``grad_bias``, as split-K partial sums reduced on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..eager.glu_conv import empty_output
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget
+
+__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "compile_targets"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Forward / recompute kernel.
+#
+# One program owns BLOCK_POS output rows (flattened (batch, position), so short
+# sequences of a large batch fill a tile) times BLOCK_C channels of BOTH GLU
+# halves: it accumulates a = xpad * W[:C] and g = xpad * W[C:] in two fp32
+# accumulators that share every x tile, so the gate never leaves registers.
+#   for tap in 0..k-1:                      # implicit GEMM, reduction (C_in x k)
+#       rows' input position p = s + tap - pad_left (pad_value where p is outside [0, L))
+#       for each BLOCK_CI slice of C_in:
+#           acc_a += x[rows, p, ci] @ W[tap, ci, c];  acc_g += x[rows, p, ci] @ W[tap, ci, C + c]
+# Epilogue (fp32): add bias; gate = sigmoid(acc_g); then either
+#   forward:       out = (acc_a * gate + residual) * residual_scale
+#   COMPUTE_GRAD:  gy = grad_out * residual_scale
+#                  grad_z[:, c] = gy * gate;  grad_z[:, C + c] = gy * acc_a * gate * (1 - gate)
+@triton.jit
+def _glu_conv1d_fwd_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    residual_ptr,
+    grad_out_ptr,
+    out_ptr,
+    batch,
+    length_in,
+    length_out,
+    channels_in,
+    channels_out,
+    kernel_size,
+    pad_left,
+    pad_value,
+    residual_scale,
+    stride_x_batch,
+    stride_x_channel,
+    stride_x_position,
+    stride_w_tap,
+    stride_w_in,
+    stride_w_out,
+    stride_residual_batch,
+    stride_residual_channel,
+    stride_residual_position,
+    stride_grad_out_batch,
+    stride_grad_out_channel,
+    stride_grad_out_position,
+    stride_out_batch,
+    stride_out_channel,
+    stride_out_position,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_POS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_CI: tl.constexpr,
+):
+    # out_ptr / stride_out_*: the tensor written, ``out`` [B, C, L_out] in the
+    # forward; with COMPUTE_GRAD ``grad_z`` [B, 2C, L_out] (gate half at +C).
+    pid_row = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_row * BLOCK_POS + tl.arange(0, BLOCK_POS)
+    row_ok = rows < batch * length_out
+    b = (rows // length_out).to(tl.int64)
+    s = rows % length_out
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels_out
+
+    acc_a = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
+    for tap in range(kernel_size):
+        position = s + tap - pad_left
+        in_sequence = (position >= 0) & (position < length_in)
+        load_rows = row_ok & in_sequence
+        pad_rows = row_ok & (~in_sequence)
+        x_tap = x_ptr + b * stride_x_batch + position.to(tl.int64) * stride_x_position
+        w_tap = weight_ptr + tap * stride_w_tap
+        for ci_start in range(0, channels_in, BLOCK_CI):
+            ci = ci_start + tl.arange(0, BLOCK_CI)
+            ci_ok = ci < channels_in
+            x_tile = tl.load(
+                x_tap[:, None] + ci[None, :] * stride_x_channel,
+                mask=load_rows[:, None] & ci_ok[None, :],
+                other=0.0,
+            )
+            x_tile = tl.where(pad_rows[:, None] & ci_ok[None, :], pad_value, x_tile).to(x_ptr.dtype.element_ty)
+            w_ptrs = w_tap + ci[:, None] * stride_w_in + cols[None, :] * stride_w_out
+            w_mask = ci_ok[:, None] & col_ok[None, :]
+            w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            w_gate = tl.load(w_ptrs + channels_out * stride_w_out, mask=w_mask, other=0.0)
+            acc_a = tl.dot(x_tile, w_value, acc_a, input_precision=INPUT_PRECISION)
+            acc_g = tl.dot(x_tile, w_gate, acc_g, input_precision=INPUT_PRECISION)
+
+    if HAS_BIAS:
+        acc_a += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(bias_ptr + channels_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    gate = tl.sigmoid(acc_g)
+    tile_mask = row_ok[:, None] & col_ok[None, :]
+    s = s.to(tl.int64)
+    out_ptrs = (
+        out_ptr + (b * stride_out_batch + s * stride_out_position)[:, None] + cols[None, :] * stride_out_channel
+    )
+    if COMPUTE_GRAD:
+        grad_out = tl.load(
+            grad_out_ptr
+            + (b * stride_grad_out_batch + s * stride_grad_out_position)[:, None]
+            + cols[None, :] * stride_grad_out_channel,
+            mask=tile_mask,
+            other=0.0,
+        ).to(tl.float32)
+        grad_value = grad_out * residual_scale * gate
+        grad_gate = grad_value * acc_a * (1.0 - gate)
+        tl.store(out_ptrs, grad_value.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(out_ptrs + channels_out * stride_out_channel, grad_gate.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    else:
+        y = acc_a * gate
+        if HAS_RESIDUAL:
+            y += tl.load(
+                residual_ptr
+                + (b * stride_residual_batch + s * stride_residual_position)[:, None]
+                + cols[None, :] * stride_residual_channel,
+                mask=tile_mask,
+                other=0.0,
+            ).to(tl.float32)
+        y = y * residual_scale
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=tile_mask)
+
+
+# grad_x: the transposed convolution of grad_z.
+#   grad_x[b, ci, t] = sum_{tap, co < 2C} grad_z[b, co, t + pad_left - tap] * W[co, ci, tap]
+# One program owns BLOCK_POS input rows (flattened (batch, position)) times
+# BLOCK_CI input channels and reduces over (2C x k); output positions
+# t + pad_left - tap outside [0, L_out) contribute nothing (padding is a
+# constant, it takes no gradient).
+@triton.jit
+def _glu_conv1d_bwd_input_kernel(
+    grad_z_ptr,
+    weight_ptr,
+    grad_x_ptr,
+    batch,
+    length_in,
+    length_out,
+    channels_in,
+    channels_z,
+    kernel_size,
+    pad_left,
+    stride_grad_z_batch,
+    stride_grad_z_channel,
+    stride_grad_z_position,
+    stride_w_tap,
+    stride_w_in,
+    stride_w_out,
+    stride_grad_x_batch,
+    stride_grad_x_channel,
+    stride_grad_x_position,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_POS: tl.constexpr,
+    BLOCK_CI: tl.constexpr,
+    BLOCK_CZ: tl.constexpr,
+):
+    pid_row = tl.program_id(0)
+    pid_ci = tl.program_id(1)
+    rows = pid_row * BLOCK_POS + tl.arange(0, BLOCK_POS)
+    row_ok = rows < batch * length_in
+    b = (rows // length_in).to(tl.int64)
+    t = rows % length_in
+    ci = pid_ci * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci_ok = ci < channels_in
+
+    acc = tl.zeros((BLOCK_POS, BLOCK_CI), dtype=tl.float32)
+    for tap in range(kernel_size):
+        s = t + pad_left - tap
+        load_rows = row_ok & (s >= 0) & (s < length_out)
+        grad_z_tap = grad_z_ptr + b * stride_grad_z_batch + s.to(tl.int64) * stride_grad_z_position
+        w_tap = weight_ptr + tap * stride_w_tap
+        for cz_start in range(0, channels_z, BLOCK_CZ):
+            cz = cz_start + tl.arange(0, BLOCK_CZ)
+            cz_ok = cz < channels_z
+            grad_z_tile = tl.load(
+                grad_z_tap[:, None] + cz[None, :] * stride_grad_z_channel,
+                mask=load_rows[:, None] & cz_ok[None, :],
+                other=0.0,
+            )
+            w_tile = tl.load(
+                w_tap + cz[:, None] * stride_w_out + ci[None, :] * stride_w_in,
+                mask=cz_ok[:, None] & ci_ok[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(grad_z_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+
+    grad_x_ptrs = (
+        grad_x_ptr
+        + (b * stride_grad_x_batch + t.to(tl.int64) * stride_grad_x_position)[:, None]
+        + ci[None, :] * stride_grad_x_channel
+    )
+    tl.store(grad_x_ptrs, acc.to(grad_x_ptr.dtype.element_ty), mask=row_ok[:, None] & ci_ok[None, :])
+
+
+# grad_weight and grad_bias, split-K over the flattened (batch, position) rows.
+#   grad_W[co, ci, tap] = sum_{b, s} grad_z[b, co, s] * xpad[b, ci, s + tap]
+#   grad_bias[co]       = sum_{b, s} grad_z[b, co, s]
+# Program (tile, tap, split) owns a BLOCK_CZ x BLOCK_CI tile of one tap and
+# reduces over its split's contiguous range of rows, BLOCK_POS at a time,
+# re-reading x (with pad_value in the padding) rather than an unfolded copy.
+# Each split writes fp32 partial sums; the launcher adds the splits, which
+# keeps the result deterministic (no atomics).  Only the programs of tap 0
+# and the first C_in tile write grad_bias partials.
+@triton.jit
+def _glu_conv1d_bwd_weight_kernel(
+    x_ptr,
+    grad_z_ptr,
+    grad_weight_partial_ptr,
+    grad_bias_partial_ptr,
+    batch,
+    length_in,
+    length_out,
+    channels_in,
+    channels_z,
+    pad_left,
+    rows_per_split,
+    pad_value,
+    stride_x_batch,
+    stride_x_channel,
+    stride_x_position,
+    stride_grad_z_batch,
+    stride_grad_z_channel,
+    stride_grad_z_position,
+    stride_gw_partial_split,
+    stride_gw_partial_out,
+    stride_gw_partial_in,
+    stride_gw_partial_tap,
+    stride_gb_partial_split,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_CZ: tl.constexpr,
+    BLOCK_CI: tl.constexpr,
+    BLOCK_POS: tl.constexpr,
+):
+    pid_tile = tl.program_id(0)
+    tap = tl.program_id(1)
+    split = tl.program_id(2)
+    num_ci_blocks = tl.cdiv(channels_in, BLOCK_CI)
+    pid_cz = pid_tile // num_ci_blocks
+    pid_ci = pid_tile % num_ci_blocks
+    cz = pid_cz * BLOCK_CZ + tl.arange(0, BLOCK_CZ)
+    cz_ok = cz < channels_z
+    ci = pid_ci * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci_ok = ci < channels_in
+
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, batch * length_out)
+    acc = tl.zeros((BLOCK_CZ, BLOCK_CI), dtype=tl.float32)
+    bias_acc = tl.zeros((BLOCK_CZ,), dtype=tl.float32)
+    for row_block in range(row_start, row_end, BLOCK_POS):
+        rows = row_block + tl.arange(0, BLOCK_POS)
+        row_ok = rows < row_end
+        b = (rows // length_out).to(tl.int64)
+        s = rows % length_out
+        grad_z_tile = tl.load(
+            grad_z_ptr
+            + cz[:, None] * stride_grad_z_channel
+            + (b * stride_grad_z_batch + s.to(tl.int64) * stride_grad_z_position)[None, :],
+            mask=cz_ok[:, None] & row_ok[None, :],
+            other=0.0,
+        )
+        position = s + tap - pad_left
+        in_sequence = (position >= 0) & (position < length_in)
+        x_tile = tl.load(
+            x_ptr
+            + (b * stride_x_batch + position.to(tl.int64) * stride_x_position)[:, None]
+            + ci[None, :] * stride_x_channel,
+            mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
+            other=0.0,
+        )
+        x_tile = tl.where((row_ok & (~in_sequence))[:, None] & ci_ok[None, :], pad_value, x_tile)
+        x_tile = x_tile.to(x_ptr.dtype.element_ty)
+        acc = tl.dot(grad_z_tile, x_tile, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            bias_acc += tl.sum(grad_z_tile.to(tl.float32), axis=1)
+
+    partial_ptrs = (
+        grad_weight_partial_ptr
+        + split * stride_gw_partial_split
+        + tap * stride_gw_partial_tap
+        + cz[:, None] * stride_gw_partial_out
+        + ci[None, :] * stride_gw_partial_in
+    )
+    tl.store(partial_ptrs, acc, mask=cz_ok[:, None] & ci_ok[None, :])
+    if HAS_BIAS:
+        # Every program summed its grad_z rows; one program per channel block writes them.
+        bias_channels = tl.where((pid_ci == 0) & (tap == 0), channels_z, 0)
+        tl.store(grad_bias_partial_ptr + split * stride_gb_partial_split + cz, bias_acc, mask=cz < bias_channels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """One kernel's ``BLOCK_*`` constexprs and launch shape."""
+
+    blocks: dict
+    num_warps: int
+    num_stages: int
+
+
+# Forward: two 64 x 64 fp32 accumulators (value and gate halves) need 8 warps
+# to stay clear of spills; the backward GEMMs hold one and fit in 4 warps with
+# 16-bit operands (8 for fp32, whose "ieee" FMA path needs more registers).
+# fp32 operands take twice the shared memory per stage, so they use a narrower
+# reduction slice.  Checked on sm_80 and sm_90 by tests/test_triton_compile.py.
+# One configuration per (kernel, dtype class) serves every channel count:
+# partial tiles are masked.
+_CONFIGS = {
+    # kernel: (config for 16-bit inputs, config for fp32 inputs)
+    "fwd": (
+        _Config({"BLOCK_POS": 64, "BLOCK_C": 64, "BLOCK_CI": 32}, num_warps=8, num_stages=3),
+        _Config({"BLOCK_POS": 64, "BLOCK_C": 64, "BLOCK_CI": 16}, num_warps=8, num_stages=3),
+    ),
+    "bwd_input": (
+        _Config({"BLOCK_POS": 64, "BLOCK_CI": 64, "BLOCK_CZ": 32}, num_warps=4, num_stages=3),
+        _Config({"BLOCK_POS": 64, "BLOCK_CI": 64, "BLOCK_CZ": 16}, num_warps=8, num_stages=3),
+    ),
+    "bwd_weight": (
+        _Config({"BLOCK_CZ": 64, "BLOCK_CI": 64, "BLOCK_POS": 32}, num_warps=4, num_stages=3),
+        _Config({"BLOCK_CZ": 64, "BLOCK_CI": 64, "BLOCK_POS": 16}, num_warps=8, num_stages=3),
+    ),
+}
+
+
+def kernel_config(kernel: str, dtype: torch.dtype) -> _Config:
+    """The configuration of ``kernel`` ("fwd", "bwd_input", "bwd_weight") for inputs of ``dtype``."""
+    return _CONFIGS[kernel][dtype == torch.float32]
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 follows torch's convolution setting (cuDNN uses TF32 unless disabled).
+    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def unsupported_reason(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor]
+) -> Optional[str]:
+    if x.dtype not in _SUPPORTED_DTYPES:
+        return f"the Triton kernels support float16, bfloat16 and float32, got {x.dtype}"
+    return None
+
+
+def empty_saved(x: torch.Tensor, weight: torch.Tensor, pad_left: int, pad_right: int) -> torch.Tensor:
+    """What ``forward`` returns for backward: nothing (backward recomputes the pre-activation)."""
+    return x.new_empty(0)
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[2C, C_in, k]`` as ``[k, C_in, 2C]`` contiguous (output channels fastest)."""
+    return weight.permute(2, 1, 0).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits so the split-K path runs
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    pad_left: int,
+    pad_right: int,
+    pad_value: float,
+    residual_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, empty)``: nothing beyond the inputs is kept, backward recomputes the pre-activation."""
+    channels_z, _, kernel_size = weight.shape
+    length_out = x.shape[2] + pad_left + pad_right - kernel_size + 1
+    out = empty_output(x, channels_z // 2, length_out)
+    _launch_preactivation(
+        x, _packed_weight(weight), bias, residual, None, out, pad_left, length_out, pad_value, residual_scale
+    )
+    return out, x.new_empty(0)
+
+
+def _launch_preactivation(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    grad_out: Optional[torch.Tensor],
+    destination: torch.Tensor,
+    pad_left: int,
+    length_out: int,
+    pad_value: float,
+    residual_scale: float,
+) -> None:
+    """Run ``_glu_conv1d_fwd_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``);
+    ``grad_out`` given selects the ``COMPUTE_GRAD`` epilogue."""
+    batch, channels_in, length_in = x.shape
+    kernel_size, _, channels_z = packed.shape
+    if batch == 0:
+        return
+    config = kernel_config("fwd", x.dtype)
+    unused_strides = (0, 0, 0)
+    grid = (
+        triton.cdiv(batch * length_out, config.blocks["BLOCK_POS"]),
+        triton.cdiv(channels_z // 2, config.blocks["BLOCK_C"]),
+    )
+    _glu_conv1d_fwd_kernel[grid](
+        x,
+        packed,
+        bias if bias is not None else packed,
+        residual if residual is not None else destination,
+        grad_out if grad_out is not None else destination,
+        destination,
+        batch,
+        length_in,
+        length_out,
+        channels_in,
+        channels_z // 2,
+        kernel_size,
+        pad_left,
+        float(pad_value),
+        float(residual_scale),
+        *x.stride(),
+        *packed.stride(),
+        *(residual.stride() if residual is not None else unused_strides),
+        *(grad_out.stride() if grad_out is not None else unused_strides),
+        *destination.stride(),
+        HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        COMPUTE_GRAD=grad_out is not None,
+        INPUT_PRECISION=_input_precision(x.dtype),
+        **config.blocks,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _weight_splits(rows: int, tiles: int, config: _Config, device: torch.device) -> int:
+    """How many row ranges grad_weight is split into: enough programs to fill the GPU twice,
+    but at least two row blocks per split."""
+    wanted = triton.cdiv(2 * _multiprocessor_count(device), tiles)
+    return max(1, min(wanted, triton.cdiv(rows, 2 * config.blocks["BLOCK_POS"])))
+
+
+def backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    z: torch.Tensor,
+    pad_left: int,
+    pad_right: int,
+    pad_value: float,
+    residual_scale: float,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor.
+
+    ``z`` is ignored (forward saved none): the first kernel recomputes it.
+    """
+    batch, channels_in, length_in = x.shape
+    channels_z, _, kernel_size = weight.shape
+    length_out = grad_out.shape[2]
+    rows_out = batch * length_out
+    precision = _input_precision(x.dtype)
+
+    packed = _packed_weight(weight)
+    # grad_z [B, 2C, L_out] stored channel-last: both GEMMs below read it along channels.
+    grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
+    _launch_preactivation(x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, residual_scale)
+
+    grad_x = empty_output(x, channels_in, length_in) if needs_grad_x else x.new_empty(0)
+    if needs_grad_x and batch > 0:
+        config = kernel_config("bwd_input", x.dtype)
+        grid = (
+            triton.cdiv(batch * length_in, config.blocks["BLOCK_POS"]),
+            triton.cdiv(channels_in, config.blocks["BLOCK_CI"]),
+        )
+        _glu_conv1d_bwd_input_kernel[grid](
+            grad_z,
+            packed,
+            grad_x,
+            batch,
+            length_in,
+            length_out,
+            channels_in,
+            channels_z,
+            kernel_size,
+            pad_left,
+            *grad_z.stride(),
+            *packed.stride(),
+            *grad_x.stride(),
+            INPUT_PRECISION=precision,
+            **config.blocks,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    grad_bias_wanted = needs_grad_bias and bias is not None
+    grad_weight = weight.new_empty(0)
+    grad_bias = weight.new_empty(0)
+    if needs_grad_weight or grad_bias_wanted:
+        config = kernel_config("bwd_weight", x.dtype)
+        block_rows = config.blocks["BLOCK_POS"]
+        tiles = triton.cdiv(channels_z, config.blocks["BLOCK_CZ"])
+        tiles *= triton.cdiv(channels_in, config.blocks["BLOCK_CI"])
+        splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
+        rows_per_split = max(1, triton.cdiv(rows_out, splits * block_rows)) * block_rows
+        # An empty batch still runs one split, which writes zeros.
+        splits = max(1, triton.cdiv(rows_out, rows_per_split))
+        grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
+        grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
+        _glu_conv1d_bwd_weight_kernel[(tiles, kernel_size, splits)](
+            x,
+            grad_z,
+            grad_weight_partial,
+            grad_bias_partial,
+            batch,
+            length_in,
+            length_out,
+            channels_in,
+            channels_z,
+            pad_left,
+            rows_per_split,
+            float(pad_value),
+            *x.stride(),
+            *grad_z.stride(),
+            *grad_weight_partial.stride(),
+            grad_bias_partial.stride(0),
+            HAS_BIAS=grad_bias_wanted,
+            INPUT_PRECISION=precision,
+            **config.blocks,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        if needs_grad_weight:
+            grad_weight = grad_weight_partial.sum(0).to(weight.dtype)
+        if grad_bias_wanted:
+            grad_bias = grad_bias_partial.sum(0).to(weight.dtype)
+    return grad_x, grad_weight, grad_bias
+
+
+def _signature(kernel, dtype: str) -> dict:
+    """Triton types of ``kernel``'s arguments, read off their names: ``*_ptr`` tensors of
+    ``dtype`` (fp32 for the split-K partial sums), ``pad_value`` / ``residual_scale`` fp32,
+    UPPER_CASE constexprs, every other (sizes, strides) i32."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name.endswith("_partial_ptr"):
+            signature[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + dtype
+        elif name in ("pad_value", "residual_scale"):
+            signature[name] = "fp32"
+        elif name.isupper():
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+def compile_targets() -> list[CompileTarget]:
+    """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
+    constexpr flags (the forward kernel also in its COMPUTE_GRAD form)."""
+    variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "ieee")]
+    kernels = [
+        ("fwd", _glu_conv1d_fwd_kernel, {"HAS_BIAS": True, "HAS_RESIDUAL": True, "COMPUTE_GRAD": False}),
+        ("fwd", _glu_conv1d_fwd_kernel, {"HAS_BIAS": True, "HAS_RESIDUAL": False, "COMPUTE_GRAD": True}),
+        ("bwd_input", _glu_conv1d_bwd_input_kernel, {}),
+        ("bwd_weight", _glu_conv1d_bwd_weight_kernel, {"HAS_BIAS": True}),
+    ]
+    targets = []
+    for dtype, precision in variants:
+        dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
+        for kind, kernel, flags in kernels:
+            config = kernel_config(kind, dtype)
+            mode = "-grad" if flags.get("COMPUTE_GRAD") else ""
+            targets.append(
+                CompileTarget(
+                    name=f"glu_conv_{kind}{mode}-{dtype_name}-{precision}",
+                    kernel=kernel,
+                    signature=_signature(kernel, dtype_name),
+                    constexprs={**flags, "INPUT_PRECISION": precision, **config.blocks},
+                    num_warps=config.num_warps,
+                    num_stages=config.num_stages,
+                )
+            )
+    return targets

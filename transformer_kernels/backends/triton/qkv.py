@@ -1,0 +1,684 @@
+"""Triton kernels for the fused QKV projection.
+
+Layout (shared with ``ops/qkv.py`` and the eager backend): ``x`` is read as
+``[B, L, E_in]`` with any strides, ``weight`` is ``[n*E, E_in]`` with packed
+row blocks (q | k | v) and any strides, and every output is its own
+contiguous ``[B, H, L, Dh]`` tensor.  The op requires ``E_in == E``; the
+kernels keep the two apart (``in_features``, ``embed_dim``) only for
+readability.  Three kernels, each a tiled GEMM over "tokens" ``t = b*L + l``:
+
+* ``_qkv_forward_kernel``          out = x @ weightᵀ + bias, stored head-split.
+* ``_qkv_grad_input_kernel``       grad_x = Σ_i grad_i @ weight_i.
+* ``_qkv_grad_weight_kernel``      grad_weight = gradᵀ @ x and grad_bias =
+  column sums of grad, in one pass over the gradients (optionally split over
+  tokens into fp32 partial sums that the launcher adds up).
+
+The head-split gradients are read in place: all ``n`` of them must share one
+set of strides with a unit stride along ``Dh`` (``backward`` copies only a
+gradient that breaks this, e.g. a stride-0 gradient of ``out.sum()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget
+
+__all__ = [
+    "KERNELS", "GemmConfig", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits",
+    "unsupported_reason",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped ordering: consecutive programs walk GROUP_M row tiles down one
+    # column of tiles before moving right, so the GROUP_M row panels and the
+    # column panels they pair with stay resident in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _select_projection(proj, q_ptr, k_ptr, v_ptr, NUM_PROJ: tl.constexpr):
+    # The n head-split tensors are separate allocations; a program works on
+    # one of them, picked at run time from its tile index.
+    ptr = q_ptr
+    if NUM_PROJ >= 2:
+        if proj == 1:
+            ptr = k_ptr
+    if NUM_PROJ >= 3:
+        if proj == 2:
+            ptr = v_ptr
+    return ptr
+
+
+# ---------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------
+# Algorithm: a standard tiled GEMM  out[t, f] = Σ_e x[t, e] · weight[f, e]
+# over M = tokens, N = n·E output features, K = E_in.  Column tiles never
+# straddle two projections (each projection gets cdiv(E, BLOCK_N) tiles), so
+# a program stores into exactly one of q / k / v.  Out-of-range rows and
+# columns are wrapped back into range for the loads (no masks in the inner
+# loop except along E_in) and masked at the store.  The epilogue adds the
+# bias in fp32, then maps feature f to (head, d) = (f // Dh, f % Dh) and
+# token t to (b, l) = (t // L, t % L) and writes straight into the
+# contiguous [B, H, L, Dh] output: no transpose or copy pass afterwards.
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _qkv_forward_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    num_tokens,
+    seq_len,
+    embed_dim,
+    in_features,
+    head_dim,
+    stride_xb,
+    stride_xl,
+    stride_xe,
+    stride_wf,
+    stride_we,
+    stride_ob,
+    stride_oh,
+    stride_ol,
+    NUM_PROJ: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tiles_per_proj = tl.cdiv(embed_dim, BLOCK_N)
+    pid_m, pid_n = _grouped_tile(
+        tl.program_id(0), tl.cdiv(num_tokens, BLOCK_M), NUM_PROJ * tiles_per_proj, GROUP_M
+    )
+    proj = pid_n // tiles_per_proj
+
+    offs_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_f = (pid_n % tiles_per_proj) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_in = offs_t % num_tokens
+    f_in = offs_f % embed_dim
+
+    x_rows = (t_in // seq_len) * stride_xb + (t_in % seq_len) * stride_xl
+    x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xe
+    w_ptrs = weight_ptr + ((proj * embed_dim + f_in) * stride_wf)[None, :] + offs_k[:, None] * stride_we
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k_mask = offs_k < in_features - k0
+        a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xe
+        w_ptrs += BLOCK_K * stride_we
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + proj * embed_dim + f_in).to(tl.float32)[None, :]
+
+    out_ptr = _select_projection(proj, q_ptr, k_ptr, v_ptr, NUM_PROJ)
+    out_rows = (offs_t // seq_len) * stride_ob + (offs_t % seq_len) * stride_ol
+    out_cols = (offs_f // head_dim) * stride_oh + offs_f % head_dim
+    mask = (offs_t < num_tokens)[:, None] & (offs_f < embed_dim)[None, :]
+    tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# Backward, input gradient
+# ---------------------------------------------------------------------------
+# Algorithm: grad_x[t, e] = Σ_i Σ_f grad_i[t, f] · weight[i·E + f, e], a GEMM
+# over M = tokens, N = E_in whose reduction runs over the n projections one
+# after another; each projection's A tiles are gathered from its head-split
+# gradient ((b, h, l, d) addressing) inside the loop, so no packed [T, n·E]
+# gradient is ever materialized.
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _accumulate_grad_input(
+    acc,
+    grad_ptr,
+    weight_ptr,
+    proj,
+    grad_rows,
+    e_in,
+    embed_dim,
+    head_dim,
+    stride_gh,
+    stride_wf,
+    stride_we,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_f = tl.arange(0, BLOCK_K)
+    for f0 in range(0, embed_dim, BLOCK_K):
+        f = f0 + offs_f
+        f_mask = f < embed_dim
+        g = tl.load(
+            grad_ptr + grad_rows[:, None] + ((f // head_dim) * stride_gh + f % head_dim)[None, :],
+            mask=f_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            weight_ptr + ((proj * embed_dim + f) * stride_wf)[:, None] + (e_in * stride_we)[None, :],
+            mask=f_mask[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(g, w, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _qkv_grad_input_kernel(
+    grad_q_ptr,
+    grad_k_ptr,
+    grad_v_ptr,
+    weight_ptr,
+    grad_x_ptr,
+    num_tokens,
+    seq_len,
+    embed_dim,
+    in_features,
+    head_dim,
+    stride_gb,
+    stride_gh,
+    stride_gl,
+    stride_wf,
+    stride_we,
+    stride_dxt,
+    NUM_PROJ: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_tile(
+        tl.program_id(0), tl.cdiv(num_tokens, BLOCK_M), tl.cdiv(in_features, BLOCK_N), GROUP_M
+    )
+    offs_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_in = offs_t % num_tokens
+    e_in = offs_e % in_features
+    grad_rows = (t_in // seq_len) * stride_gb + (t_in % seq_len) * stride_gl
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _accumulate_grad_input(
+        acc, grad_q_ptr, weight_ptr, 0, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
+        INPUT_PRECISION, BLOCK_K,
+    )
+    if NUM_PROJ >= 2:
+        acc = _accumulate_grad_input(
+            acc, grad_k_ptr, weight_ptr, 1, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
+            INPUT_PRECISION, BLOCK_K,
+        )
+    if NUM_PROJ >= 3:
+        acc = _accumulate_grad_input(
+            acc, grad_v_ptr, weight_ptr, 2, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
+            INPUT_PRECISION, BLOCK_K,
+        )
+
+    mask = (offs_t < num_tokens)[:, None] & (offs_e < in_features)[None, :]
+    grad_x_ptrs = grad_x_ptr + (offs_t * stride_dxt)[:, None] + offs_e[None, :]
+    tl.store(grad_x_ptrs, acc.to(grad_x_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# Backward, weight and bias gradients
+# ---------------------------------------------------------------------------
+# Algorithm: grad_weight[i·E + f, e] = Σ_t grad_i[t, f] · x[t, e], a GEMM over
+# M = n·E features (row tiles never straddle two projections), N = E_in,
+# reducing over tokens.  The A operand is the transposed head-split gradient
+# gathered in place.  The programs of the first column of tiles also sum
+# their A tiles over tokens, which is grad_bias, so the gradients are read
+# once for both.  When the output grid is too small to fill the GPU, the
+# token range is split over program_id(1) and each split writes fp32 partial
+# sums to its own slice of a workspace, which the launcher adds up
+# (deterministic, unlike atomics).
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _qkv_grad_weight_kernel(
+    grad_q_ptr,
+    grad_k_ptr,
+    grad_v_ptr,
+    x_ptr,
+    grad_w_ptr,
+    grad_b_ptr,
+    num_tokens,
+    seq_len,
+    embed_dim,
+    in_features,
+    head_dim,
+    tokens_per_split,
+    stride_gb,
+    stride_gh,
+    stride_gl,
+    stride_xb,
+    stride_xl,
+    stride_xe,
+    stride_dws,
+    stride_dwf,
+    stride_dbs,
+    NUM_PROJ: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tiles_per_proj = tl.cdiv(embed_dim, BLOCK_M)
+    pid_m, pid_n = _grouped_tile(
+        tl.program_id(0), NUM_PROJ * tiles_per_proj, tl.cdiv(in_features, BLOCK_N), GROUP_M
+    )
+    split = tl.program_id(1)
+    proj = pid_m // tiles_per_proj
+
+    offs_f = (pid_m % tiles_per_proj) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    e_in = offs_e % in_features
+
+    grad_ptr = _select_projection(proj, grad_q_ptr, grad_k_ptr, grad_v_ptr, NUM_PROJ)
+    # Unwrapped feature offsets plus a row mask (rather than wrapping them like
+    # e_in) keep the head-split addresses provably contiguous along Dh, so the
+    # gradient tile is fetched with 16-byte vector copies.
+    f_mask = offs_f < embed_dim
+    grad_cols = (offs_f // head_dim) * stride_gh + offs_f % head_dim
+    token_start = split * tokens_per_split
+    token_end = min(token_start + tokens_per_split, num_tokens)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bias_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t0 in range(token_start, token_end, BLOCK_K):
+        t = t0 + offs_k
+        t_mask = t < token_end
+        b_idx = t // seq_len
+        l_idx = t % seq_len
+        g = tl.load(
+            grad_ptr + grad_cols[:, None] + (b_idx * stride_gb + l_idx * stride_gl)[None, :],
+            mask=f_mask[:, None] & t_mask[None, :],
+            other=0.0,
+        )
+        xt = tl.load(
+            x_ptr + (b_idx * stride_xb + l_idx * stride_xl)[:, None] + (e_in * stride_xe)[None, :],
+            mask=t_mask[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(g, xt, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            if pid_n == 0:
+                bias_acc += tl.sum(g.to(tl.float32), axis=1)
+
+    rows = proj * embed_dim + offs_f
+    mask = f_mask[:, None] & (offs_e < in_features)[None, :]
+    grad_w_ptrs = grad_w_ptr + split * stride_dws + (rows * stride_dwf)[:, None] + offs_e[None, :]
+    tl.store(grad_w_ptrs, acc.to(grad_w_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        if pid_n == 0:
+            grad_b_ptrs = grad_b_ptr + split * stride_dbs + rows
+            tl.store(grad_b_ptrs, bias_acc.to(grad_b_ptr.dtype.element_ty), mask=f_mask)
+
+
+# ---------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# 128x128 tiles with 8 warps keep the fp32 accumulator at 64 registers per
+# thread (no spills on sm_80's mma.sync path) and map onto two warpgroups for
+# sm_90's wgmma.  Three stages of 16-bit 128x64 operand tiles are 96 KiB of
+# shared memory, fp32 (tf32) tiles halve BLOCK_K to stay at 96 KiB.  The
+# forward GEMM, measured against cuBLAS, uses 128x256 16-bit tiles (the
+# Triton matmul tutorial's best A100/H100 shape, 144 KiB, 238 registers on
+# sm_80); the backward kernels keep 128x128, where 128x256 reaches 255
+# registers and spills.  Problems whose large-tile grid would leave SMs idle,
+# and fp32 without tf32 (FMA path, register hungry), use 64x64 tiles.
+_WIDE_16BIT = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_LARGE_16BIT = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_LARGE_TF32 = GemmConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
+_SMALL = GemmConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+
+KERNELS = ("forward", "grad_input", "grad_weight")
+
+
+def _large_config(kernel: str, dtype: torch.dtype) -> GemmConfig:
+    if dtype == torch.float32:
+        return _LARGE_TF32
+    return _WIDE_16BIT if kernel == "forward" else _LARGE_16BIT
+
+
+def gemm_config(kernel: str, dtype: torch.dtype, use_tf32: bool, m: int, n: int, num_sms: int) -> GemmConfig:
+    """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]`` output."""
+    if dtype == torch.float32 and not use_tf32:
+        return _SMALL
+    large = _large_config(kernel, dtype)
+    if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= num_sms:
+        return large
+    return _SMALL
+
+
+def grad_weight_splits(output_tiles: int, num_tokens: int, block_k: int, num_sms: int) -> int:
+    """Number of token splits for the weight-gradient GEMM.
+
+    Split only while the grid is under two waves, and keep at least 16
+    reduction steps per split so the fp32 partial sums stay a small share of
+    the traffic.
+    """
+    if output_tiles >= 2 * num_sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, output_tiles), num_tokens // (16 * block_k)))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter: a small "GPU", so modest test shapes reach every path.
+    return 4
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+# ---------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """Largest element offset a kernel computes into ``t`` (the kernels index in int32)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def unsupported_reason(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int
+) -> Optional[str]:
+    if x.dtype not in TORCH_TO_TRITON_DTYPE:
+        return f"the triton backend supports float16, bfloat16 and float32, got {x.dtype}"
+    # Each output (and each gradient) has x.numel() elements.
+    if max(_max_offset(x), _max_offset(weight), x.numel()) > _INT32_MAX:
+        return f"the triton kernels index with int32: tensors must span at most {_INT32_MAX} elements"
+    return None
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """``[*batch, L, E]`` -> ``[B, L, E]``, a view whenever the strides allow."""
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int) -> list[torch.Tensor]:
+    *batch, seq_len, in_features = x.shape
+    embed_dim = in_features
+    num_proj = weight.shape[0] // embed_dim
+    head_dim = embed_dim // num_heads
+    outputs = [x.new_empty(*batch, num_heads, seq_len, head_dim) for _ in range(num_proj)]
+    x3 = _as_3d(x)
+    num_tokens = x3.shape[0] * seq_len
+    if num_tokens == 0:
+        return outputs
+    precision = _input_precision(x.dtype)
+    cfg = gemm_config("forward", x.dtype, precision == "tf32", num_tokens, num_proj * embed_dim, _num_sms(x.device))
+    out3 = [o.view(-1, num_heads, seq_len, head_dim) for o in outputs]
+    padded = out3 + [out3[0]] * (3 - num_proj)
+    grid = (triton.cdiv(num_tokens, cfg.block_m) * num_proj * triton.cdiv(embed_dim, cfg.block_n),)
+    _qkv_forward_kernel[grid](
+        x3,
+        weight,
+        weight if bias is None else bias,
+        *padded,
+        num_tokens,
+        seq_len,
+        embed_dim,
+        in_features,
+        head_dim,
+        *x3.stride(),
+        *weight.stride(),
+        *out3[0].stride()[:3],
+        NUM_PROJ=num_proj,
+        HAS_BIAS=bias is not None,
+        INPUT_PRECISION=precision,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return outputs
+
+
+def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients as ``[B, H, L, Dh]`` views sharing one set of strides with unit stride along Dh.
+
+    The kernels read every gradient with one stride set; only a gradient
+    that does not fit (typically a stride-0 broadcast) is copied.
+    """
+    grads = [g.reshape(-1, *g.shape[-3:]) for g in grads]
+    first = grads[0]
+    if (
+        first.stride(-1) == 1
+        and all(g.stride() == first.stride() for g in grads[1:])
+        and _max_offset(first) <= _INT32_MAX
+    ):
+        return grads
+    return [g.contiguous() for g in grads]
+
+
+def backward(
+    grads: list[torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    has_bias: bool,
+    num_heads: int,
+    needs_grad_x: bool,
+    needs_grad_weight: bool,
+    needs_grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *_, seq_len, in_features = x.shape
+    embed_dim = in_features
+    num_proj = len(grads)
+    head_dim = embed_dim // num_heads
+    x3 = _as_3d(x)
+    num_tokens = x3.shape[0] * seq_len
+    grads4 = _shared_layout(grads)
+    padded = grads4 + [grads4[0]] * (3 - num_proj)
+    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
+    precision = _input_precision(x.dtype)
+    num_sms = _num_sms(x.device)
+
+    grad_x = x.new_empty(0)
+    if needs_grad_x:
+        grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if num_tokens > 0:
+            cfg = gemm_config("grad_input", x.dtype, precision == "tf32", num_tokens, in_features, num_sms)
+            grid = (triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(in_features, cfg.block_n),)
+            _qkv_grad_input_kernel[grid](
+                *padded,
+                weight,
+                grad_x,
+                num_tokens,
+                seq_len,
+                embed_dim,
+                in_features,
+                head_dim,
+                stride_gb,
+                stride_gh,
+                stride_gl,
+                *weight.stride(),
+                in_features,
+                NUM_PROJ=num_proj,
+                INPUT_PRECISION=precision,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+
+    grad_weight, grad_bias = x.new_empty(0), x.new_empty(0)
+    with_bias = has_bias and needs_grad_bias
+    if needs_grad_weight or with_bias:
+        features = num_proj * embed_dim
+        if num_tokens == 0:
+            grad_weight = torch.zeros_like(weight) if needs_grad_weight else x.new_empty(0)
+            grad_bias = weight.new_zeros(features) if with_bias else x.new_empty(0)
+            return grad_x, grad_weight, grad_bias
+        cfg = gemm_config("grad_weight", x.dtype, precision == "tf32", features, in_features, num_sms)
+        tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
+        splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
+        tokens_per_split = triton.cdiv(triton.cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
+        splits = triton.cdiv(num_tokens, tokens_per_split)
+        if splits == 1:
+            grad_w_out = weight.new_empty(features, in_features)
+            grad_b_out = weight.new_empty(features) if with_bias else grad_w_out
+        else:
+            grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
+            grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if with_bias else grad_w_out
+        grid = (tiles, splits)
+        _qkv_grad_weight_kernel[grid](
+            *padded,
+            x3,
+            grad_w_out,
+            grad_b_out,
+            num_tokens,
+            seq_len,
+            embed_dim,
+            in_features,
+            head_dim,
+            tokens_per_split,
+            stride_gb,
+            stride_gh,
+            stride_gl,
+            *x3.stride(),
+            features * in_features,
+            in_features,
+            features,
+            NUM_PROJ=num_proj,
+            HAS_BIAS=with_bias,
+            INPUT_PRECISION=precision,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            grad_w_out = grad_w_out.sum(0).to(weight.dtype)
+            grad_b_out = grad_b_out.sum(0).to(weight.dtype) if with_bias else grad_b_out
+        grad_weight = grad_w_out if needs_grad_weight else x.new_empty(0)
+        grad_bias = grad_b_out if with_bias else x.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------
+# Compile targets
+# ---------------------------------------------------------------------------
+
+
+def _dispatch_choices(kernel: str) -> list[tuple[str, torch.dtype, str, GemmConfig]]:
+    """Every (label, dtype, input precision, config) ``gemm_config`` can return for ``kernel``."""
+    choices = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for precision in ("tf32", "ieee") if dtype == torch.float32 else ("tf32",):
+            configs = {id(c): c for c in (
+                gemm_config(kernel, dtype, precision == "tf32", m, m, 100) for m in (64, 1 << 16))}
+            for cfg in configs.values():
+                name = TORCH_TO_TRITON_DTYPE[dtype]
+                label = f"{name}-{precision}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}" if dtype == torch.float32 \
+                    else f"{name}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+                choices.append((label, dtype, precision, cfg))
+    return choices
+
+
+def _meta(cfg: GemmConfig) -> dict:
+    return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+
+
+def compile_targets() -> list[CompileTarget]:
+    """Each kernel with each configuration it can be launched with, with NUM_PROJ = 3 and HAS_BIAS set."""
+    targets = []
+    for label, dtype, precision, cfg in _dispatch_choices("forward"):
+        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
+        const = {"NUM_PROJ": 3, "HAS_BIAS": True, "INPUT_PRECISION": precision, **_meta(cfg)}
+        sig = {name: t for name in ("x_ptr", "weight_ptr", "bias_ptr", "q_ptr", "k_ptr", "v_ptr")}
+        sig.update({name: "i32" for name in (
+            "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "stride_xb", "stride_xl", "stride_xe",
+            "stride_wf", "stride_we", "stride_ob", "stride_oh", "stride_ol")})
+        sig.update({name: "constexpr" for name in const})
+        targets.append(CompileTarget(f"qkv_forward-{label}", _qkv_forward_kernel, sig, const,
+                                     cfg.num_warps, cfg.num_stages))
+
+    for label, dtype, precision, cfg in _dispatch_choices("grad_input"):
+        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
+        const = {"NUM_PROJ": 3, "INPUT_PRECISION": precision, **_meta(cfg)}
+        sig = {name: t for name in ("grad_q_ptr", "grad_k_ptr", "grad_v_ptr", "weight_ptr", "grad_x_ptr")}
+        sig.update({name: "i32" for name in (
+            "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "stride_gb", "stride_gh", "stride_gl",
+            "stride_wf", "stride_we", "stride_dxt")})
+        sig.update({name: "constexpr" for name in const})
+        targets.append(CompileTarget(f"qkv_grad_input-{label}", _qkv_grad_input_kernel, sig, const,
+                                     cfg.num_warps, cfg.num_stages))
+
+    for label, dtype, precision, cfg in _dispatch_choices("grad_weight"):
+        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
+        const = {"NUM_PROJ": 3, "HAS_BIAS": True, "INPUT_PRECISION": precision, **_meta(cfg)}
+        # Split-token launches write fp32 partial sums, unsplit ones the weight's dtype.
+        for grad_type in dict.fromkeys((t, "*fp32")):
+            sig = {name: t for name in ("grad_q_ptr", "grad_k_ptr", "grad_v_ptr", "x_ptr")}
+            sig.update({"grad_w_ptr": grad_type, "grad_b_ptr": grad_type})
+            sig.update({name: "i32" for name in (
+                "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "tokens_per_split", "stride_gb",
+                "stride_gh", "stride_gl", "stride_xb", "stride_xl", "stride_xe", "stride_dws", "stride_dwf",
+                "stride_dbs")})
+            sig.update({name: "constexpr" for name in const})
+            out = "fp32partials" if grad_type == "*fp32" and t != "*fp32" else "direct"
+            targets.append(CompileTarget(f"qkv_grad_weight-{label}-{out}", _qkv_grad_weight_kernel, sig, const,
+                                         cfg.num_warps, cfg.num_stages))
+    return targets
