@@ -117,8 +117,13 @@ def evaluate_targets(targets: list[dict], rows: list[dict], device: str) -> list
         group = groups.get((target["op"], target["case"], target["direction"]), {})
         ours, baseline = group.get(target["impl"]), group.get(target["baseline"])
         speedup = baseline["median_ms"] / ours["median_ms"] if ours and baseline else None
-        status = "not measured" if speedup is None else ("met" if speedup >= target["min_speedup"] else "MISSED")
-        results.append({**target, "speedup": speedup, "status": status})
+        met = speedup is not None and speedup >= target["min_speedup"]
+        memory_ratio = None
+        if "max_memory_ratio" in target and ours and baseline and baseline["peak_mem_mb"] > 0:
+            memory_ratio = ours["peak_mem_mb"] / baseline["peak_mem_mb"]
+            met = met and memory_ratio <= target["max_memory_ratio"]
+        status = "not measured" if speedup is None else ("met" if met else "MISSED")
+        results.append({**target, "speedup": speedup, "memory_ratio": memory_ratio, "status": status})
     return results
 
 
@@ -131,10 +136,14 @@ def write_report(out_dir: Path, rows: list[dict], target_results: list[dict], en
     lines += [f"- {key}: {value}" for key, value in env.items()]
     lines += ["", "Times are medians over the rounds pytest-benchmark ran; speedup = other impl's median / this impl's median.", ""]
     if target_results:
-        lines += ["## Targets", "", "| op | case | direction | ours | baseline | speedup | target | status |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Targets", "", "| op | case | direction | ours | baseline | speedup | target | peak memory vs baseline | status |", "|---|---|---|---|---|---|---|---|---|"]
         for t in target_results:
             speedup = "—" if t["speedup"] is None else f"{t['speedup']:.2f}x"
-            lines.append(f"| {t['op']} | {t['case']} | {t['direction']} | {t['impl']} | {t['baseline']} | {speedup} | ≥ {t['min_speedup']}x | {t['status']} |")
+            target = f"≥ {t['min_speedup']}x"
+            memory = "—" if t["memory_ratio"] is None else f"{t['memory_ratio']:.2f}x"
+            if "max_memory_ratio" in t:
+                memory += f" (≤ {t['max_memory_ratio']}x)"
+            lines.append(f"| {t['op']} | {t['case']} | {t['direction']} | {t['impl']} | {t['baseline']} | {speedup} | {target} | {memory} | {t['status']} |")
         lines.append("")
     lines += ["## All measurements", ""]
     for (op, case, direction), impls in sorted(_groups(rows).items()):

@@ -22,11 +22,14 @@ from torch.nn.attention.bias import causal_lower_right
 pytest.importorskip("triton")
 
 import transformer_kernels as tk  # noqa: E402
+from transformer_kernels.backends.triton import attention as triton_attention  # noqa: E402
+from transformer_kernels.backends.triton.attention import MAX_FLOAT32_HEAD_DIM_ON_GPU  # noqa: E402
 from transformer_kernels.reference.attention import attention as reference_attention  # noqa: E402
 
 from conftest import CUDA, requires_cuda  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
 # Relative error (norm of the difference over norm of the reference) allowed
 # against the float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -119,10 +122,18 @@ def _run_case(
         attn_mask.requires_grad_(True)
 
     torch_mask = causal_lower_right(lq, lk) if causal == "bottom_right" else attn_mask
-    out = tk.scaled_dot_product_attention(
-        query, key, value, attn_mask=torch_mask, is_causal=causal == "top_left", scale=scale,
-        enable_gqa=kv_heads != heads, key_padding_mask=key_padding_mask, backend="triton",
-    )
+
+    def attention():
+        return tk.scaled_dot_product_attention(
+            query, key, value, attn_mask=torch_mask, is_causal=causal == "top_left", scale=scale,
+            enable_gqa=kv_heads != heads, key_padding_mask=key_padding_mask, backend="triton",
+        )
+
+    if CUDA and dtype == torch.float32 and max(head_dim, value_head_dim) > MAX_FLOAT32_HEAD_DIM_ON_GPU:
+        with pytest.raises(tk.BackendUnavailableError, match="float32 on the GPU up to head dim"):
+            attention()
+        return
+    out = attention()
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
@@ -216,6 +227,13 @@ def test_rows_without_keys_give_zero_output_and_zero_gradient():
     assert out[0, :, lq - lk :].abs().min() > 0
 
 
+def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(monkeypatch):
+    # CUDA caps the grid's second dimension (batch * heads) at 65535; shrink
+    # the cap so the chunked launch runs at a testable size.
+    monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 3)
+    _run_case(batch=2, heads=4, kv_heads=2, lq=20, lk=20, causal="top_left", padding="left_and_holes")
+
+
 # ----------------------------------------------------------------------------
 # Dropout
 # ----------------------------------------------------------------------------
@@ -230,13 +248,13 @@ def _dropout_inputs(lq: int = 37, lk: int = 40, head_dim: int = 16):
     return query, key, value
 
 
-def _dropped_weights(query, key, seed: int, causal: bool) -> torch.Tensor:
+def _dropped_weights(query, key, seed: int, causal: bool = False, padding=None) -> torch.Tensor:
     """The kernel's dropout(P) for one seed, read off by attending to value = I."""
     lk = key.shape[-2]
     identity = torch.eye(lk, device=DEVICE).expand(*key.shape[:-1], lk)
     torch.manual_seed(seed)
     return tk.scaled_dot_product_attention(
-        query, key, identity, dropout_p=DROPOUT_P, is_causal=causal, backend="triton"
+        query, key, identity, dropout_p=DROPOUT_P, is_causal=causal, key_padding_mask=padding, backend="triton"
     ).double()
 
 
@@ -252,7 +270,7 @@ def test_dropout_is_deterministic_under_a_fixed_seed():
 
 def test_dropout_keep_rate_and_scale():
     query, key, _ = _dropout_inputs(lq=64, lk=128)
-    dropped = _dropped_weights(query, key, seed=3, causal=False)
+    dropped = _dropped_weights(query, key, seed=3)
     weights = torch.softmax(query.double() @ key.double().transpose(-1, -2) / 4.0, -1)
     ratio = dropped / weights
     kept = ratio > 0.5
@@ -269,17 +287,21 @@ def test_dropout_keep_rate_and_scale():
     assert not torch.equal(kept[0, 0], kept[0, 1]) and not torch.equal(kept[0, 0], kept[1, 0])
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dropout_backward_matches_reference_with_the_same_keep_mask(causal):
+@pytest.mark.parametrize("masks", ["none", "causal", "padding"])
+def test_dropout_backward_matches_reference_with_the_same_keep_mask(masks):
+    # Key padding moves where the kernels' key loops start: the keep-mask must
+    # still be the same element by element in forward, dK/dV and dQ.
     query, key, value = _dropout_inputs()
     lq, lk = query.shape[-2], key.shape[-2]
-    dropped = _dropped_weights(query, key, seed=5, causal=causal)
+    causal = masks == "causal"
+    padding = _key_padding("left_and_holes", 2, lk) if masks == "padding" else None
+    dropped = _dropped_weights(query, key, seed=5, causal=causal, padding=padding)
     scale = 1.0 / math.sqrt(query.shape[-1])
 
     query, key, value = (t.requires_grad_(True) for t in (query, key, value))
     torch.manual_seed(5)
     out = tk.scaled_dot_product_attention(
-        query, key, value, dropout_p=DROPOUT_P, is_causal=causal, backend="triton"
+        query, key, value, dropout_p=DROPOUT_P, is_causal=causal, key_padding_mask=padding, backend="triton"
     )
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
@@ -288,6 +310,8 @@ def test_dropout_backward_matches_reference_with_the_same_keep_mask(causal):
     scores = inputs64[0] @ inputs64[1].transpose(-1, -2) * scale
     if causal:
         scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+    if padding is not None:
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, -1)
     ratio = torch.where(weights > 0, dropped / weights, 0.0).detach()
     kept = ratio > 0.5

@@ -14,6 +14,14 @@ from transformer_kernels import BackendUnavailableError
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
 SCALE = math.sqrt(0.5)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _needs_triton():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+
 
 # (k, L, C_in, C): every k in {1, 2, 3, 5, 7}, L in {1, 3, 40, 1000}, C in {4, 24, 256, 520},
 # including L < k, C_in != C and channel counts that are not multiples of the Triton tiles.
@@ -102,6 +110,23 @@ def _has_layout(t, channels_last):
     return t.transpose(1, 2).is_contiguous() if channels_last else t.is_contiguous()
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_residual_is_the_input(backend):
+    """The encoder's layer: residual=x, so x gets the convolution's and the residual's gradient."""
+    if backend == "triton":
+        _needs_triton()
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x, weight, bias, _ = _make_inputs(2, 3, 9, 8, 8, dtype=torch.float32, device=device, channels_last=True,
+                                      residual=False)
+    x, weight, bias = _leaves(x, weight, bias)
+    out = tk.glu_conv1d(x, weight, bias, residual=x, residual_scale=SCALE, backend=backend)
+    (grad_x,) = torch.autograd.grad(out.sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = reference_glu_conv1d(x_ref, weight, bias, residual=x_ref, residual_scale=SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_x, torch.autograd.grad(expected.sum(), x_ref)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_residual_scale_applies_without_residual():
     x, weight, bias, _ = _make_inputs(2, 3, 7, 4, 4, dtype=torch.float64, residual=False)
     out = tk.glu_conv1d(x, weight, bias, residual_scale=0.25, backend="eager")
@@ -117,7 +142,8 @@ def test_same_padding_equals_nn_conv1d_and_causal_equals_left_pad():
     torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, backend="eager"), F.glu(conv(x), dim=1))
     left = torch.full((2, 4, 4), 3.0, dtype=torch.float64)  # the decoder's pad-index filled prefix
     expected = F.glu(F.conv1d(torch.cat([left, x], dim=2), weight, bias), dim=1)
-    torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=3.0, backend="eager"), expected)
+    out = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=3.0, backend="eager")
+    torch.testing.assert_close(out, expected)
 
 
 def test_even_kernel_same_padding_puts_extra_position_right():
@@ -163,15 +189,19 @@ def test_only_some_gradients_requested():
     torch.testing.assert_close(grad_weight, expected)
 
 
-def test_weight_norm_gradients_reach_g_and_v():
-    torch.manual_seed(1)
-    ours = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).double())
-    theirs = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).double())
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_weight_norm_gradients_reach_g_and_v(backend):
+    if backend == "triton":
+        _needs_triton()
+    dtype, device = (torch.float64, "cpu") if backend == "eager" else (torch.float32, TRITON_DEVICE)
+    tolerance = {} if backend == "eager" else dict(atol=1e-5, rtol=1e-5)
+    ours = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).to(device, dtype))
+    theirs = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).to(device, dtype))
     theirs.load_state_dict(ours.state_dict())
-    x = torch.randn(2, 16, 8, dtype=torch.float64).transpose(1, 2)
-    out = tk.glu_conv1d(x, ours.weight, ours.bias, padding="causal", pad_value=1.0, backend="eager")
+    x = torch.randn(2, 16, 8, dtype=dtype, device=device).transpose(1, 2)
+    out = tk.glu_conv1d(x, ours.weight, ours.bias, padding="causal", pad_value=1.0, backend=backend)
     expected = reference_glu_conv1d(x, theirs.weight, theirs.bias, padding="causal", pad_value=1.0)
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, **tolerance)
     grad = torch.randn_like(out)
     out.backward(grad)
     expected.backward(grad)
@@ -179,8 +209,8 @@ def test_weight_norm_gradients_reach_g_and_v():
         got = getattr(ours.parametrizations.weight, name).grad
         want = getattr(theirs.parametrizations.weight, name).grad
         assert got is not None and got.abs().sum() > 0
-        torch.testing.assert_close(got, want)
-    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
+        torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, **tolerance)
 
 
 def test_empty_batch():
@@ -237,15 +267,6 @@ def test_step_errors():
 
 
 # --------------------------------------------------------------------------- Triton (interpreter on CPU)
-
-def _needs_triton():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-
-
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (k, L, C_in, C, padding, channels_last, residual, bias): small for the interpreter, still covering every k,
 # L < k, channel counts off the tile sizes (520 channels span 9 to 17 tiles), split-K weight gradients (L=40).
@@ -336,6 +357,22 @@ def test_fake_output_layout_matches_real(channels_last):
                              backend="eager")
     assert fake.shape == real.shape and fake.stride() == real.stride()
     assert _has_layout(real, channels_last) and not _has_layout(real, not channels_last)
+
+
+def test_torch_compile_fullgraph_encoder_layer():
+    def encoder_layer(x_blc, weight, bias):
+        h = x_blc.transpose(1, 2)  # the seq2seq model kept in [B, L, C]: no permute copies
+        return tk.glu_conv1d(h, weight, bias, residual=h, residual_scale=SCALE, backend="eager").transpose(1, 2)
+
+    x, weight, bias = torch.randn(2, 7, 8), torch.randn(16, 8, 3), torch.randn(16)
+    x, weight, bias = _leaves(x, weight, bias)
+    compiled = torch.compile(encoder_layer, fullgraph=True)
+    out = compiled(x, weight, bias)
+    grads = torch.autograd.grad(out.sum(), (x, weight, bias))
+    expected = encoder_layer(x, weight, bias)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (x, weight, bias))):
+        torch.testing.assert_close(got, want)
 
 
 # --------------------------------------------------------------------------- errors

@@ -64,7 +64,10 @@ def scaled_dot_product_attention(
     - ``query``: ``[..., Hq, Lq, E]``
     - ``key``:   ``[..., Hk, Lk, E]``
     - ``value``: ``[..., Hk, Lk, Ev]``
-    - returns:   ``[..., Hq, Lq, Ev]``, contiguous, with ``query``'s dtype.
+    - returns:   ``[..., Hq, Lq, Ev]`` with ``query``'s dtype; contiguous, except
+      that the eager backend lays it out over ``[..., Lq, Hq, Ev]`` memory like
+      torch's CPU SDPA, so ``out.transpose(-3, -2).reshape(..., Lq, Hq * Ev)``
+      is free.
 
     ``query``, ``key`` and ``value`` must have the same number of dimensions,
     the same batch dimensions ``...``, one floating dtype and one device.
@@ -220,7 +223,9 @@ def scaled_dot_product_attention(
     elif attn_mask is not None:
         check_tensor("attn_mask", attn_mask)
         if is_causal:
-            raise ValueError("attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask")
+            raise ValueError(
+                "attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask"
+            )
         check_same_device("query", query, attn_mask=attn_mask)
         if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
             raise TypeError(
@@ -332,10 +337,6 @@ def _backend_module(backend: str) -> ModuleType:
     raise ValueError(f"attention has no {backend!r} backend module")
 
 
-def _lse_dtype(query_dtype: torch.dtype, backend: str) -> torch.dtype:
-    return eager_attention.lse_dtype(query_dtype) if backend == "eager" else torch.float32
-
-
 def _dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(mask_dtype, torch.float32)
 
@@ -363,6 +364,8 @@ def attention_forward(
     out, lse = _backend_module(backend).forward(
         query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed
     )
+    if backend == "eager":
+        return out, lse
     return out.contiguous(), lse.contiguous()
 
 
@@ -371,8 +374,12 @@ def _attention_forward_fake(
     query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed, backend
 ):
     batch_size, num_heads, lq, _ = query.shape
-    out = query.new_empty(batch_size, num_heads, lq, value.shape[-1])
-    lse = query.new_empty(batch_size, num_heads, lq, dtype=_lse_dtype(query.dtype, backend))
+    if backend == "eager":
+        out = eager_attention.empty_output(batch_size, num_heads, lq, value.shape[-1], query.dtype, query.device)
+        lse = eager_attention.empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
+    else:
+        out = query.new_empty(batch_size, num_heads, lq, value.shape[-1])
+        lse = query.new_empty(batch_size, num_heads, lq, dtype=torch.float32)
     return out, lse
 
 
@@ -402,6 +409,8 @@ def attention_backward(
     )
     if attn_mask_needs_grad:
         dmask = dmask.to(_dmask_dtype(attn_mask.dtype)).contiguous()
+    if backend == "eager":
+        return dq, dk, dv, dmask
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
 
 
@@ -414,6 +423,8 @@ def _attention_backward_fake(
         dmask = attn_mask.new_empty(attn_mask.shape, dtype=_dmask_dtype(attn_mask.dtype))
     else:
         dmask = query.new_empty(0, dtype=torch.float32)
+    if backend == "eager":
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
 
@@ -427,8 +438,10 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
+    if ctx.backend != "eager":
+        grad_out = grad_out.contiguous()
     dq, dk, dv, dmask = torch.ops.transformer_kernels.attention_backward(
-        grad_out.contiguous(), query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
+        grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
         ctx.causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.backend, ctx.attn_mask_needs_grad,
     )
     grad_mask = dmask.to(attn_mask.dtype) if ctx.attn_mask_needs_grad else None

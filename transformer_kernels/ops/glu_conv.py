@@ -8,7 +8,6 @@ fake kernel and autograd) so it works under ``torch.compile``.
 
 from __future__ import annotations
 
-import importlib
 import numbers
 from types import ModuleType
 from typing import Optional
@@ -25,8 +24,15 @@ _PADDINGS = ("same", "causal")
 
 
 def _backend_module(name: str) -> ModuleType:
-    # Imported on first use so the package imports without triton.
-    return importlib.import_module(f"transformer_kernels.backends.{name}.glu_conv")
+    # Imported on first use so the package imports without triton; import
+    # statements (unlike importlib calls) are traceable by torch.compile.
+    if name == "eager":
+        from ..backends.eager import glu_conv as module
+    elif name == "triton":
+        from ..backends.triton import glu_conv as module
+    else:
+        raise ValueError(f"glu_conv1d has no {name!r} backend module")
+    return module
 
 
 def _output_length(length_in: int, kernel_size: int, pad_left: int, pad_right: int) -> int:
@@ -38,8 +44,8 @@ def _output_length(length_in: int, kernel_size: int, pad_left: int, pad_right: i
 # pad_left / pad_right are explicit so one op serves "same", "causal" and the
 # unpadded window of glu_conv1d_step.  The second output is what the backend
 # keeps for backward besides the inputs: the eager backend returns its
-# pre-activation rows [B, L + pad_left + pad_right, 2C], the Triton backend an
-# empty tensor (its backward recomputes the pre-activation from x).
+# pre-activation [B, L_out, 2C], the Triton backend an empty tensor (its
+# backward recomputes the pre-activation from x).  It is not differentiable.
 
 
 @torch.library.custom_op("transformer_kernels::glu_conv1d", mutates_args=())
@@ -106,12 +112,13 @@ def _setup_context(ctx, inputs, output):
     # Saved: the inputs x, weight, bias (alive anyway) and the backend's second
     # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
     ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.has_bias = bias is not None
     ctx.arguments = (pad_left, pad_right, pad_value, residual_scale)
     ctx.backend = backend
 
 
-def _backward(ctx, grad_out, grad_z_unused):
+def _backward(ctx, grad_out, _grad_saved):
     x, weight, bias, z = ctx.saved_tensors
     pad_left, pad_right, pad_value, residual_scale = ctx.arguments
     needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
@@ -208,8 +215,8 @@ def glu_conv1d(
         z   = conv1d(pad(x, padding, pad_value), weight, bias)      # [B, 2*C, L]
         out = (F.glu(z, dim=1) + residual) * residual_scale           # [B, C, L]
 
-    ``F.glu(z, dim=1)`` is ``z[:, :C] * sigmoid(z[:, C:])``.  The ``[B, 2*C, L]``
-    pre-activation is never written to memory by the Triton kernels.
+    ``F.glu(z, dim=1)`` is ``z[:, :C] * sigmoid(z[:, C:])``.  The Triton forward
+    kernel computes both halves of ``z`` in one program and never writes ``z``.
 
     Args:
         x: ``[B, C_in, L]`` as ``nn.Conv1d`` takes it, ``L >= 1``.  Either
@@ -217,7 +224,8 @@ def glu_conv1d(
             transposed with ``.transpose(1, 2)``); a channel-last ``x`` is read
             in place, without a copy, and the output is channel-last too, so a
             model can keep activations as ``[B, L, C]`` and drop its permutes.
-            Other strides are read in place as well (output contiguous).
+            Any other strides work too (the Triton kernels read them in place);
+            the output is then contiguous.
         weight: ``[2*C, C_in, k]``, ``k >= 1``, exactly as ``nn.Conv1d(C_in, 2*C, k)``
             holds it.  May come from a parametrization such as
             ``torch.nn.utils.parametrizations.weight_norm``; gradients then reach
@@ -230,8 +238,7 @@ def glu_conv1d(
             position ``t`` sees inputs ``t - k + 1 .. t`` only (the decoder).
         pad_value: the value of every padding position, in both modes.  ``0.0``
             is ``nn.Conv1d``'s zero padding; the seq2seq decoder fills its left
-            padding with the target pad index (e.g. ``pad_value=1.0``).  Padding
-            takes no gradient.
+            padding with the target pad index (e.g. ``pad_value=1.0``).
         residual: ``[B, C, L]`` (any strides) added to the GLU output, or ``None``
             (the same as zeros).
         residual_scale: multiplies ``glu + residual``; it applies whether or not
@@ -252,13 +259,15 @@ def glu_conv1d(
     float32 and round once, at the output.
 
     Autograd: gradients for ``x``, ``weight``, ``bias`` and ``residual``
-    (``grad_residual = grad_out * residual_scale``); not twice differentiable.
+    (``grad_residual = grad_out * residual_scale``), deterministic (no atomics);
+    not twice differentiable.  Padding positions take no gradient.
     Saved for backward: ``x``, ``weight`` and ``bias`` themselves (no copies).
     The Triton backend keeps nothing else: backward recomputes the
     pre-activation from ``x`` (one extra GEMM instead of a ``[B, 2*C, L]``
-    tensor per layer).  The eager backend also keeps its pre-activation
-    ``[B, L + k - 1, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on
-    a CPU recomputing the convolution would cost more than the memory saves.
+    tensor per layer; the pre-activation's gradient ``[B, 2*C, L]`` exists only
+    while backward runs).  The eager backend also keeps its pre-activation
+    ``[B, L, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on a CPU
+    recomputing the convolution would cost more than the memory saves.
     """
     check_tensor("x", x, ndim=3, dtypes=_DTYPES)
     channels_out, kernel_size = _check_weight_and_bias(x, weight, bias, "x")
@@ -294,7 +303,8 @@ def glu_conv1d_step(
     Feeding positions ``0, 1, ..., L-1`` one call at a time, each call getting
     the ``new_state`` of the previous one (the first getting ``state=None``),
     gives the columns of ``glu_conv1d(x, weight, bias, padding="causal",
-    pad_value=pad_value, residual=residual, residual_scale=residual_scale)``.
+    pad_value=pad_value, residual=residual, residual_scale=residual_scale)``
+    (step ``t`` taking ``x[:, :, t]`` and ``residual[:, :, t]``).
 
     Args:
         x_t: ``[B, C_in]``, the input at the new position.

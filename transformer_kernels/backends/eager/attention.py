@@ -3,22 +3,22 @@
 Two implementations sit behind :func:`forward` / :func:`backward`:
 
 * **Tiled flash path** (CPU, no dropout, equal query/value head dims).  The
-  attention of every batch element is cut into *tiles*, each a rectangle of
-  query rows × key columns handed to PyTorch's CPU flash-attention kernel
+  attention is cut into *tiles*, each a rectangle of query rows × key columns
+  of a range of sequences, handed to PyTorch's CPU flash-attention kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu``), which returns the
-  tile's output and log-sum-exp.  Tiles covering the same rows are merged with
-  their log-sum-exps, exactly as FlashAttention merges key blocks.  The tiling
-  is where the savings come from:
+  tile's output and log-sum-exp.  Tiles covering the same rows are merged
+  with their log-sum-exps, exactly as FlashAttention merges key blocks.
 
-  - key padding: each sequence's keys are cut to its ``key_bounds``, so padded
-    keys cost nothing (one segment per batch element when that pays, else one
-    segment for the whole batch with the padding as an additive bias);
-  - causal masks: the kernel only skips work at 512-key granularity, so the
-    causal triangle is cut into a *staircase* of row blocks, each a dense
-    rectangle (keys every row of the block sees, no mask) plus a small
-    top-left-causal square on the diagonal;
-  - rows that see no key at all get no tile; their output is 0 and their
-    log-sum-exp is set to +inf.
+  - Key padding: keys after a sequence's last non-padding key are cut off.
+    When the sequences' lengths differ enough on a large problem, every
+    sequence gets its own tiles cut at its own length, so padded keys cost
+    nothing; otherwise one set of tiles spans the batch, cut at the longest
+    length, with the rest of the padding as an additive ``-inf`` bias
+    ``[B, 1, 1, Lk]`` (never ``[B, H, Lq, Lk]``).
+  - Causal masks use the kernel's own top-left causal mask; a relation that
+    is not top-left in tile coordinates (bottom-right with ``Lk > Lq``) is cut
+    into a dense tile of the keys every row sees plus a causal square on the
+    diagonal.  Rows that see no key get no tile: output 0, log-sum-exp +inf.
 
   The backward pass re-creates the same tiles and calls the kernel's backward
   with the *merged* output and log-sum-exp, which yields exact per-tile
@@ -39,11 +39,11 @@ The dropout keep-mask is drawn from a ``torch.Generator`` seeded from
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["unsupported_reason", "forward", "backward", "lse_dtype"]
+__all__ = ["unsupported_reason", "forward", "backward", "lse_dtype", "empty_output", "empty_lse"]
 
 _ATEN = torch.ops.aten
 _HAS_CPU_FLASH = hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
@@ -51,9 +51,14 @@ _HAS_CPU_FLASH = hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu") a
 )
 _FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# Row-block height of the causal staircase.  Smaller blocks skip more of the
-# masked triangle but make more, smaller kernel calls.
-_STAIRCASE_BLOCK = 128
+# Sequences of different lengths are sorted by length and cut into at most
+# _MAX_LENGTH_GROUPS groups, each cut at its longest sequence, when that saves at
+# least _MIN_GROUPING_SAVING of the work and a sequence's score matrix has at
+# least _MIN_GROUPING_SCORES entries (below, one kernel call with the padding as
+# a bias beats several calls plus the reordering copies).
+_MAX_LENGTH_GROUPS = 4
+_MIN_GROUPING_SAVING = 0.1
+_MIN_GROUPING_SCORES = 64 * 1024
 
 
 def unsupported_reason(
@@ -92,7 +97,10 @@ def _undo_broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _dropout_keep_mask(shape: torch.Size, dropout_p: float, dropout_seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _dropout_keep_mask(
+    shape: torch.Size, dropout_p: float, dropout_seed: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Bool keep-mask (True = kept) drawn from a generator seeded by ``(seed, offset)``: the same on every call."""
     seed, offset = (int(x) for x in dropout_seed.tolist())
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 0x9E3779B1 + offset) % (2**63))
@@ -109,9 +117,40 @@ def _sum_kv_heads(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return grad if group == 1 else grad.unflatten(1, (num_kv_heads, group)).sum(2)
 
 
-def _unit_stride_head_dim(tensor: torch.Tensor) -> torch.Tensor:
-    """The CPU flash kernel assumes a unit stride along the head dim (other strides are fine)."""
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+def empty_output(batch: int, heads: int, lq: int, value_head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized output in this backend's layout: ``[B, Hq, Lq, Dv]`` over ``[B, Lq, Hq, Dv]``
+    memory, the layout torch's CPU SDPA returns (``out.transpose(1, 2).reshape(B, Lq, Hq * Dv)`` is free)."""
+    strides = (lq * heads * value_head_dim, value_head_dim, heads * value_head_dim, 1)
+    return torch.empty_strided((batch, heads, lq, value_head_dim), strides, dtype=dtype, device=device)
+
+
+def empty_lse(batch: int, heads: int, lq: int, query_dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized log-sum-exp ``[B, Hq, Lq]`` over ``[B, Lq, Hq]`` memory, as the CPU kernel returns it."""
+    return torch.empty_strided((batch, heads, lq), (lq * heads, 1, heads), dtype=lse_dtype(query_dtype), device=device)
+
+
+def _in_layout(tensor: torch.Tensor, target: torch.Tensor, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``tensor`` with ``target``'s dtype and strides (``target`` is filled when a copy is needed);
+    with ``order``, ``tensor`` holds the batch in that order and is put back in the original one."""
+    if order is not None:
+        return target.index_copy_(0, order, tensor.to(target.dtype))
+    if tensor.dtype == target.dtype and tensor.stride() == target.stride():
+        return tensor
+    return target.copy_(tensor)
+
+
+def _kernel_layout(tensor: torch.Tensor, num_tiles: int, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernel's input: the batch in ``order`` (a gather, which also makes it contiguous), else
+    the tensor itself, made contiguous when the kernel needs it or several tiles pay for it.
+
+    The CPU flash kernel needs a unit stride along the head dim, and runs tiles cut from
+    ``[B, L, H, D]``-strided inputs markedly slower than from contiguous ``[B, H, L, D]`` ones
+    (a tile's rows are then adjacent in memory)."""
+    if order is not None:
+        return tensor.index_select(0, order)
+    if tensor.stride(-1) != 1 or num_tiles > 1:
+        return tensor.contiguous()
+    return tensor
 
 
 def _uses_flash_tiles(query: torch.Tensor, value: torch.Tensor, dropout_p: float) -> bool:
@@ -131,7 +170,7 @@ def _uses_flash_tiles(query: torch.Tensor, value: torch.Tensor, dropout_p: float
 
 @dataclasses.dataclass
 class _Tile:
-    """Query rows × key columns of a range of (reordered) batch elements, run as one kernel call.
+    """Query rows × key columns of a range of batch elements, run as one kernel call.
 
     ``causal``: top-left causal inside the tile (row ``i`` of the tile sees
     tile keys ``0..i``).  ``bias``: additive float mask broadcastable to
@@ -145,14 +184,6 @@ class _Tile:
     bias: Optional[torch.Tensor]
 
 
-@dataclasses.dataclass
-class _Plan:
-    """Tiles over the batch taken in ``order`` (a permutation, or None for the given order)."""
-
-    order: Optional[torch.Tensor]
-    tiles: list[_Tile]
-
-
 def _slice_bias(bias: torch.Tensor, batch: slice, rows: slice, keys: slice) -> torch.Tensor:
     """Cut a broadcastable ``[b|1, h|1, Lq|1, Lk]`` bias to one tile, leaving size-1 dims alone."""
     if bias.shape[0] != 1:
@@ -162,11 +193,79 @@ def _slice_bias(bias: torch.Tensor, batch: slice, rows: slice, keys: slice) -> t
     return bias[..., keys]
 
 
-def _staircase_block(num_rows: int) -> int:
-    """Row-block height: at least _STAIRCASE_BLOCK, at most ~8 blocks, one block for short triangles."""
-    if num_rows <= 2 * _STAIRCASE_BLOCK:
-        return num_rows
-    return max(_STAIRCASE_BLOCK, -(-num_rows // 8))
+def _slice_bias_or_none(bias: Optional[torch.Tensor], batch: slice, rows: slice, keys: slice) -> Optional[torch.Tensor]:
+    return None if bias is None else _slice_bias(bias, batch, rows, keys)
+
+
+def _segment_tiles(
+    batch: slice,
+    end: int,
+    lq: int,
+    shift: Optional[int],
+    bias_for: Callable[[slice, slice, slice], Optional[torch.Tensor]],
+) -> list[_Tile]:
+    """Tiles for the sequences ``batch``, which attend to keys ``[0, end)``.
+
+    Without causality that is one tile.  With it, row ``i`` sees keys
+    ``[0, min(i + shift + 1, end))``: rows before ``first_row`` see none (no
+    tile), rows from ``full_row`` on see every key (a dense tile), and the rows
+    between see keys ``[0, first_row + shift)`` (a dense tile, when not empty)
+    plus a top-left causal square on the diagonal.  When the relation already
+    is top-left causal in tile coordinates (``first_row + shift == 0``), the
+    kernel's own causal mask covers all rows in one tile.
+    """
+    if end <= 0:
+        return []
+
+    def tile(rows: slice, keys: slice, causal: bool) -> _Tile:
+        return _Tile(batch, rows, keys, causal, bias_for(batch, rows, keys))
+
+    if shift is None:
+        return [tile(slice(0, lq), slice(0, end), False)]
+    first_row = max(0, -shift)
+    if first_row >= lq:
+        return []
+    if first_row + shift == 0:
+        return [tile(slice(first_row, lq), slice(0, end), True)]
+    full_row = max(first_row, min(lq, end - shift - 1))
+    tiles = []
+    if full_row < lq:
+        tiles.append(tile(slice(full_row, lq), slice(0, end), False))
+    if full_row > first_row:
+        rows = slice(first_row, full_row)
+        tiles.append(tile(rows, slice(0, first_row + shift), False))
+        tiles.append(tile(rows, slice(first_row + shift, full_row + shift), True))
+    return tiles
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Tiles over the batch taken in ``order`` (a permutation; None keeps the given order)."""
+
+    order: Optional[torch.Tensor]
+    tiles: list[_Tile]
+
+
+def _length_groups(ends: list[int]) -> list[tuple[int, int]]:
+    """Split ``ends`` (non-increasing) into contiguous groups minimizing ``sum(size * first end)``.
+
+    Greedy: repeatedly make the split that saves the most, while it saves at
+    least ``_MIN_GROUPING_SAVING`` of the unsplit cost, up to ``_MAX_LENGTH_GROUPS``.
+    """
+    groups = [(0, len(ends))]
+    total = len(ends) * ends[0]
+    while len(groups) < _MAX_LENGTH_GROUPS:
+        # Splitting [start, stop) at p saves (stop - p) * (ends[start] - ends[p]).
+        saving, group, split = max(
+            ((stop - p) * (ends[start] - ends[p]), index, p)
+            for index, (start, stop) in enumerate(groups)
+            for p in range(start + 1, stop)
+        ) if any(stop - start > 1 for start, stop in groups) else (0, 0, 0)
+        if saving < _MIN_GROUPING_SAVING * total:
+            break
+        start, stop = groups[group]
+        groups[group : group + 1] = [(start, split), (split, stop)]
+    return groups
 
 
 def _plan(
@@ -179,10 +278,11 @@ def _plan(
 ) -> _Plan:
     """Cut the attention into tiles that skip padded keys and the hidden part of a causal mask.
 
-    Sequence ``b`` attends to keys ``[0, ends[b])`` (its last non-padding key + 1); padding before
-    that end (left padding, holes) goes into an additive bias.  When the ends differ by at least a
-    block, the batch is sorted by end (longest first), so that every group of sequences sharing a
-    tile geometry is a contiguous batch range and one kernel call serves it.
+    Sequence ``b`` attends to keys ``[0, end_b)`` (its last non-padding key + 1); padding before that
+    end (left padding, holes) goes into an additive bias.  When the ends differ enough on a large
+    problem, the batch is sorted by end and cut into a few groups of similar length, each group's
+    tiles cut at its own longest end; otherwise one group spans the batch, cut at the longest end,
+    with the shorter sequences' padding in the bias.
     """
     batch_size, _, lq, _ = query.shape
     lk = key.shape[2]
@@ -194,76 +294,45 @@ def _plan(
         mask_bias = _undo_broadcast(attn_mask)
         if mask_bias.dtype == torch.bool:
             mask_bias = torch.zeros(mask_bias.shape, dtype=dtype, device=device).masked_fill_(~mask_bias, float("-inf"))
-
-    first_row = 0 if shift is None else max(0, -shift)
-    block = _staircase_block(lq - first_row) if shift is not None else _STAIRCASE_BLOCK
-    order = None
-    pad_bias = None
-    pad_everywhere = False
     if key_padding_mask is None:
-        ends = [lk] * batch_size
-    else:
-        ends = [hi for _, hi in key_bounds.tolist()]
-        valid_counts = (~key_padding_mask).sum(1).tolist()
-        pad_everywhere = any(end > count for end, count in zip(ends, valid_counts))
-        pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
-            key_padding_mask[:, None, None, :], float("-inf")
-        )
-        if any(a < b for a, b in zip(ends, ends[1:])):
-            if max(ends) - min(ends) >= block:
-                permutation = sorted(range(batch_size), key=lambda b: -ends[b])
-                order = torch.tensor(permutation, device=device)
-                ends = [ends[b] for b in permutation]
-                pad_bias = pad_bias.index_select(0, order)
-                if mask_bias is not None and mask_bias.shape[0] != 1:
-                    mask_bias = mask_bias.index_select(0, order)
-            else:
-                # Unsorted ends within one block of each other: cut every sequence at the longest end.
-                pad_everywhere = True
-                ends = [max(ends)] * batch_size
+        return _Plan(None, _segment_tiles(slice(0, batch_size), lk, lq, shift, lambda *tile: _slice_bias_or_none(mask_bias, *tile)))
 
-    def tile(batch: slice, rows: slice, keys: slice, is_causal: bool) -> _Tile:
-        # ends are non-increasing over the batch range: padding lies inside the tile's keys when the
-        # shortest sequence ends before them, or padding sits before some end.
-        bias = None if mask_bias is None else _slice_bias(mask_bias, batch, rows, keys)
-        if pad_bias is not None and (pad_everywhere or ends[batch.stop - 1] < keys.stop):
-            padding = _slice_bias(pad_bias, batch, rows, keys)
-            bias = padding if bias is None else bias + padding
-        return _Tile(batch, rows, keys, is_causal, bias)
+    ends = [end for _, end in key_bounds.tolist()]
+    padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
+    pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
+        key_padding_mask[:, None, None, :], float("-inf")
+    )
+    order = None
+    groups = [(0, batch_size)]
+    if lq * lk >= _MIN_GROUPING_SCORES and min(ends) < max(ends):
+        permutation = sorted(range(batch_size), key=lambda b: -ends[b])
+        sorted_ends = [ends[b] for b in permutation]
+        groups = _length_groups(sorted_ends)
+        if len(groups) > 1:
+            order = torch.tensor(permutation, device=device)
+            ends = sorted_ends
+            padded_inside = [padded_inside[b] for b in permutation]
+            pad_bias = pad_bias.index_select(0, order)
+            if mask_bias is not None and mask_bias.shape[0] != 1:
+                mask_bias = mask_bias.index_select(0, order)
+        else:
+            groups = [(0, batch_size)]
 
-    num_attending = sum(end > 0 for end in ends)  # all-padding sequences (end 0) sort last and get no tile
-    tiles: list[_Tile] = []
-    if shift is None:
-        # Every row sees all of a sequence's keys: one tile per group of sequences ending in the same key block.
-        start = 0
-        while start < num_attending:
-            stop = start + 1
-            while stop < num_attending and -(-ends[stop] // block) == -(-ends[start] // block):
-                stop += 1
-            tiles.append(tile(slice(start, stop), slice(0, lq), slice(0, ends[start]), False))
-            start = stop
-        return _Plan(order, tiles)
+    tiles = []
+    for start, stop in groups:
+        group_ends = ends[start:stop]
+        group_end = max(group_ends)
+        # Padding inside the group's cut: some sequence ends earlier, or has padding before its end.
+        needs_pad_bias = min(group_ends) < group_end or any(padded_inside[start:stop])
 
-    # Causal: row i of sequence b sees keys [0, min(i + shift + 1, ends[b])).  Rows are cut into blocks;
-    # a block's rows all see keys [0, start + shift) (one dense tile) and, on the diagonal, a top-left
-    # causal square.  Once a sequence's rows see all of its keys (ends[b] <= start + shift + 1) its
-    # remaining rows form one dense tile, shared with the sequences that finish at the same block.
-    if first_row >= lq:
-        return _Plan(order, tiles)
-    in_triangle = num_attending
-    for start in range(first_row, lq, block):
-        stop = min(start + block, lq)
-        still_in_triangle = sum(end > start + shift + 1 for end in ends[:in_triangle])
-        if still_in_triangle < in_triangle:
-            finished = slice(still_in_triangle, in_triangle)
-            tiles.append(tile(finished, slice(start, lq), slice(0, ends[still_in_triangle]), False))
-        in_triangle = still_in_triangle
-        if in_triangle == 0:
-            break
-        rows, batch = slice(start, stop), slice(0, in_triangle)
-        if start + shift > 0:
-            tiles.append(tile(batch, rows, slice(0, start + shift), False))
-        tiles.append(tile(batch, rows, slice(start + shift, min(stop + shift, ends[0])), True))
+        def bias_for(batch: slice, rows: slice, keys: slice, needs_pad_bias=needs_pad_bias) -> Optional[torch.Tensor]:
+            bias = _slice_bias_or_none(mask_bias, batch, rows, keys)
+            if needs_pad_bias:
+                padding = _slice_bias(pad_bias, batch, rows, keys)
+                bias = padding if bias is None else bias + padding
+            return bias
+
+        tiles += _segment_tiles(slice(start, stop), group_end, lq, shift, bias_for)
     return _Plan(order, tiles)
 
 
@@ -282,28 +351,21 @@ def _rows_without_keys(tile: _Tile) -> Optional[torch.Tensor]:
     return first_visible > row_index
 
 
-def _in_order(tensor: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
-    return tensor if order is None else tensor.index_select(0, order)
-
-
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
+def _covers_all_rows(tile: _Tile, batch_size: int, lq: int) -> bool:
+    return (tile.batch.start, tile.batch.stop, tile.rows.start, tile.rows.stop) == (0, batch_size, 0, lq)
 
 
 def _flash_forward(query, key, value, plan: _Plan, scale):
     batch_size, num_heads, lq, _ = query.shape
-    query = _unit_stride_head_dim(_in_order(query, plan.order))
-    key_x = _unit_stride_head_dim(_repeat_kv_heads(_in_order(key, plan.order), num_heads))
-    value_x = _unit_stride_head_dim(_repeat_kv_heads(_in_order(value, plan.order), num_heads))
-    accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
-    out = torch.empty(batch_size, num_heads, lq, value.shape[-1], dtype=accumulate_dtype, device=query.device)
-    lse = torch.full((batch_size, num_heads, lq), float("-inf"), dtype=lse_dtype(query.dtype), device=query.device)
-    # Tiles either cover the same (batch, rows) region or disjoint ones; the first tile of a region is
-    # written, later ones are merged in by their log-sum-exps.
-    written = set()
-    for tile in plan.tiles:
+    value_head_dim = value.shape[-1]
+    tiles, order = plan.tiles, plan.order
+    query = _kernel_layout(query, len(tiles), order)
+    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads), len(tiles), order)
+    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads), len(tiles), order)
+    out_target = empty_output(batch_size, num_heads, lq, value_head_dim, query.dtype, query.device)
+    lse_target = empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
+
+    def run(tile: _Tile) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         tile_out, tile_lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
             query[tile.batch, :, tile.rows],
             key_x[tile.batch, :, tile.keys],
@@ -314,6 +376,24 @@ def _flash_forward(query, key, value, plan: _Plan, scale):
             scale=scale,
         )
         empty = _rows_without_keys(tile)
+        return tile_out, tile_lse.to(lse_target.dtype), empty if empty is not None and empty.any() else None
+
+    if len(tiles) == 1 and order is None and _covers_all_rows(tiles[0], batch_size, lq):
+        # One tile for everything: keep the kernel's output, no assembly.
+        out, lse, empty = run(tiles[0])
+        if empty is not None:
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+            lse = lse.masked_fill(empty, float("inf"))
+        return _in_layout(out, out_target), _in_layout(lse, lse_target)
+
+    accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
+    out = empty_output(batch_size, num_heads, lq, value_head_dim, accumulate_dtype, query.device)
+    lse = torch.full_like(lse_target, float("-inf"))
+    # Tiles either cover the same (batch, rows) region or disjoint ones; the first tile of a region is
+    # written, later ones are merged in by their log-sum-exps.
+    written = set()
+    for tile in tiles:
+        tile_out, tile_lse, empty = run(tile)
         if empty is not None:
             tile_lse = tile_lse.masked_fill(empty, float("-inf"))
         region = (tile.batch.start, tile.batch.stop, tile.rows.start, tile.rows.stop)
@@ -324,7 +404,7 @@ def _flash_forward(query, key, value, plan: _Plan, scale):
             out_region.copy_(tile_out)
             lse_region.copy_(tile_lse)
             continue
-        new_lse = torch.logaddexp(lse_region, tile_lse.to(lse.dtype))
+        new_lse = torch.logaddexp(lse_region, tile_lse)
         # Rows still without any key keep -inf; subtracting 0 there keeps both weights at exp(-inf) = 0.
         reference = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
         old_weight = torch.exp(lse_region - reference).unsqueeze(-1).to(accumulate_dtype)
@@ -335,48 +415,51 @@ def _flash_forward(query, key, value, plan: _Plan, scale):
     if empty.any():
         out.masked_fill_(empty.unsqueeze(-1), 0.0)
         lse.masked_fill_(empty, float("inf"))
-    out = out.to(query.dtype)
-    if plan.order is not None:
-        inverse = _inverse(plan.order)
-        out, lse = out.index_select(0, inverse), lse.index_select(0, inverse)
-    return out, lse
+    return _in_layout(out, out_target, order), _in_layout(lse, lse_target, order)
 
 
 def _flash_backward(grad_out, query, key, value, out, lse, plan: _Plan, scale):
-    num_heads = query.shape[1]
-    order = plan.order
-    grad_out, out, lse = _in_order(grad_out, order), _in_order(out, order), _in_order(lse, order)
-    query = _unit_stride_head_dim(_in_order(query, order))
-    key_x = _unit_stride_head_dim(_repeat_kv_heads(_in_order(key, order), num_heads))
-    value_x = _unit_stride_head_dim(_repeat_kv_heads(_in_order(value, order), num_heads))
+    batch_size, num_heads, lq, _ = query.shape
+    tiles, order = plan.tiles, plan.order
+    targets = [torch.empty_like(t) for t in (query, key, value)]
+    query_k = _kernel_layout(query, len(tiles), order)
+    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads), len(tiles), order)
+    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads), len(tiles), order)
+    if order is not None:
+        grad_out, out, lse = (t.index_select(0, order) for t in (grad_out, out, lse))
+    single = (
+        len(tiles) == 1
+        and order is None
+        and _covers_all_rows(tiles[0], batch_size, lq)
+        and tiles[0].keys == slice(0, key.shape[2])
+    )
     accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
-    grad_query = torch.zeros(query.shape, dtype=accumulate_dtype, device=query.device)
-    grad_key = torch.zeros(key_x.shape, dtype=accumulate_dtype, device=query.device)
-    grad_value = torch.zeros(value_x.shape, dtype=accumulate_dtype, device=query.device)
-    kernel_lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    for tile in plan.tiles:
-        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+    grads = [] if single else [
+        torch.zeros(t.shape, dtype=accumulate_dtype, device=t.device) for t in (query_k, key_x, value_x)
+    ]
+    for tile in tiles:
+        tile_grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out[tile.batch, :, tile.rows],
-            query[tile.batch, :, tile.rows],
+            query_k[tile.batch, :, tile.rows],
             key_x[tile.batch, :, tile.keys],
             value_x[tile.batch, :, tile.keys],
             out[tile.batch, :, tile.rows],
-            lse[tile.batch, :, tile.rows].to(kernel_lse_dtype),
+            lse[tile.batch, :, tile.rows],
             0.0,
             tile.causal,
             attn_mask=tile.bias,
             scale=scale,
         )
-        grad_query[tile.batch, :, tile.rows] += dq
-        grad_key[tile.batch, :, tile.keys] += dk
-        grad_value[tile.batch, :, tile.keys] += dv
+        if single:
+            # One tile for everything: the kernel's gradients are the gradients.
+            grads = list(tile_grads)
+            break
+        for grad, tile_grad, index in zip(grads, tile_grads, (tile.rows, tile.keys, tile.keys)):
+            grad[tile.batch, :, index] += tile_grad
     num_kv_heads = key.shape[1]
-    grad_key = _sum_kv_heads(grad_key, num_kv_heads)
-    grad_value = _sum_kv_heads(grad_value, num_kv_heads)
-    if order is not None:
-        inverse = _inverse(order)
-        grad_query, grad_key, grad_value = (g.index_select(0, inverse) for g in (grad_query, grad_key, grad_value))
-    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+    grads[1] = _sum_kv_heads(grads[1], num_kv_heads)
+    grads[2] = _sum_kv_heads(grads[2], num_kv_heads)
+    return tuple(_in_layout(grad, target, order) for grad, target in zip(grads, targets))
 
 
 # ----------------------------------------------------------------------------
@@ -442,11 +525,15 @@ def _math_forward(query, key, value, key_padding_mask, attn_mask, causal, scale,
     if dropout_p > 0.0:
         probs = probs * _dropout_scale(probs.shape, dropout_p, dropout_seed, query.device, probs.dtype)
     out = torch.matmul(probs, value.to(probs.dtype).unsqueeze(2)).flatten(1, 2)
-    return out.to(query.dtype), lse.to(lse_dtype(query.dtype))
+    batch_size, num_heads, lq, _ = query.shape
+    out_target = empty_output(batch_size, num_heads, lq, value.shape[-1], query.dtype, query.device)
+    lse_target = empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
+    return _in_layout(out, out_target), _in_layout(lse, lse_target)
 
 
 def _math_backward(
-    grad_out, query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed, attn_mask_needs_grad
+    grad_out, query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
+    attn_mask_needs_grad,
 ):
     """Softmax-attention backward on materialized probabilities: dS = P * (dP - rowsum(P * dP))."""
     probs, _ = _math_probs(query, key, key_padding_mask, attn_mask, causal, scale)
@@ -468,7 +555,8 @@ def _math_backward(
     grad_query = torch.matmul(d_scores, k).mul_(scale).flatten(1, 2)
     grad_key = torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale).sum(2)
     dmask = d_scores.flatten(1, 2) if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
-    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), dmask
+    grads = (_in_layout(g, torch.empty_like(t)) for g, t in ((grad_query, query), (grad_key, key), (grad_value, value)))
+    return (*grads, dmask)
 
 
 # ----------------------------------------------------------------------------
@@ -488,10 +576,9 @@ def forward(
     dropout_p: float,
     dropout_seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out`` ``[B, Hq, Lq, Dv]`` (contiguous, query's dtype) and ``lse`` ``[B, Hq, Lq]``.
-
-    ``lse`` is float32 (float64 for float64 queries), natural-log, +inf on
-    rows that see no key.
+    """Returns ``out`` ``[B, Hq, Lq, Dv]`` (query's dtype, in the :func:`empty_output` layout) and
+    ``lse`` ``[B, Hq, Lq]`` (in the :func:`empty_lse` layout; float32, float64 for float64 queries;
+    natural log; +inf on rows that see no key).
     """
     if _uses_flash_tiles(query, value, dropout_p):
         plan = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
@@ -500,7 +587,7 @@ def forward(
         out, lse = _math_forward(
             query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed
         )
-    return out.contiguous(), lse
+    return out, lse
 
 
 def backward(
@@ -519,8 +606,9 @@ def backward(
     dropout_seed: Optional[torch.Tensor],
     attn_mask_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``dq, dk, dv`` and ``dmask`` (``[B, Hq, Lq, Lk]`` in the float mask's dtype promoted
-    to at least float32 when ``attn_mask_needs_grad``, else an empty tensor)."""
+    """Returns ``dq, dk, dv`` (dtypes of the inputs, strides of ``torch.empty_like`` of each) and
+    ``dmask`` (``[B, Hq, Lq, Lk]`` in the float mask's dtype promoted to at least float32 when
+    ``attn_mask_needs_grad``, else an empty tensor)."""
     if not attn_mask_needs_grad and _uses_flash_tiles(query, value, dropout_p):
         plan = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
         dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, plan, scale)

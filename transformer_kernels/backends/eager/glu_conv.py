@@ -68,7 +68,7 @@ def _padded_rows(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: floa
 
 
 def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
-    """im2col: ``[B * L_out, C_in * k]``, column ``ci * k + tap`` of row ``b * L_out + s`` is ``xpad[b, s + tap, ci]``."""
+    """im2col ``[B * L_out, C_in * k]``: row ``b * L_out + s``, column ``ci * k + tap`` holds ``xpad[b, s + tap, ci]``."""
     padded = _padded_rows(x, pad_left, pad_right, pad_value)
     batch, padded_length, channels_in = padded.shape
     length_out = padded_length - kernel_size + 1

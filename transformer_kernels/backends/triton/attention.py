@@ -16,8 +16,14 @@ kernel family:
 * ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
   bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
   scores).
-* ``HAS_DROPOUT``: keep-mask from Philox, counters (key index, query index,
-  batch*head, offset) keyed by the seed, so backward regenerates it exactly.
+* ``HAS_DROPOUT``: keep-mask from Philox keyed by the seed, one counter per
+  (8 keys, query, batch*head, offset), so backward regenerates it exactly;
+  the drop probability is quantized to 16 bits (``round(p * 2**16) / 2**16``)
+  and kept weights are scaled by the inverse of the quantized keep probability.
+
+The launchers hand the kernels 16-byte aligned tensors whose head dims and
+strides are multiples of 16 elements, copying (and zero-padding the head dim
+of) the rare input that is not, so loads vectorize.
 
 Scores are kept in base-2 units (``qk_scale = scale * log2(e)``) so the
 softmax uses ``exp2``.  Rows where every key is excluded get output 0 and
@@ -72,7 +78,6 @@ def _kernel(fn):
 @triton.jit
 def _aligned_base(ptr, batch, stride_b, head, stride_h):
     return tl.multiple_of(ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h, 16)
-
 
 
 @triton.jit
@@ -717,40 +722,50 @@ class BlockConfig:
 
 
 # Keyed by (kernel, head dim bucket): the bucket is max(BLOCK_D, BLOCK_DV)
-# rounded up to 64, 128 or 256.  Every entry compiles for sm_80 and sm_90
-# within shared memory and without spills (stack frame 0) in the variants
-# compile_targets() lists.
+# rounded up to 64, 128 or 256.  Each entry is compiled for sm_80 and sm_90 by
+# tests/test_triton_compile.py (see compile_targets()): it fits in shared
+# memory and does not spill (ptxas stack frame 0 as well as no local memory).
 #
 # FAST: 16-bit inputs without a dense mask or dropout (causal and key padding
-# allowed) -- the shapes the performance targets are about.  Tiles follow the
-# Triton flash-attention tutorial's sm_80/sm_90 choices, with 8 warps where the
-# causal/padding tests would otherwise push 128-row tiles past 255 registers.
+# allowed) -- the cases the performance targets are about.  Starting points
+# were the Triton flash-attention tutorial's tiles; they were shrunk, or given
+# 8 warps, until the causal + key padding variant stayed within 255 registers
+# on both architectures.
 _FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("forward", 64): BlockConfig(128, 64, 8, 3),
     ("forward", 128): BlockConfig(128, 64, 8, 3),
     ("forward", 256): BlockConfig(64, 64, 8, 2),
-    ("dkdv", 64): BlockConfig(32, 64, 4, 3),
-    ("dkdv", 128): BlockConfig(32, 64, 4, 3),
-    ("dkdv", 256): BlockConfig(16, 64, 8, 2),
-    ("dq", 64): BlockConfig(128, 32, 4, 3),
-    ("dq", 128): BlockConfig(64, 64, 4, 3),
-    ("dq", 256): BlockConfig(64, 32, 8, 2),
+    ("dkdv", 64): BlockConfig(32, 32, 4, 2),
+    ("dkdv", 128): BlockConfig(32, 64, 8, 2),
+    ("dkdv", 256): BlockConfig(32, 32, 8, 2),
+    ("dq", 64): BlockConfig(128, 32, 8, 3),
+    ("dq", 128): BlockConfig(64, 64, 8, 3),
+    ("dq", 256): BlockConfig(64, 16, 8, 2),
 }
-# SAFE: float32 inputs (twice the bytes per element; tf32x3 dots keep three
-# operand splits live), or a dense mask (a [BLOCK_M, BLOCK_N] tile of mask
-# pointers and values) or dropout (Philox state).  Smaller tiles keep these
-# within registers.
-_SAFE_CONFIGS: dict[tuple[str, int], BlockConfig] = {
-    ("forward", 64): BlockConfig(64, 32, 4, 2),
-    ("forward", 128): BlockConfig(64, 32, 4, 2),
-    ("forward", 256): BlockConfig(32, 32, 4, 1),
-    ("dkdv", 64): BlockConfig(32, 64, 4, 2),
-    ("dkdv", 128): BlockConfig(16, 64, 8, 2),
-    ("dkdv", 256): BlockConfig(16, 32, 8, 1),
-    ("dq", 64): BlockConfig(64, 32, 4, 2),
-    ("dq", 128): BlockConfig(64, 32, 8, 2),
-    ("dq", 256): BlockConfig(32, 16, 8, 1),
+# MASKED: 16-bit inputs with a dense mask (a tile of mask pointers and values)
+# or dropout (Philox state); smaller tiles keep them within registers.
+_MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
+    ("forward", 64): BlockConfig(64, 64, 8, 2),
+    ("forward", 128): BlockConfig(64, 32, 8, 2),
+    ("forward", 256): BlockConfig(32, 32, 8, 1),
+    ("dkdv", 64): BlockConfig(16, 32, 8, 2),
+    ("dkdv", 128): BlockConfig(16, 32, 8, 2),
+    ("dkdv", 256): BlockConfig(16, 16, 8, 1),
+    ("dq", 64): BlockConfig(32, 32, 4, 2),
+    ("dq", 128): BlockConfig(32, 32, 4, 2),
+    ("dq", 256): BlockConfig(32, 32, 8, 1),
 }
+# FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
+# high and a low part of every operand, and each warp holds whole rows of the
+# loop-invariant operand (Q, or K and V): past head dim 64 no tile shape stays
+# within 255 registers, so on the GPU float32 is served up to head dim 64
+# (``unsupported_reason``), with small tiles and every switch allowed.
+_FLOAT32_CONFIGS: dict[tuple[str, int], BlockConfig] = {
+    ("forward", 64): BlockConfig(32, 16, 4, 1),
+    ("dkdv", 64): BlockConfig(16, 16, 8, 1),
+    ("dq", 64): BlockConfig(16, 32, 4, 1),
+}
+MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
 # diagonal paths at the short lengths the tests can afford.
 _INTERPRETER_CONFIGS = {
@@ -768,7 +783,10 @@ def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype
     if triton_interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
-    table = _SAFE_CONFIGS if heavy_masks or dtype == torch.float32 else _FAST_CONFIGS
+    if dtype == torch.float32:
+        table = _FLOAT32_CONFIGS
+    else:
+        table = _MASKED_CONFIGS if heavy_masks else _FAST_CONFIGS
     return table[(kernel, bucket)]
 
 
@@ -796,6 +814,11 @@ def unsupported_reason(
     head_dim = max(query.shape[-1], value.shape[-1])
     if head_dim > MAX_HEAD_DIM:
         return f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {head_dim}"
+    if query.dtype == torch.float32 and query.is_cuda and head_dim > MAX_FLOAT32_HEAD_DIM_ON_GPU:
+        return (
+            f"the triton backend supports float32 on the GPU up to head dim {MAX_FLOAT32_HEAD_DIM_ON_GPU} "
+            f"(its float32 kernels would spill registers), got {head_dim}; use float16/bfloat16 or backend='eager'"
+        )
     return None
 
 
@@ -1087,19 +1110,20 @@ def _attention_target(kernel_name: str, bucket: int, config: BlockConfig, dtype:
 
 def compile_targets() -> list[CompileTarget]:
     """Every configuration the dispatcher can choose, with the heaviest
-    switches it can be chosen with: FAST configs with bottom-right causal and
-    key padding (in bfloat16, and float16 at head dim 128), SAFE configs with
-    every switch on -- bottom-right causal, key padding, float mask, dropout,
-    dS store -- in float32 (the heaviest dtype; float16 too at head dim 128).
-    Lighter switches only remove code."""
+    switches it can be chosen with (lighter switches only remove code): FAST
+    configs with bottom-right causal and key padding, MASKED and FLOAT32
+    configs with every switch on (bottom-right causal, key padding, float
+    mask, dropout, dS store).  FAST configs compile in bfloat16 and MASKED in
+    float16, so both 16-bit types are covered."""
     targets = []
-    for (kernel_name, bucket), config in _FAST_CONFIGS.items():
-        for dtype in (torch.bfloat16, torch.float16) if bucket == 128 else (torch.bfloat16,):
-            targets.append(_attention_target(kernel_name, bucket, config, dtype, _LIGHT_SWITCHES))
-    for (kernel_name, bucket), config in _SAFE_CONFIGS.items():
-        for dtype in (torch.float32, torch.float16) if bucket == 128 else (torch.float32,):
-            targets.append(_attention_target(kernel_name, bucket, config, dtype, _ALL_SWITCHES))
-    for dtype, block_dv in ((torch.bfloat16, 64), (torch.float32, 256)):
+    for table, dtype, switches in (
+        (_FAST_CONFIGS, torch.bfloat16, _LIGHT_SWITCHES),
+        (_MASKED_CONFIGS, torch.float16, _ALL_SWITCHES),
+        (_FLOAT32_CONFIGS, torch.float32, _ALL_SWITCHES),
+    ):
+        for (kernel_name, bucket), config in table.items():
+            targets.append(_attention_target(kernel_name, bucket, config, dtype, switches))
+    for dtype, block_dv in ((torch.bfloat16, 64), (torch.float16, 256)):
         dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
         constexprs = dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=block_dv)
         targets.append(CompileTarget(

@@ -48,10 +48,10 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # sequences of a large batch fill a tile) times BLOCK_C channels of BOTH GLU
 # halves: it accumulates a = xpad * W[:C] and g = xpad * W[C:] in two fp32
 # accumulators that share every x tile, so the gate never leaves registers.
-#   for tap in 0..k-1:                      # implicit GEMM, reduction (C_in x k)
+#   for (tap, BLOCK_CI slice ci of C_in):   # implicit GEMM over (C_in x k), one flat
+#                                           # loop so the pipeliner overlaps across taps
 #       rows' input position p = s + tap - pad_left (pad_value where p is outside [0, L))
-#       for each BLOCK_CI slice of C_in:
-#           acc_a += x[rows, p, ci] @ W[tap, ci, c];  acc_g += x[rows, p, ci] @ W[tap, ci, C + c]
+#       acc_a += x[rows, p, ci] @ W[tap, ci, c];  acc_g += x[rows, p, ci] @ W[tap, ci, C + c]
 # Epilogue (fp32): add bias; gate = sigmoid(acc_g); then either
 #   forward:       out = (acc_a * gate + residual) * residual_scale
 #   COMPUTE_GRAD:  gy = grad_out * residual_scale
@@ -107,30 +107,30 @@ def _glu_conv1d_fwd_kernel(
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels_out
 
+    x_rows = x_ptr + b * stride_x_batch
+    ci_blocks = tl.cdiv(channels_in, BLOCK_CI)
+
     acc_a = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
-    for tap in range(kernel_size):
+    for step in range(kernel_size * ci_blocks):
+        tap = step // ci_blocks
+        ci = (step % ci_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
+        ci_ok = ci < channels_in
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
-        load_rows = row_ok & in_sequence
-        pad_rows = row_ok & (~in_sequence)
-        x_tap = x_ptr + b * stride_x_batch + position.to(tl.int64) * stride_x_position
-        w_tap = weight_ptr + tap * stride_w_tap
-        for ci_start in range(0, channels_in, BLOCK_CI):
-            ci = ci_start + tl.arange(0, BLOCK_CI)
-            ci_ok = ci < channels_in
-            x_tile = tl.load(
-                x_tap[:, None] + ci[None, :] * stride_x_channel,
-                mask=load_rows[:, None] & ci_ok[None, :],
-                other=0.0,
-            )
-            x_tile = tl.where(pad_rows[:, None] & ci_ok[None, :], pad_value, x_tile).to(x_ptr.dtype.element_ty)
-            w_ptrs = w_tap + ci[:, None] * stride_w_in + cols[None, :] * stride_w_out
-            w_mask = ci_ok[:, None] & col_ok[None, :]
-            w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            w_gate = tl.load(w_ptrs + channels_out * stride_w_out, mask=w_mask, other=0.0)
-            acc_a = tl.dot(x_tile, w_value, acc_a, input_precision=INPUT_PRECISION)
-            acc_g = tl.dot(x_tile, w_gate, acc_g, input_precision=INPUT_PRECISION)
+        x_tile = tl.load(
+            (x_rows + position.to(tl.int64) * stride_x_position)[:, None] + ci[None, :] * stride_x_channel,
+            mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
+            other=0.0,
+        )
+        pad_mask = (row_ok & (~in_sequence))[:, None] & ci_ok[None, :]
+        x_tile = tl.where(pad_mask, pad_value, x_tile).to(x_ptr.dtype.element_ty)
+        w_ptrs = weight_ptr + tap * stride_w_tap + ci[:, None] * stride_w_in + cols[None, :] * stride_w_out
+        w_mask = ci_ok[:, None] & col_ok[None, :]
+        w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w_gate = tl.load(w_ptrs + channels_out * stride_w_out, mask=w_mask, other=0.0)
+        acc_a = tl.dot(x_tile, w_value, acc_a, input_precision=INPUT_PRECISION)
+        acc_g = tl.dot(x_tile, w_gate, acc_g, input_precision=INPUT_PRECISION)
 
     if HAS_BIAS:
         acc_a += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -208,26 +208,27 @@ def _glu_conv1d_bwd_input_kernel(
     ci = pid_ci * BLOCK_CI + tl.arange(0, BLOCK_CI)
     ci_ok = ci < channels_in
 
+    grad_z_rows = grad_z_ptr + b * stride_grad_z_batch
+    cz_blocks = tl.cdiv(channels_z, BLOCK_CZ)
+
     acc = tl.zeros((BLOCK_POS, BLOCK_CI), dtype=tl.float32)
-    for tap in range(kernel_size):
+    for step in range(kernel_size * cz_blocks):  # one flat loop over (tap, 2C slice), as in the forward
+        tap = step // cz_blocks
+        cz = (step % cz_blocks) * BLOCK_CZ + tl.arange(0, BLOCK_CZ)
+        cz_ok = cz < channels_z
         s = t + pad_left - tap
-        load_rows = row_ok & (s >= 0) & (s < length_out)
-        grad_z_tap = grad_z_ptr + b * stride_grad_z_batch + s.to(tl.int64) * stride_grad_z_position
-        w_tap = weight_ptr + tap * stride_w_tap
-        for cz_start in range(0, channels_z, BLOCK_CZ):
-            cz = cz_start + tl.arange(0, BLOCK_CZ)
-            cz_ok = cz < channels_z
-            grad_z_tile = tl.load(
-                grad_z_tap[:, None] + cz[None, :] * stride_grad_z_channel,
-                mask=load_rows[:, None] & cz_ok[None, :],
-                other=0.0,
-            )
-            w_tile = tl.load(
-                w_tap + cz[:, None] * stride_w_out + ci[None, :] * stride_w_in,
-                mask=cz_ok[:, None] & ci_ok[None, :],
-                other=0.0,
-            )
-            acc = tl.dot(grad_z_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+        in_output = (s >= 0) & (s < length_out)
+        grad_z_tile = tl.load(
+            (grad_z_rows + s.to(tl.int64) * stride_grad_z_position)[:, None] + cz[None, :] * stride_grad_z_channel,
+            mask=(row_ok & in_output)[:, None] & cz_ok[None, :],
+            other=0.0,
+        )
+        w_tile = tl.load(
+            weight_ptr + tap * stride_w_tap + cz[:, None] * stride_w_out + ci[None, :] * stride_w_in,
+            mask=cz_ok[:, None] & ci_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(grad_z_tile, w_tile, acc, input_precision=INPUT_PRECISION)
 
     grad_x_ptrs = (
         grad_x_ptr

@@ -372,11 +372,14 @@ class GemmConfig:
 # Triton matmul tutorial's best A100/H100 shape, 144 KiB, 238 registers on
 # sm_80); the backward kernels keep 128x128, where 128x256 reaches 255
 # registers and spills.  Problems whose large-tile grid would leave SMs idle,
-# and fp32 without tf32 (FMA path, register hungry), use 64x64 tiles.
+# use 64x64 tiles.
 _WIDE_16BIT = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _LARGE_16BIT = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _LARGE_TF32 = GemmConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
 _SMALL = GemmConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+# fp32 without tf32 is an FMA loop: a shorter BLOCK_K keeps the unrolled
+# operand fragments under the register file (BLOCK_K 32 and 16 spill).
+_SMALL_IEEE = GemmConfig(block_m=64, block_n=64, block_k=8, group_m=8, num_warps=4, num_stages=3)
 
 KERNELS = ("forward", "grad_input", "grad_weight")
 
@@ -390,7 +393,7 @@ def _large_config(kernel: str, dtype: torch.dtype) -> GemmConfig:
 def gemm_config(kernel: str, dtype: torch.dtype, use_tf32: bool, m: int, n: int, num_sms: int) -> GemmConfig:
     """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]`` output."""
     if dtype == torch.float32 and not use_tf32:
-        return _SMALL
+        return _SMALL_IEEE
     large = _large_config(kernel, dtype)
     if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= num_sms:
         return large
