@@ -205,9 +205,8 @@ def test_matches_reference(backend, kind, shape):
 
 @pytest.mark.parametrize("kind", ["pad_suffix", "causal", "causal_lower_right", "bool_4d_broadcast", "float_grad"])
 @pytest.mark.parametrize(("lq", "lk"), [(300, 300), (260, 300), (300, 260)])
-def test_eager_length_groups(kind, lq, lk):
-    """Sequences of very different lengths (one all padding, one with holes) are sorted into groups,
-    each cut at its own length."""
+def test_eager_per_sequence_tiles(kind, lq, lk):
+    """Sequences of very different lengths (one all padding, one with holes) are cut one by one."""
     case = make_case(kind, 4, 2, 2, lq, lk, 16)
     padding = torch.arange(lk)[None, :] >= torch.tensor([[lk], [40], [170], [0]])
     padding[2, 7:20] = True
@@ -218,10 +217,9 @@ def test_eager_length_groups(kind, lq, lk):
     mask = case["ours"].get("attn_mask")
     dense_mask = mask.expand(4, 2, lq, lk) if isinstance(mask, torch.Tensor) else None
     causal = {"causal": 1, "causal_lower_right": 2}.get(kind, 0)
-    plan = eager_attention._plan(q, k, padding, _key_bounds(padding), dense_mask, causal)
-    assert plan.order is not None
-    assert len({tile.batch.start for tile in plan.tiles}) > 1
-    assert any(tile.keys.stop < lk for tile in plan.tiles)
+    tiles = eager_attention._plan(q, k, padding, _key_bounds(padding), dense_mask, causal)
+    assert tiles and all(tile.batch.stop - tile.batch.start == 1 for tile in tiles)
+    assert any(tile.keys.stop < lk for tile in tiles)
     check_against_reference(case, "eager", 1e-9)
 
 

@@ -39,6 +39,7 @@ The dropout keep-mask is drawn from a ``torch.Generator`` seeded from
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -51,14 +52,12 @@ _HAS_CPU_FLASH = hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu") a
 )
 _FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# Sequences of different lengths are sorted by length and cut into at most
-# _MAX_LENGTH_GROUPS groups, each cut at its longest sequence, when that saves at
-# least _MIN_GROUPING_SAVING of the work and a sequence's score matrix has at
-# least _MIN_GROUPING_SCORES entries (below, one kernel call with the padding as
-# a bias beats several calls plus the reordering copies).
-_MAX_LENGTH_GROUPS = 4
-_MIN_GROUPING_SAVING = 0.1
-_MIN_GROUPING_SCORES = 64 * 1024
+# Cutting every sequence at its own length (one kernel call per sequence) pays when
+# the lengths differ by at least _PER_SEQUENCE_MIN_SPREAD keys and a sequence's
+# score matrix has at least _PER_SEQUENCE_MIN_SCORES entries; below, one batched
+# call with the padding as a bias beats a loop of small calls.
+_PER_SEQUENCE_MIN_SPREAD = 128
+_PER_SEQUENCE_MIN_SCORES = 64 * 1024
 
 
 def unsupported_reason(
@@ -129,28 +128,16 @@ def empty_lse(batch: int, heads: int, lq: int, query_dtype: torch.dtype, device)
     return torch.empty_strided((batch, heads, lq), (lq * heads, 1, heads), dtype=lse_dtype(query_dtype), device=device)
 
 
-def _in_layout(tensor: torch.Tensor, target: torch.Tensor, order: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``tensor`` with ``target``'s dtype and strides (``target`` is filled when a copy is needed);
-    with ``order``, ``tensor`` holds the batch in that order and is put back in the original one."""
-    if order is not None:
-        return target.index_copy_(0, order, tensor.to(target.dtype))
+def _in_layout(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with ``target``'s dtype and strides (``target`` is filled when a copy is needed)."""
     if tensor.dtype == target.dtype and tensor.stride() == target.stride():
         return tensor
     return target.copy_(tensor)
 
 
-def _kernel_layout(tensor: torch.Tensor, num_tiles: int, order: Optional[torch.Tensor]) -> torch.Tensor:
-    """The kernel's input: the batch in ``order`` (a gather, which also makes it contiguous), else
-    the tensor itself, made contiguous when the kernel needs it or several tiles pay for it.
-
-    The CPU flash kernel needs a unit stride along the head dim, and runs tiles cut from
-    ``[B, L, H, D]``-strided inputs markedly slower than from contiguous ``[B, H, L, D]`` ones
-    (a tile's rows are then adjacent in memory)."""
-    if order is not None:
-        return tensor.index_select(0, order)
-    if tensor.stride(-1) != 1 or num_tiles > 1:
-        return tensor.contiguous()
-    return tensor
+def _kernel_layout(tensor: torch.Tensor) -> torch.Tensor:
+    """The CPU flash kernel reads any strides except along the head dim, which must be 1."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _uses_flash_tiles(query: torch.Tensor, value: torch.Tensor, dropout_p: float) -> bool:
@@ -238,36 +225,6 @@ def _segment_tiles(
     return tiles
 
 
-@dataclasses.dataclass
-class _Plan:
-    """Tiles over the batch taken in ``order`` (a permutation; None keeps the given order)."""
-
-    order: Optional[torch.Tensor]
-    tiles: list[_Tile]
-
-
-def _length_groups(ends: list[int]) -> list[tuple[int, int]]:
-    """Split ``ends`` (non-increasing) into contiguous groups minimizing ``sum(size * first end)``.
-
-    Greedy: repeatedly make the split that saves the most, while it saves at
-    least ``_MIN_GROUPING_SAVING`` of the unsplit cost, up to ``_MAX_LENGTH_GROUPS``.
-    """
-    groups = [(0, len(ends))]
-    total = len(ends) * ends[0]
-    while len(groups) < _MAX_LENGTH_GROUPS:
-        # Splitting [start, stop) at p saves (stop - p) * (ends[start] - ends[p]).
-        saving, group, split = max(
-            ((stop - p) * (ends[start] - ends[p]), index, p)
-            for index, (start, stop) in enumerate(groups)
-            for p in range(start + 1, stop)
-        ) if any(stop - start > 1 for start, stop in groups) else (0, 0, 0)
-        if saving < _MIN_GROUPING_SAVING * total:
-            break
-        start, stop = groups[group]
-        groups[group : group + 1] = [(start, split), (split, stop)]
-    return groups
-
-
 def _plan(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -275,14 +232,13 @@ def _plan(
     key_bounds: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
     causal: int,
-) -> _Plan:
-    """Cut the attention into tiles that skip padded keys and the hidden part of a causal mask.
+) -> list[_Tile]:
+    """Cut the attention into tiles that skip padded keys and rows without keys.
 
     Sequence ``b`` attends to keys ``[0, end_b)`` (its last non-padding key + 1); padding before that
     end (left padding, holes) goes into an additive bias.  When the ends differ enough on a large
-    problem, the batch is sorted by end and cut into a few groups of similar length, each group's
-    tiles cut at its own longest end; otherwise one group spans the batch, cut at the longest end,
-    with the shorter sequences' padding in the bias.
+    problem, every sequence gets its own tiles cut at its own end; otherwise the tiles span the
+    batch, cut at the longest end, with the shorter sequences' padding in the bias.
     """
     batch_size, _, lq, _ = query.shape
     lk = key.shape[2]
@@ -295,45 +251,30 @@ def _plan(
         if mask_bias.dtype == torch.bool:
             mask_bias = torch.zeros(mask_bias.shape, dtype=dtype, device=device).masked_fill_(~mask_bias, float("-inf"))
     if key_padding_mask is None:
-        return _Plan(None, _segment_tiles(slice(0, batch_size), lk, lq, shift, lambda *tile: _slice_bias_or_none(mask_bias, *tile)))
+        return _segment_tiles(slice(0, batch_size), lk, lq, shift, functools.partial(_slice_bias_or_none, mask_bias))
 
     ends = [end for _, end in key_bounds.tolist()]
     padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
     pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
         key_padding_mask[:, None, None, :], float("-inf")
     )
-    order = None
-    groups = [(0, batch_size)]
-    if lq * lk >= _MIN_GROUPING_SCORES and min(ends) < max(ends):
-        permutation = sorted(range(batch_size), key=lambda b: -ends[b])
-        sorted_ends = [ends[b] for b in permutation]
-        groups = _length_groups(sorted_ends)
-        if len(groups) > 1:
-            order = torch.tensor(permutation, device=device)
-            ends = sorted_ends
-            padded_inside = [padded_inside[b] for b in permutation]
-            pad_bias = pad_bias.index_select(0, order)
-            if mask_bias is not None and mask_bias.shape[0] != 1:
-                mask_bias = mask_bias.index_select(0, order)
-        else:
-            groups = [(0, batch_size)]
 
-    tiles = []
-    for start, stop in groups:
-        group_ends = ends[start:stop]
-        group_end = max(group_ends)
-        # Padding inside the group's cut: some sequence ends earlier, or has padding before its end.
-        needs_pad_bias = min(group_ends) < group_end or any(padded_inside[start:stop])
+    def bias_for(batch: slice, rows: slice, keys: slice) -> Optional[torch.Tensor]:
+        bias = _slice_bias_or_none(mask_bias, batch, rows, keys)
+        if any(padded_inside[batch]):
+            padding = _slice_bias(pad_bias, batch, rows, keys)
+            bias = padding if bias is None else bias + padding
+        return bias
 
-        def bias_for(batch: slice, rows: slice, keys: slice, needs_pad_bias=needs_pad_bias) -> Optional[torch.Tensor]:
-            bias = _slice_bias_or_none(mask_bias, batch, rows, keys)
-            if needs_pad_bias:
-                padding = _slice_bias(pad_bias, batch, rows, keys)
-                bias = padding if bias is None else bias + padding
-            return bias
-
-        tiles += _segment_tiles(slice(start, stop), group_end, lq, shift, bias_for)
-    return _Plan(order, tiles)
+    spread = max(ends) - min(ends)
+    if batch_size > 1 and spread >= _PER_SEQUENCE_MIN_SPREAD and lq * lk >= _PER_SEQUENCE_MIN_SCORES:
+        return [
+            tile for b in range(batch_size) for tile in _segment_tiles(slice(b, b + 1), ends[b], lq, shift, bias_for)
+        ]
+    if spread > 0:
+        # One cut at the longest end: the shorter sequences' tails become padding inside the tiles.
+        padded_inside = [True] * batch_size
+    return _segment_tiles(slice(0, batch_size), max(ends), lq, shift, bias_for)
 
 
 def _rows_without_keys(tile: _Tile) -> Optional[torch.Tensor]:
@@ -355,13 +296,12 @@ def _covers_all_rows(tile: _Tile, batch_size: int, lq: int) -> bool:
     return (tile.batch.start, tile.batch.stop, tile.rows.start, tile.rows.stop) == (0, batch_size, 0, lq)
 
 
-def _flash_forward(query, key, value, plan: _Plan, scale):
+def _flash_forward(query, key, value, tiles: list[_Tile], scale):
     batch_size, num_heads, lq, _ = query.shape
     value_head_dim = value.shape[-1]
-    tiles, order = plan.tiles, plan.order
-    query = _kernel_layout(query, len(tiles), order)
-    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads), len(tiles), order)
-    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads), len(tiles), order)
+    query = _kernel_layout(query)
+    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads))
+    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads))
     out_target = empty_output(batch_size, num_heads, lq, value_head_dim, query.dtype, query.device)
     lse_target = empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
 
@@ -378,13 +318,35 @@ def _flash_forward(query, key, value, plan: _Plan, scale):
         empty = _rows_without_keys(tile)
         return tile_out, tile_lse.to(lse_target.dtype), empty if empty is not None and empty.any() else None
 
-    if len(tiles) == 1 and order is None and _covers_all_rows(tiles[0], batch_size, lq):
-        # One tile for everything: keep the kernel's output, no assembly.
-        out, lse, empty = run(tiles[0])
+    def run_whole(tile: _Tile) -> tuple[torch.Tensor, torch.Tensor]:
+        tile_out, tile_lse, empty = run(tile)
         if empty is not None:
-            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-            lse = lse.masked_fill(empty, float("inf"))
+            tile_out = tile_out.masked_fill(empty.unsqueeze(-1), 0.0)
+            tile_lse = tile_lse.masked_fill(empty, float("inf"))
+        return tile_out, tile_lse
+
+    if len(tiles) == 1 and _covers_all_rows(tiles[0], batch_size, lq):
+        # One tile for everything: keep the kernel's output, no assembly.
+        out, lse = run_whole(tiles[0])
         return _in_layout(out, out_target), _in_layout(lse, lse_target)
+
+    in_order = all(a.batch.stop <= b.batch.start for a, b in zip(tiles, tiles[1:]))
+    if in_order and all(tile.rows == slice(0, lq) for tile in tiles):
+        # Each tile covers all rows of its sequences (one tile per sequence): concatenate, with
+        # zeros for the sequences that attend to nothing.
+        outs, lses, covered = [], [], 0
+        for tile in tiles:
+            if tile.batch.start > covered:
+                outs.append(query.new_zeros(tile.batch.start - covered, num_heads, lq, value_head_dim))
+                lses.append(torch.full_like(lse_target[covered : tile.batch.start], float("inf")))
+            tile_out, tile_lse = run_whole(tile)
+            outs.append(tile_out)
+            lses.append(tile_lse)
+            covered = tile.batch.stop
+        if covered < batch_size:
+            outs.append(query.new_zeros(batch_size - covered, num_heads, lq, value_head_dim))
+            lses.append(torch.full_like(lse_target[covered:], float("inf")))
+        return _in_layout(torch.cat(outs), out_target), _in_layout(torch.cat(lses), lse_target)
 
     accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
     out = empty_output(batch_size, num_heads, lq, value_head_dim, accumulate_dtype, query.device)
@@ -415,27 +377,24 @@ def _flash_forward(query, key, value, plan: _Plan, scale):
     if empty.any():
         out.masked_fill_(empty.unsqueeze(-1), 0.0)
         lse.masked_fill_(empty, float("inf"))
-    return _in_layout(out, out_target, order), _in_layout(lse, lse_target, order)
+    return _in_layout(out, out_target), _in_layout(lse, lse_target)
 
 
-def _flash_backward(grad_out, query, key, value, out, lse, plan: _Plan, scale):
+def _flash_backward(grad_out, query, key, value, out, lse, tiles: list[_Tile], scale):
     batch_size, num_heads, lq, _ = query.shape
-    tiles, order = plan.tiles, plan.order
     targets = [torch.empty_like(t) for t in (query, key, value)]
-    query_k = _kernel_layout(query, len(tiles), order)
-    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads), len(tiles), order)
-    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads), len(tiles), order)
-    if order is not None:
-        grad_out, out, lse = (t.index_select(0, order) for t in (grad_out, out, lse))
+    query_k = _kernel_layout(query)
+    key_x = _kernel_layout(_repeat_kv_heads(key, num_heads))
+    value_x = _kernel_layout(_repeat_kv_heads(value, num_heads))
     single = (
-        len(tiles) == 1
-        and order is None
-        and _covers_all_rows(tiles[0], batch_size, lq)
-        and tiles[0].keys == slice(0, key.shape[2])
+        len(tiles) == 1 and _covers_all_rows(tiles[0], batch_size, lq) and tiles[0].keys == slice(0, key.shape[2])
     )
     accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
+    # Accumulate in the layout of the result when the shapes allow, so that no copy is left at the end.
     grads = [] if single else [
-        torch.zeros(t.shape, dtype=accumulate_dtype, device=t.device) for t in (query_k, key_x, value_x)
+        torch.zeros_like(target, dtype=accumulate_dtype) if target.shape == kernel_input.shape
+        else torch.zeros(kernel_input.shape, dtype=accumulate_dtype, device=kernel_input.device)
+        for target, kernel_input in zip(targets, (query_k, key_x, value_x))
     ]
     for tile in tiles:
         tile_grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -459,7 +418,7 @@ def _flash_backward(grad_out, query, key, value, out, lse, plan: _Plan, scale):
     num_kv_heads = key.shape[1]
     grads[1] = _sum_kv_heads(grads[1], num_kv_heads)
     grads[2] = _sum_kv_heads(grads[2], num_kv_heads)
-    return tuple(_in_layout(grad, target, order) for grad, target in zip(grads, targets))
+    return tuple(_in_layout(grad, target) for grad, target in zip(grads, targets))
 
 
 # ----------------------------------------------------------------------------
@@ -581,8 +540,8 @@ def forward(
     natural log; +inf on rows that see no key).
     """
     if _uses_flash_tiles(query, value, dropout_p):
-        plan = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
-        out, lse = _flash_forward(query, key, value, plan, scale)
+        tiles = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
+        out, lse = _flash_forward(query, key, value, tiles, scale)
     else:
         out, lse = _math_forward(
             query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed
@@ -610,8 +569,8 @@ def backward(
     ``dmask`` (``[B, Hq, Lq, Lk]`` in the float mask's dtype promoted to at least float32 when
     ``attn_mask_needs_grad``, else an empty tensor)."""
     if not attn_mask_needs_grad and _uses_flash_tiles(query, value, dropout_p):
-        plan = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
-        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, plan, scale)
+        tiles = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
+        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
 
     return _math_backward(
