@@ -307,7 +307,7 @@ def test_3d_inputs_with_padding():
 
 
 def test_2d_inputs():
-    q, k, v = torch.randn(5, 8, dtype=torch.float64), torch.randn(7, 8, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    q, k, v = (torch.randn(*shape, dtype=torch.float64) for shape in ((5, 8), (7, 8), (7, 3)))
     out = tk.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7))
     assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7)), 1e-9, "out")
 
@@ -384,7 +384,9 @@ def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind):
     leaves = case["leaves"]
     if kind == "bool_2d":
         case["ours"]["attn_mask"][3] = False
-    out = tk.scaled_dot_product_attention(leaves["query"], leaves["key"], leaves["value"], backend=backend, **case["ours"])
+    out = tk.scaled_dot_product_attention(
+        leaves["query"], leaves["key"], leaves["value"], backend=backend, **case["ours"]
+    )
     expected, _ = reference_outputs(case, torch.ones_like(out))
     rows_without_keys = expected.abs().amax(-1) == 0
     assert rows_without_keys.any()
@@ -516,7 +518,8 @@ def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backen
     dropout_p, seed = 0.25, 77
     shape = (2, 2, 9, 13)
     keep = keep_mask_of(backend, shape, dropout_p, seed, device)
-    case = make_case("causal_lower_right+pad_suffix", *shape[:2], shape[1], shape[2], shape[3], 8, dtype=dtype, device=device)
+    batch, heads, lq, lk = shape
+    case = make_case("causal_lower_right+pad_suffix", batch, heads, heads, lq, lk, 8, dtype=dtype, device=device)
     leaves = case["leaves"]
     torch.manual_seed(seed)
     out = tk.scaled_dot_product_attention(
@@ -527,7 +530,8 @@ def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backen
     expected, expected_grads = reference_outputs(case, grad_out)
     tol = 1e-9 if backend == "eager" else 2e-3
     assert_close(out, expected, tol, "out")
-    for name, grad, expected_grad in zip(leaves, torch.autograd.grad(out, list(leaves.values()), grad_out), expected_grads):
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+    for name, grad, expected_grad in zip(leaves, grads, expected_grads):
         assert_close(grad, expected_grad, tol, f"grad {name}")
 
 
@@ -537,29 +541,39 @@ def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backen
 
 
 def _bad_inputs():
-    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    """(id, overrides of the valid arguments below, error type, message pattern)."""
+    k = torch.randn(2, 4, 10, 16)
     pad = torch.zeros(2, 10, dtype=torch.bool)
+    bool_mask = torch.ones(8, 10, dtype=torch.bool)
+
+    def kv(*shape):
+        return dict(key=torch.randn(*shape), value=torch.randn(*shape))
+
     return [
-        ("batch", dict(query=q, key=torch.randn(3, 4, 10, 16), value=torch.randn(3, 4, 10, 16)), ValueError, "key must have query's batch dimensions"),
-        ("heads", dict(key=torch.randn(2, 2, 10, 16), value=torch.randn(2, 2, 10, 16)), ValueError, "key must have as many heads as query"),
-        ("gqa_divisible", dict(key=torch.randn(2, 3, 10, 16), value=torch.randn(2, 3, 10, 16), enable_gqa=True), ValueError, "multiple of"),
+        ("batch", kv(3, 4, 10, 16), ValueError, "key must have query's batch dimensions"),
+        ("heads", kv(2, 2, 10, 16), ValueError, "key must have as many heads as query"),
+        ("gqa_divisible", dict(**kv(2, 3, 10, 16), enable_gqa=True), ValueError, "multiple of"),
         ("value_heads", dict(value=torch.randn(2, 2, 10, 16)), ValueError, "value must have as many heads as key"),
         ("head_dim", dict(key=torch.randn(2, 4, 10, 8)), ValueError, "key must have query's head dim"),
         ("value_length", dict(value=torch.randn(2, 4, 9, 16)), ValueError, "value must have key's length"),
-        ("head_dim_too_large", dict(query=torch.randn(2, 4, 8, 257), key=torch.randn(2, 4, 10, 257)), ValueError, "at most 256"),
+        ("head_dim_too_large", dict(query=torch.randn(2, 4, 8, 257), key=torch.randn(2, 4, 10, 257)),
+         ValueError, "at most 256"),
         ("value_head_dim_too_large", dict(value=torch.randn(2, 4, 10, 300)), ValueError, "value head dim"),
         ("ndim", dict(key=torch.randn(4, 10, 16)), ValueError, "key must have as many dimensions as query"),
         ("dtype", dict(key=k.double()), TypeError, "key must have the same dtype as query"),
-        ("integer", dict(query=torch.ones(2, 4, 8, 16, dtype=torch.int64)), TypeError, "query must have a floating-point dtype"),
+        ("integer", dict(query=torch.ones(2, 4, 8, 16, dtype=torch.int64)), TypeError,
+         "query must have a floating-point dtype"),
         ("empty", dict(query=torch.randn(2, 4, 0, 16)), ValueError, "zero-sized"),
         ("mask_shape", dict(attn_mask=torch.ones(8, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
         ("mask_dtype", dict(attn_mask=torch.zeros(8, 10, dtype=torch.float64)), TypeError, "attn_mask must have dtype"),
         ("mask_int", dict(attn_mask=torch.zeros(8, 10, dtype=torch.int32)), TypeError, "attn_mask must have dtype"),
-        ("mask_and_causal", dict(attn_mask=torch.ones(8, 10, dtype=torch.bool), is_causal=True), ValueError, "cannot both be set"),
-        ("causal_bias_and_causal", dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError, "cannot both be set"),
+        ("mask_and_causal", dict(attn_mask=bool_mask, is_causal=True), ValueError, "cannot both be set"),
+        ("causal_bias_and_causal", dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError,
+         "cannot both be set"),
         ("causal_bias_lengths", dict(attn_mask=causal_lower_right(8, 11)), ValueError, "CausalBias for Lq=8, Lk=11"),
         ("padding_dtype", dict(key_padding_mask=pad.float()), TypeError, "key_padding_mask must have dtype"),
-        ("padding_shape", dict(key_padding_mask=pad[:, :9]), ValueError, r"key_padding_mask must have shape \[\.\.\., Lk\] = \(2, 10\)"),
+        ("padding_shape", dict(key_padding_mask=pad[:, :9]), ValueError,
+         r"key_padding_mask must have shape \[\.\.\., Lk\] = \(2, 10\)"),
         ("padding_4d", dict(key_padding_mask=pad[:, None, None, :]), ValueError, "key_padding_mask must have shape"),
         ("dropout_high", dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
         ("dropout_negative", dict(dropout_p=-0.1), ValueError, "dropout_p"),
@@ -568,7 +582,10 @@ def _bad_inputs():
     ]
 
 
-@pytest.mark.parametrize(("overrides", "error", "match"), [c[1:] for c in _bad_inputs()], ids=[c[0] for c in _bad_inputs()])
+BAD_INPUTS = _bad_inputs()
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_raises_clear_error(overrides, error, match):
     args = dict(query=torch.randn(2, 4, 8, 16), key=torch.randn(2, 4, 10, 16), value=torch.randn(2, 4, 10, 16))
     args.update(overrides)
@@ -617,7 +634,8 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask):
     args = _op_arguments(backend, device, dropout, float_mask)
     torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, args)
 
-    out, lse = torch.ops.transformer_kernels.attention_forward(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    out, lse = torch.ops.transformer_kernels.attention_forward(*detached)
     q, k, v, padding, bounds, mask, causal, scale, dropout_p, seed, _ = args
     backward_args = (
         torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding, bounds,
@@ -630,8 +648,8 @@ def test_torch_compile_fullgraph_matches_eager(monkeypatch):
     torch._dynamo.reset()
     # Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would
     # hide a fake/real stride mismatch.  (Compiled C++ kernels stay cached by their source.)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False, raising=False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
 
     def block(q, k, v, mask, padding):
         scores_bias = mask * 0.5
@@ -707,6 +725,16 @@ def test_invalid_environment_variable_raises(monkeypatch):
     monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "fastest")
     with pytest.raises(ValueError, match="TRANSFORMER_KERNELS_BACKEND"):
         tk.scaled_dot_product_attention(*_small_inputs())
+
+
+@requires_cuda
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
+def test_auto_on_cuda_runs_triton(backend_calls, monkeypatch):
+    monkeypatch.delenv("TRANSFORMER_KERNELS_BACKEND", raising=False)
+    q, k, v = (t.cuda().half() for t in _small_inputs())
+    tk.scaled_dot_product_attention(q, k, v)
+    tk.scaled_dot_product_attention(q.double(), k.double(), v.double())  # Triton has no fp64: eager
+    assert backend_calls == ["triton", "eager"]
 
 
 @pytest.mark.skipif(CUDA, reason="CPU tensors")

@@ -27,8 +27,8 @@ from transformer_kernels.backends.triton.attention import MAX_FLOAT32_HEAD_DIM_O
 from transformer_kernels.reference.attention import attention as reference_attention  # noqa: E402
 
 from conftest import CUDA, requires_cuda  # noqa: E402
+from conftest import TRITON_DEVICE as DEVICE  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
 # Relative error (norm of the difference over norm of the reference) allowed
 # against the float64 reference.

@@ -7,14 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import requires_cuda
+from conftest import TRITON_DEVICE, requires_cuda
 
 import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
 SCALE = math.sqrt(0.5)
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _needs_triton():

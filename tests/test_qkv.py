@@ -8,7 +8,7 @@ import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError
 from transformer_kernels.reference import qkv_projection as reference_qkv
 
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, TRITON_DEVICE, requires_cuda
 
 # (x shape, num_heads): the seeds' tiny E = 4 with two heads, E not a multiple
 # of 16, head dims 2..16, an unbatched [L, E] input and two leading batch dims.
@@ -110,7 +110,6 @@ def test_outputs_share_no_storage_even_when_views_would_be_contiguous():
 
 # --------------------------------------------------------------------------- triton (interpreter on CPU)
 
-TRITON_DEVICE = "cuda" if CUDA else "cpu"
 TRITON_CASES = [
     ((2, 5, 4), 2, 3, torch.float32, True),
     ((3, 7, 24), 3, 2, torch.float32, False),

@@ -180,7 +180,9 @@ def _slice_bias(bias: torch.Tensor, batch: slice, rows: slice, keys: slice) -> t
     return bias[..., keys]
 
 
-def _slice_bias_or_none(bias: Optional[torch.Tensor], batch: slice, rows: slice, keys: slice) -> Optional[torch.Tensor]:
+def _slice_bias_or_none(
+    bias: Optional[torch.Tensor], batch: slice, rows: slice, keys: slice
+) -> Optional[torch.Tensor]:
     return None if bias is None else _slice_bias(bias, batch, rows, keys)
 
 
@@ -249,9 +251,12 @@ def _plan(
     if attn_mask is not None:
         mask_bias = _undo_broadcast(attn_mask)
         if mask_bias.dtype == torch.bool:
-            mask_bias = torch.zeros(mask_bias.shape, dtype=dtype, device=device).masked_fill_(~mask_bias, float("-inf"))
+            mask_bias = torch.zeros(mask_bias.shape, dtype=dtype, device=device).masked_fill_(
+                ~mask_bias, float("-inf")
+            )
     if key_padding_mask is None:
-        return _segment_tiles(slice(0, batch_size), lk, lq, shift, functools.partial(_slice_bias_or_none, mask_bias))
+        bias_for = functools.partial(_slice_bias_or_none, mask_bias)
+        return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for)
 
     ends = [end for _, end in key_bounds.tolist()]
     padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
@@ -465,11 +470,15 @@ def _math_probs(
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
 
-    empty = torch.isneginf(scores).all(-1, keepdim=True)
-    scores.masked_fill_(empty, 0.0)
-    lse = torch.logsumexp(scores, -1).masked_fill_(empty.squeeze(-1), float("inf"))
-    probs = torch.softmax(scores, -1).masked_fill_(empty, 0.0)
-    return probs, lse.flatten(1, 2)
+    # Softmax by hand: rows whose keys are all excluded have max -inf; shifting them by 0 instead
+    # leaves exp(-inf) = 0 everywhere, so their probabilities are 0 and their sum is 0.
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)
+    probs = scores.sub_(row_max).exp_()
+    row_sum = probs.sum(-1, keepdim=True)
+    probs.div_(row_sum.masked_fill(row_sum == 0, 1.0))
+    lse = (row_max + row_sum.log()).squeeze(-1)
+    return probs, lse.masked_fill_(torch.isneginf(lse), float("inf")).flatten(1, 2)
 
 
 def _dropout_scale(probs_shape, dropout_p, dropout_seed, device, dtype) -> torch.Tensor:
