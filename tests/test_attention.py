@@ -678,16 +678,17 @@ def test_torch_compile_fullgraph_matches_eager(monkeypatch):
 @pytest.fixture
 def backend_calls(monkeypatch):
     """Names of the backends whose forward ran."""
-    from transformer_kernels.ops import attention as attention_op
+    from transformer_kernels._backend import backend_module
 
     calls = []
-    original = attention_op._backend_module
+    for name in BACKENDS:
+        module = backend_module("attention", name)
 
-    def spy(name):
-        calls.append(name)
-        return original(name)
+        def spy(*args, _name=name, _forward=module.forward):
+            calls.append(_name)
+            return _forward(*args)
 
-    monkeypatch.setattr(attention_op, "_backend_module", spy)
+        monkeypatch.setattr(module, "forward", spy)
     return calls
 
 

@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+from types import ModuleType
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -102,6 +103,21 @@ def _generic_reason(name: str, device: torch.device, dtypes: tuple[torch.dtype, 
         # The interpreter silently computes zeros for bfloat16.
         return "the Triton interpreter does not support bfloat16"
     return None
+
+
+def backend_module(op: str, name: str) -> ModuleType:
+    """The module holding ``op``'s ``forward``/``backward`` for backend ``name``.
+
+    Imported on first use so the package imports without triton; import
+    statements (unlike importlib calls) are traceable by torch.compile.
+    """
+    if name == "eager":
+        from .backends.eager import attention, glu_conv, qkv
+    elif name == "triton":
+        from .backends.triton import attention, glu_conv, qkv
+    else:
+        raise ValueError(f"{op} has no {name!r} backend module")
+    return {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}[op]
 
 
 def select_backend(

@@ -8,16 +8,14 @@ bounds, expanded mask, causal kind, dropout seed), picks a backend and calls
 
 from __future__ import annotations
 
-import importlib
 import math
-from types import ModuleType
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from .._backend import select_backend
+from .._backend import backend_module, select_backend
 from .._checks import check_same_device, check_same_dtype_device, check_tensor
 from ..backends.eager import attention as eager_attention
 
@@ -29,7 +27,6 @@ MAX_HEAD_DIM = 256
 # Causal kinds passed to the backends.
 NO_CAUSAL, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
-_TRITON_MODULE = "transformer_kernels.backends.triton.attention"
 
 
 def scaled_dot_product_attention(
@@ -263,10 +260,7 @@ def scaled_dot_product_attention(
         if name == "eager":
             return None
         if name == "triton":
-            module = _triton_module()
-            if module is None:
-                return f"{_TRITON_MODULE} is not available"
-            return module.unsupported_reason(q, k, v, mask, dropout_p)
+            return backend_module("attention", name).unsupported_reason(q, k, v, mask, dropout_p)
         return "the CUDA extension has no attention kernel"
 
     chosen = select_backend(OP_NAME, backend, query.device, (query.dtype,), op_reason)
@@ -318,23 +312,6 @@ def _key_bounds(padding: Tensor) -> Tensor:
     return torch.stack([first, end], 1).to(torch.int32)
 
 
-def _triton_module() -> Optional[ModuleType]:
-    try:
-        return importlib.import_module(_TRITON_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != _TRITON_MODULE:
-            raise
-        return None
-
-
-def _backend_module(backend: str) -> ModuleType:
-    if backend == "eager":
-        return eager_attention
-    if backend == "triton":
-        module = _triton_module()
-        if module is not None:
-            return module
-    raise ValueError(f"attention has no {backend!r} backend module")
 
 
 def _dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
@@ -361,7 +338,7 @@ def attention_forward(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """Normalized attention: ``out [B, Hq, Lq, Ev]`` and the row log-sum-exps ``lse [B, Hq, Lq]``."""
-    out, lse = _backend_module(backend).forward(
+    out, lse = backend_module("attention", backend).forward(
         query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed
     )
     if backend == "eager":
@@ -403,7 +380,7 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`attention_forward`: ``dq, dk, dv`` and ``dmask`` (``[B, Hq, Lq, Lk]`` when
     ``attn_mask_needs_grad``, else empty)."""
-    dq, dk, dv, dmask = _backend_module(backend).backward(
+    dq, dk, dv, dmask = backend_module("attention", backend).backward(
         grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
         causal, scale, dropout_p, dropout_seed, attn_mask_needs_grad,
     )

@@ -9,12 +9,11 @@ fake kernel and autograd) so it works under ``torch.compile``.
 from __future__ import annotations
 
 import numbers
-from types import ModuleType
 from typing import Optional
 
 import torch
 
-from .._backend import select_backend
+from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 
 __all__ = ["glu_conv1d", "glu_conv1d_step"]
@@ -22,17 +21,6 @@ __all__ = ["glu_conv1d", "glu_conv1d_step"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PADDINGS = ("same", "causal")
 
-
-def _backend_module(name: str) -> ModuleType:
-    # Imported on first use so the package imports without triton; import
-    # statements (unlike importlib calls) are traceable by torch.compile.
-    if name == "eager":
-        from ..backends.eager import glu_conv as module
-    elif name == "triton":
-        from ..backends.triton import glu_conv as module
-    else:
-        raise ValueError(f"glu_conv1d has no {name!r} backend module")
-    return module
 
 
 def _output_length(length_in: int, kernel_size: int, pad_left: int, pad_right: int) -> int:
@@ -60,7 +48,7 @@ def _glu_conv1d_op(
     residual_scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backend_module(backend).forward(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale)
+    return backend_module("glu_conv", backend).forward(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale)
 
 
 @_glu_conv1d_op.register_fake
@@ -69,7 +57,7 @@ def _glu_conv1d_fake(x, weight, bias, residual, pad_left, pad_right, pad_value, 
 
     length_out = _output_length(x.shape[2], weight.shape[2], pad_left, pad_right)
     out = empty_output(x, weight.shape[0] // 2, length_out)
-    return out, _backend_module(backend).empty_saved(x, weight, pad_left, pad_right)
+    return out, backend_module("glu_conv", backend).empty_saved(x, weight, pad_left, pad_right)
 
 
 @torch.library.custom_op("transformer_kernels::glu_conv1d_backward", mutates_args=())
@@ -88,7 +76,7 @@ def _glu_conv1d_backward_op(
     needs_grad_bias: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend_module(backend).backward(
+    return backend_module("glu_conv", backend).backward(
         grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
         needs_grad_x, needs_grad_weight, needs_grad_bias,
     )
@@ -191,7 +179,7 @@ def _resolve_backend(x: torch.Tensor, weight, bias, residual, backend: Optional[
     def op_reason(name: str) -> Optional[str]:
         if name == "cuda":
             return "the CUDA extension has no glu_conv1d kernel"
-        return _backend_module(name).unsupported_reason(x, weight, bias, residual)
+        return backend_module("glu_conv", name).unsupported_reason(x, weight, bias, residual)
 
     return select_backend("glu_conv1d", backend, x.device, (x.dtype,), op_reason)
 

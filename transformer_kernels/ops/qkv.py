@@ -15,12 +15,11 @@ would make autograd re-pack their gradients into that buffer first).
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional
 
 import torch
 
-from .._backend import select_backend
+from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 
 __all__ = ["qkv_projection"]
@@ -29,17 +28,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch.autocast casts these to its dtype and leaves float64 alone.
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _backend_module(name: str) -> ModuleType:
-    # Imported on first use so the package imports without triton; import
-    # statements (unlike importlib calls) are traceable by torch.compile.
-    if name == "eager":
-        from ..backends.eager import qkv as module
-    elif name == "triton":
-        from ..backends.triton import qkv as module
-    else:
-        raise ValueError(f"qkv_projection has no {name!r} backend module")
-    return module
 
 
 def _output_shape(x: torch.Tensor, num_heads: int) -> tuple[int, ...]:
@@ -54,7 +42,7 @@ def _output_shape(x: torch.Tensor, num_heads: int) -> tuple[int, ...]:
 def _qkv_projection_op(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int, backend: str
 ) -> list[torch.Tensor]:
-    return _backend_module(backend).forward(x, weight, bias, num_heads)
+    return backend_module("qkv", backend).forward(x, weight, bias, num_heads)
 
 
 @_qkv_projection_op.register_fake
@@ -75,7 +63,7 @@ def _qkv_projection_backward_op(
     needs_grad_bias: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend_module(backend).backward(
+    return backend_module("qkv", backend).backward(
         grads, x, weight, has_bias, num_heads, needs_grad_x, needs_grad_weight, needs_grad_bias
     )
 
@@ -176,7 +164,7 @@ def _resolve_backend(
     def op_reason(name: str) -> Optional[str]:
         if name == "cuda":
             return "the CUDA extension has no qkv_projection kernel"
-        return _backend_module(name).unsupported_reason(x, weight, bias, num_heads)
+        return backend_module("qkv", name).unsupported_reason(x, weight, bias, num_heads)
 
     return select_backend("qkv_projection", backend, x.device, (x.dtype,), op_reason)
 
