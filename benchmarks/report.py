@@ -92,6 +92,7 @@ def load_targets(suites: list[str]) -> list[dict]:
     for name in suites:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"bench_{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
         sys.path.insert(0, str(BENCH_DIR))
         try:
             spec.loader.exec_module(module)

@@ -130,10 +130,13 @@ def scaled_dot_product_attention(
         pair drawn from torch's default CPU generator at call time, so
         ``torch.manual_seed`` makes results reproducible, and the backward pass
         regenerates the same mask instead of storing it.  Masks differ between
-        backends and from torch's own dropout for the same seed.
+        backends and from torch's own dropout for the same seed.  The triton
+        backend rounds ``dropout_p`` to a multiple of 1/65536 and scales kept
+        weights by the exact rounded keep rate, so the mean is preserved.
 
     Backends:
-        ``triton`` (CUDA fp16/bf16/fp32; CPU under ``TRITON_INTERPRET=1``) is a
+        ``triton`` (CUDA fp16/bf16, and fp32 up to head dim 64; CPU under
+        ``TRITON_INTERPRET=1``) is a
         FlashAttention-style kernel pair that stores only the row
         log-sum-exps; ``eager`` runs on any device and floating dtype (fp64
         for :func:`torch.autograd.gradcheck`), composed of PyTorch ops, and on
