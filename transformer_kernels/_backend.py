@@ -18,7 +18,7 @@ import importlib.util
 import logging
 import os
 from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -120,30 +120,34 @@ def backend_module(op: str, name: str) -> ModuleType:
     return {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}[op]
 
 
-def select_backend(
-    op: str,
-    backend: Optional[str],
-    device: torch.device,
-    dtypes: tuple[torch.dtype, ...],
-    op_reason: Callable[[str], Optional[str]],
-) -> str:
-    """Resolve ``backend`` to the concrete backend that runs this call.
+def select_backend(op: str, public_name: str, backend: Optional[str], reference: torch.Tensor, *reason_args) -> str:
+    """Resolve ``backend`` to the concrete backend that runs this call of ``op``.
 
-    ``op_reason(name)`` returns why backend ``name`` cannot serve this call's
-    arguments (head dim too large, ...), or ``None`` when it can.
+    ``reference`` gives the call's device and dtype; ``reason_args`` go to
+    each candidate backend module's ``unsupported_reason``, which says why it
+    cannot serve these arguments (head dim too large, ...) or returns None.
     """
+
+    def reason(name: str) -> Optional[str]:
+        generic = _generic_reason(name, reference.device, (reference.dtype,))
+        if generic is not None:
+            return generic
+        if name == "cuda":
+            return f"the CUDA extension has no {public_name} kernel"
+        return backend_module(op, name).unsupported_reason(*reason_args)
+
     requested = requested_backend(backend)
     candidates = (requested,) if requested != "auto" else (
-        ("cuda", "triton", "eager") if device.type == "cuda" else ("eager",)
+        ("cuda", "triton", "eager") if reference.device.type == "cuda" else ("eager",)
     )
     for name in candidates:
-        reason = _generic_reason(name, device, dtypes) or op_reason(name)
-        if reason is None:
+        why_not = reason(name)
+        if why_not is None:
             return name
         if requested != "auto":
-            raise BackendUnavailableError(f"{op}: backend={name!r} cannot serve this call: {reason}")
-        key = (op, name, reason)
+            raise BackendUnavailableError(f"{public_name}: backend={name!r} cannot serve this call: {why_not}")
+        key = (public_name, name, why_not)
         if key not in _logged_reasons and not torch.compiler.is_compiling():
             _logged_reasons.add(key)
-            _logger.debug("%s: auto backend skipped %r: %s", op, name, reason)
+            _logger.debug("%s: auto backend skipped %r: %s", public_name, name, why_not)
     raise AssertionError("the eager backend serves every call")

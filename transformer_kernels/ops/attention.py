@@ -259,14 +259,7 @@ def scaled_dot_product_attention(
         # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
         dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
 
-    def op_reason(name: str) -> Optional[str]:
-        if name == "eager":
-            return None
-        if name == "triton":
-            return backend_module("attention", name).unsupported_reason(q, k, v, mask, dropout_p)
-        return "the CUDA extension has no attention kernel"
-
-    chosen = select_backend(OP_NAME, backend, query.device, (query.dtype,), op_reason)
+    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, mask, dropout_p)
     out, _ = torch.ops.transformer_kernels.attention_forward(
         q, k, v, padding, key_bounds, mask, causal, float(scale), dropout_p, dropout_seed, chosen
     )

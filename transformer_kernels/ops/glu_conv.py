@@ -175,14 +175,6 @@ def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...],
     check_same_dtype_device(x_name, x, residual=residual)
 
 
-def _resolve_backend(x: torch.Tensor, weight, bias, residual, backend: Optional[str]) -> str:
-    def op_reason(name: str) -> Optional[str]:
-        if name == "cuda":
-            return "the CUDA extension has no glu_conv1d kernel"
-        return backend_module("glu_conv", name).unsupported_reason(x, weight, bias, residual)
-
-    return select_backend("glu_conv1d", backend, x.device, (x.dtype,), op_reason)
-
 
 # --------------------------------------------------------------------------- public functions
 
@@ -270,7 +262,7 @@ def glu_conv1d(
         pad_left, pad_right = (kernel_size - 1) // 2, kernel_size // 2
     else:
         pad_left, pad_right = kernel_size - 1, 0
-    name = _resolve_backend(x, weight, bias, residual, backend)
+    name = select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual)
     out, _ = _glu_conv1d_op(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, name)
     return out
 
@@ -330,7 +322,7 @@ def glu_conv1d_step(
         check_same_dtype_device("x_t", x_t, state=state)
     _check_residual(residual, (batch, channels_out), "x_t", x_t)
     window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
-    name = _resolve_backend(window, weight, bias, residual, backend)
+    name = select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias, residual)
     out, _ = _glu_conv1d_op(
         window, weight, bias, None if residual is None else residual.unsqueeze(2),
         0, 0, pad_value, residual_scale, name,

@@ -158,16 +158,6 @@ def _check_arguments(x: torch.Tensor, weight: object, bias: object, num_heads: o
     check_same_dtype_device("x", x, weight=weight, bias=bias)
 
 
-def _resolve_backend(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int, backend: Optional[str]
-) -> str:
-    def op_reason(name: str) -> Optional[str]:
-        if name == "cuda":
-            return "the CUDA extension has no qkv_projection kernel"
-        return backend_module("qkv", name).unsupported_reason(x, weight, bias, num_heads)
-
-    return select_backend("qkv_projection", backend, x.device, (x.dtype,), op_reason)
-
 
 # --------------------------------------------------------------------------- public function
 
@@ -267,5 +257,5 @@ def qkv_projection(
     x, weight, bias = _autocast(x, weight, bias)
     check_tensor("x", x, dtypes=_DTYPES)
     _check_arguments(x, weight, bias, num_heads)
-    name = _resolve_backend(x, weight, bias, num_heads, backend)
+    name = select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, num_heads)
     return tuple(_qkv_projection_op(x, weight, bias, num_heads, name))
