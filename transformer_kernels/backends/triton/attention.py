@@ -155,6 +155,23 @@ def _key_range(
     return lo, full_hi, hi
 
 
+@triton.jit
+def _query_block_program(head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL: tl.constexpr):
+    # (query block, batch*heads index, batch, head, kv head, causal shift) of a program in a
+    # (query blocks, batch*heads) grid.  Causal rows near the end do the most
+    # work, so their blocks are launched first.
+    block_m = tl.program_id(0)
+    if CAUSAL != 0:
+        block_m = tl.num_programs(0) - 1 - block_m
+    head_batch = tl.program_id(1) + head_batch_start
+    batch = head_batch // num_q_heads
+    head = head_batch % num_q_heads
+    causal_shift = 0
+    if CAUSAL == 2:
+        causal_shift = seq_len_k - seq_len_q
+    return block_m, head_batch, batch, head, head // group_size, causal_shift
+
+
 # ---------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------
@@ -239,17 +256,9 @@ def _attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    block_m = tl.program_id(0)
-    if CAUSAL != 0:
-        # Causal rows near the end do the most work: start them first.
-        block_m = tl.num_programs(0) - 1 - block_m
-    head_batch = tl.program_id(1) + head_batch_start
-    batch = head_batch // num_q_heads
-    head = head_batch % num_q_heads
-    kv_head = head // group_size
-    causal_shift = 0
-    if CAUSAL == 2:
-        causal_shift = seq_len_k - seq_len_q
+    block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
+        head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
+    )
 
     head_dim = head_dim // 16 * 16
     head_dim_v = head_dim_v // 16 * 16
@@ -621,16 +630,9 @@ def _attention_backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    block_m = tl.program_id(0)
-    if CAUSAL != 0:
-        block_m = tl.num_programs(0) - 1 - block_m
-    head_batch = tl.program_id(1) + head_batch_start
-    batch = head_batch // num_q_heads
-    head = head_batch % num_q_heads
-    kv_head = head // group_size
-    causal_shift = 0
-    if CAUSAL == 2:
-        causal_shift = seq_len_k - seq_len_q
+    block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
+        head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
+    )
 
     head_dim = head_dim // 16 * 16
     head_dim_v = head_dim_v // 16 * 16
