@@ -47,6 +47,6 @@ def run_benchmark(benchmark):
         benchmark.extra_info.update(
             op=op, case=case, impl=impl, direction=direction, device=str(DEVICE), peak_mem_bytes=peak_memory(fn)
         )
-        benchmark.pedantic(timed, rounds=5 if DEVICE.type == "cpu" else 20, warmup_rounds=1, iterations=1)
+        benchmark.pedantic(timed, rounds=9 if DEVICE.type == "cpu" else 20, warmup_rounds=1, iterations=1)
 
     return run
