@@ -156,6 +156,15 @@ def _key_range(
 
 
 @triton.jit
+def _optional_base(ptr, batch, stride_b, head, stride_h, ENABLED: tl.constexpr):
+    # Start of (batch, head) in an optional tensor; when its switch is off the
+    # tensor arrives as None and the pointer is passed through untouched.
+    if ENABLED:
+        ptr += batch.to(tl.int64) * stride_b + tl.cast(head, tl.int64) * stride_h
+    return ptr
+
+
+@triton.jit
 def _query_block_program(head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL: tl.constexpr):
     # (query block, batch*heads index, batch, head, kv head, causal shift) of a program in a
     # (query blocks, batch*heads) grid.  Causal rows near the end do the most
@@ -277,13 +286,8 @@ def _attention_forward_kernel(
     q_base = _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
     k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
     v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
-    # Optional tensors arrive as None when their switch is off.
-    key_padding_base = key_padding_ptr
-    if HAS_KEY_PADDING:
-        key_padding_base = key_padding_ptr + batch64 * stride_kpb
-    mask_base = mask_ptr
-    if HAS_DENSE_MASK:
-        mask_base = mask_ptr + batch64 * stride_mb + head.to(tl.int64) * stride_mh
+    key_padding_base = _optional_base(key_padding_ptr, batch, stride_kpb, 0, 0, HAS_KEY_PADDING)
+    mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
 
     q = tl.load(
         q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -513,17 +517,12 @@ def _attention_backward_dkdv_kernel(
     for group_index in range(0, group_size):
         head = kv_head * group_size + group_index
         head_batch = batch * num_q_heads + head
-        head64 = head.to(tl.int64)
         q_base = _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
         grad_out_base = _aligned_base(grad_out_ptr, batch, stride_gob, head, stride_goh)
         lse_base = lse_ptr + head_batch.to(tl.int64) * seq_len_q
         delta_base = delta_ptr + head_batch.to(tl.int64) * seq_len_q
-        mask_base = mask_ptr
-        if HAS_DENSE_MASK:
-            mask_base = mask_ptr + batch64 * stride_mb + head64 * stride_mh
-        grad_scores_base = grad_scores_ptr
-        if STORE_GRAD_SCORES:
-            grad_scores_base = grad_scores_ptr + batch64 * stride_gsb + head64 * stride_gsh
+        mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
+        grad_scores_base = _optional_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh, STORE_GRAD_SCORES)
         if CAUSAL != 0:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, offs_n[:, None], key_keep[:, None],
@@ -648,8 +647,6 @@ def _attention_backward_dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seq_len_q
 
-    batch64 = batch.to(tl.int64)
-    head64 = head.to(tl.int64)
     q = tl.load(
         _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
         + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -666,12 +663,8 @@ def _attention_backward_dq_kernel(
     delta = tl.load(delta_ptr + head_batch.to(tl.int64) * seq_len_q + offs_m, mask=row_in, other=0.0)
     k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
     v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
-    key_padding_base = key_padding_ptr
-    if HAS_KEY_PADDING:
-        key_padding_base = key_padding_ptr + batch64 * stride_kpb
-    mask_base = mask_ptr
-    if HAS_DENSE_MASK:
-        mask_base = mask_ptr + batch64 * stride_mb + head64 * stride_mh
+    key_padding_base = _optional_base(key_padding_ptr, batch, stride_kpb, 0, 0, HAS_KEY_PADDING)
+    mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
 
     key_lo, key_full_hi, key_hi = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
