@@ -334,12 +334,9 @@ def attention_forward(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """Normalized attention: ``out [B, Hq, Lq, Ev]`` and the row log-sum-exps ``lse [B, Hq, Lq]``."""
-    out, lse = backend_module("attention", backend).forward(
+    return backend_module("attention", backend).forward(
         query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed
     )
-    if backend == "eager":
-        return out, lse
-    return out.contiguous(), lse.contiguous()
 
 
 @attention_forward.register_fake
@@ -382,9 +379,7 @@ def attention_backward(
     )
     if attn_mask_needs_grad:
         dmask = dmask.to(_dmask_dtype(attn_mask.dtype)).contiguous()
-    if backend == "eager":
-        return dq, dk, dv, dmask
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
+    return dq, dk, dv, dmask
 
 
 @attention_backward.register_fake
@@ -411,8 +406,6 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
-    if ctx.backend != "eager":
-        grad_out = grad_out.contiguous()
     dq, dk, dv, dmask = torch.ops.transformer_kernels.attention_backward(
         grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
         ctx.causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.backend, ctx.attn_mask_needs_grad,
