@@ -644,12 +644,13 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask):
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
 
 
-def test_torch_compile_fullgraph_matches_eager(monkeypatch):
+# Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would
+# hide a fake/real stride mismatch.  (Compiled C++ kernels stay cached by their source.)  torch's own
+# config.patch restores the settings; monkeypatch would delete these dynamically served attributes.
+@torch._inductor.config.patch(fx_graph_cache=False)
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
-    # Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would
-    # hide a fake/real stride mismatch.  (Compiled C++ kernels stay cached by their source.)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False, raising=False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
 
     def block(q, k, v, mask, padding):
         scores_bias = mask * 0.5
