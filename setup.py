@@ -1,22 +1,26 @@
 """Build script.
 
-torch is deliberately not a requirement: it is the user's to install (a CPU
-or CUDA build of their choice), and listing it would let pip pull a multi-GB
-CUDA wheel.  The CUDA C++ extension is optional and built only when
-``torch.utils.cpp_extension`` finds a CUDA toolkit.
+Supported: torch >= 2.11 with the triton it ships with (torch 2.11 pairs with triton 3.6, torch 2.13 with
+triton 3.9); ``transformer_kernels`` refuses an older torch on import and the triton backend an older triton.
+
+torch is deliberately not a requirement: it is the user's to install (a CPU or CUDA build of their choice),
+and listing it would let pip pull a multi-GB CUDA wheel.  CI installs the extras below with the pins in
+``.ci/constraints/``.  The CUDA C++ extension (``csrc/``) is not built yet.
 """
 
 from setuptools import find_packages, setup
+
+TRITON = "triton>=3.6"
 
 setup(
     name="transformer_kernels",
     version="0.1.0",
     description="Fused Triton/CUDA kernels for masked attention, fused QKV projection and GLU conv1d",
     packages=find_packages(include=["transformer_kernels", "transformer_kernels.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     extras_require={
-        "triton": ["triton>=3.0"],
-        "test": ["triton>=3.0", "pytest>=7", "hypothesis>=6", "numpy", "pytest-benchmark>=4"],
-        "bench": ["triton>=3.0", "pytest>=7", "pytest-benchmark>=4", "numpy"],
+        "triton": [TRITON],
+        "test": [TRITON, "pytest>=8", "hypothesis>=6", "numpy", "pytest-benchmark>=4"],
+        "bench": [TRITON, "pytest>=8", "pytest-benchmark>=4", "numpy"],
     },
 )

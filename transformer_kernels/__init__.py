@@ -6,7 +6,9 @@ see :func:`use_backend` and the ``TRANSFORMER_KERNELS_BACKEND`` environment
 variable.
 """
 
-from ._backend import BackendUnavailableError, use_backend
+from ._backend import BackendUnavailableError, check_torch_version, use_backend
+
+check_torch_version()
 from .ops.attention import scaled_dot_product_attention
 from .ops.glu_conv import glu_conv1d, glu_conv1d_step
 from .ops.qkv import qkv_projection

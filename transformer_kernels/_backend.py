@@ -14,6 +14,8 @@ serve a call raises :class:`BackendUnavailableError` carrying the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -78,8 +80,33 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Supported stacks: torch 2.11 (with triton 3.6) up to torch 2.13 (with triton 3.9).
+MIN_TORCH = (2, 11)
+MIN_TRITON = (3, 6)
+
+
+def version_reason(package: str, version: str, minimum: tuple[int, int]) -> Optional[str]:
+    """Why ``package`` at ``version`` is too old, or None.  Pre-release and local tags are ignored, so
+    ``"2.11.0a0+git1234"`` counts as 2.11."""
+    release = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
+    if release < minimum:
+        return f"{package} {version} is older than {'.'.join(map(str, minimum))}, the oldest supported"
+    return None
+
+
+def check_torch_version() -> None:
+    """Raise ImportError on a torch older than the oldest supported one."""
+    reason = version_reason("torch", torch.__version__, MIN_TORCH)
+    if reason is not None:
+        raise ImportError(f"transformer_kernels cannot run: {reason}")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_reason() -> Optional[str]:
+    """Why the installed triton cannot run our kernels, or None (looked up once: calls pay nothing)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return version_reason("triton", importlib.metadata.version("triton"), MIN_TRITON)
 
 
 def _generic_reason(name: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Optional[str]:
@@ -91,8 +118,9 @@ def _generic_reason(name: str, device: torch.device, dtypes: tuple[torch.dtype, 
         if device.type != "cuda":
             return f"the cuda backend needs CUDA tensors, got device {device}"
         return cuda.unavailable_reason()
-    if not _triton_installed():
-        return "triton is not installed"
+    triton_reason = _triton_reason()
+    if triton_reason is not None:
+        return triton_reason
     if device.type == "cuda":
         if triton_interpreter_enabled():
             return "TRITON_INTERPRET=1 is set, which only runs on CPU tensors"
