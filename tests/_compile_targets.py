@@ -1,5 +1,9 @@
 """Compile every Triton target for sm_80 and sm_90 and print the resource usage as JSON.
 
+Each target is the launch its kernel module's launcher builds for a
+representative shape, specialized by Triton's own launch-time rules
+(``compile_source``), so what compiles here is what that launch runs.
+
 Run in its own process by ``test_triton_compile.py``: the test session runs with
 ``TRITON_INTERPRET=1``, under which ``@triton.jit`` functions are interpreted
 and cannot be compiled.
@@ -16,9 +20,9 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from transformer_kernels.backends.triton import attention, glu_conv, qkv  # noqa: E402
+from transformer_kernels.backends.triton._common import compile_source  # noqa: E402
 
 MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv}
 CAPABILITIES = (80, 90)
@@ -38,42 +42,20 @@ def _resource_usage(cubin: bytes) -> dict:
     return {key: int(value) for key, value in (item.split(":") for item in line.split() if ":" in item)}
 
 
-def _divisibility_hints(target, aligned: bool) -> dict:
-    """The specialization Triton's launcher makes at run time: 16-byte aligned
-    pointers (fresh torch allocations always are) and, when ``aligned``, every
-    integer argument divisible by 16 (sizes and strides of the usual shapes)."""
-    hinted = {"*"} | ({"i32", "i64"} if aligned else set())
-    return {
-        (index,): [["tt.divisibility", 16]]
-        for index, kind in enumerate(target.signature.values())
-        if ("*" if kind.startswith("*") else kind) in hinted
-    }
-
-
-def compile_one(module_names, name: str, capability: int, aligned: bool) -> dict:
-    target = _targets(module_names)[name]
-    source = ASTSource(
-        fn=target.kernel,
-        signature=target.signature,
-        constexprs=target.constexprs,
-        attrs=_divisibility_hints(target, aligned),
-    )
+def compile_one(module_names, name: str, capability: int) -> dict:
+    source, options = compile_source(_targets(module_names)[name].launch(), capability)
     try:
-        compiled = triton.compile(
-            source,
-            target=GPUTarget("cuda", capability, 32),
-            options={"num_warps": target.num_warps, "num_stages": target.num_stages},
-        )
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as error:  # reported per target by the test
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
     return {"shared": compiled.metadata.shared, **_resource_usage(compiled.asm["cubin"])}
 
 
 def main(module_names) -> None:
-    jobs = [(name, cc, True) for name in _targets(module_names) for cc in CAPABILITIES]
+    jobs = [(name, cc) for name in _targets(module_names) for cc in CAPABILITIES]
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         futures = {job: pool.submit(compile_one, module_names, *job) for job in jobs}
-        results = {f"{name}@sm_{cc}": future.result() for (name, cc, _), future in futures.items()}
+        results = {f"{name}@sm_{cc}": future.result() for (name, cc), future in futures.items()}
     json.dump(results, sys.stdout)
 
 

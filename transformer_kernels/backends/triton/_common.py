@@ -1,37 +1,139 @@
 """Helpers shared by the Triton kernels of every op.
 
-``CompileTarget`` is how a kernel module lists every configuration its
-dispatcher can choose, so ``tests/test_triton_compile.py`` can build each one
-for sm_80 and sm_90 without a GPU.
+* ``KernelLaunch``: one ``kernel[grid](*args, **kwargs)`` call.  Each launcher
+  builds its launches through one function per kernel, and ``compile_targets()``
+  calls the same functions with representative tensors, so
+  ``tests/test_triton_compile.py`` compiles exactly the variant a launch of
+  that shape runs (``compile_source`` specializes it the way Triton's
+  launcher does).
+* ``fp32_matmul_allows_tf32`` / ``fp32_conv_allows_tf32``: torch's float32
+  precision settings, whichever API set them.
+* ``dot_input_precision``, ``multiprocessor_count``, ``next_power_of_2``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 import triton
 
 TORCH_TO_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunch:
+    """``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the constexprs and
+    the launch options (``num_warps``, ``num_stages``)."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-    """One kernel launch configuration, as ``triton.compile`` takes it.
-
-    ``signature`` maps every argument name to its Triton type ("*fp16",
-    "i32", "fp32", "constexpr", ...); ``constexprs`` gives the constexpr
-    values; ``name`` is a readable test id.
-    """
+    """One configuration a dispatcher can choose: ``launch()`` builds the
+    launch of a representative shape (tensors are made only when called, so
+    listing the targets is cheap); ``name`` is a readable test id."""
 
     name: str
-    kernel: Any
-    signature: dict
-    constexprs: dict
-    num_warps: int
-    num_stages: int
+    launch: Callable[[], KernelLaunch]
+
+
+def compile_source(launch: KernelLaunch, capability: int) -> tuple[Any, dict]:
+    """``(ASTSource, options)`` that ``triton.compile`` takes to build what
+    ``launch()`` would compile on a GPU of compute ``capability``.
+
+    Runs Triton's own launch-time specialization (the binder ``JITFunction.run``
+    uses, then ``_pack_args``), so the rules are the installed Triton's:
+    an integer argument equal to 1 becomes the constant 1 unless the kernel
+    lists it in ``do_not_specialize``; an integer's type is i32, or i64 when
+    its value needs it (a ``tl.int64`` annotation fixes it); integers and
+    tensor addresses divisible by 16 get ``tt.divisibility = 16`` unless the
+    kernel lists them in ``do_not_specialize_on_alignment``; ``None`` becomes
+    a constexpr; floats are never specialized.  Needs ``TRITON_INTERPRET=0``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, launch.kwargs, bound_args, specialization, options
+    )
+    return ASTSource(kernel, signature, constexprs, attrs), options.__dict__
 
 
 def next_power_of_2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA ``device``; 4 elsewhere (the interpreter: a small "GPU",
+    so modest test shapes reach the split and small-tile paths)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _allows_tf32(fp32_precision: Callable[[], str], legacy_allow_tf32: Callable[[], bool]) -> bool:
+    precision = fp32_precision()
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return legacy_allow_tf32()
+
+
+def fp32_matmul_allows_tf32() -> bool:
+    """Whether torch lets float32 matmuls use TF32, set through either API.
+
+    ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9) reads the
+    effective setting of the new API and of the legacy one alike:
+    ``allow_tf32 = True`` and ``torch.set_float32_matmul_precision("high")``
+    read back "tf32", ``torch.backends.fp32_precision = "tf32"`` is inherited
+    ("tf32"), and "none" means nothing was set (the legacy default, no TF32).
+    It is read first because, once the new API set "tf32", reading
+    ``allow_tf32`` or ``torch.get_float32_matmul_precision()`` raises
+    RuntimeError ("mix of the legacy and new APIs"), while with "none" the
+    legacy flag is safe to read.  Values other than "tf32" and "ieee" defer to
+    the legacy flag.  (Measured with torch 2.13.)
+    """
+    matmul = torch.backends.cuda.matmul
+    return _allows_tf32(lambda: getattr(matmul, "fp32_precision", "none"), lambda: matmul.allow_tf32)
+
+
+def fp32_conv_allows_tf32() -> bool:
+    """Whether torch lets float32 convolutions use TF32 (cuDNN's setting), set
+    through either API.
+
+    ``torch.backends.cudnn.conv.fp32_precision`` is "tf32" by default, inherits
+    ``torch.backends.cudnn.fp32_precision`` and ``torch.backends.fp32_precision``
+    when those are set, and reads "none" after the legacy
+    ``torch.backends.cudnn.allow_tf32 = False``; reading ``allow_tf32`` raises
+    once the new API set "ieee".  So "tf32"/"ieee" decide, anything else
+    defers to the legacy flag.  (Measured with torch 2.13.)
+    """
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    return _allows_tf32(lambda: getattr(conv, "fp32_precision", "none"), lambda: cudnn.allow_tf32)
+
+
+def dot_input_precision(dtype: torch.dtype, allow_tf32: bool, fp32_exact: str = "ieee") -> str:
+    """``input_precision`` for ``tl.dot`` on operands of ``dtype``: 16-bit
+    operands ignore it ("tf32"); float32 operands use "tf32" when
+    ``allow_tf32``, else ``fp32_exact`` ("ieee": FMA; "tf32x3": three TF32
+    tensor-core products, near float32 accuracy)."""
+    if dtype == torch.float32 and not allow_tf32:
+        return fp32_exact
+    return "tf32"

@@ -34,6 +34,7 @@ never produce NaN and have zero gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from typing import Optional
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import triton_interpreter_enabled
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, next_power_of_2
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelLaunch, dot_input_precision, next_power_of_2
 
 __all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
 
@@ -62,22 +63,45 @@ LN2 = tl.constexpr(0.6931471805599453)
 # ---------------------------------------------------------------------------
 
 
+# Strides that are 1 in every launch (the launchers ensure it): Triton
+# compiles them as the constant 1, so the loads along them vectorize.
+_UNIT_STRIDES = (
+    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_god", "stride_dqd", "stride_dkd", "stride_dvd",
+    "stride_lsem", "stride_kpn", "stride_kbe", "stride_mn", "stride_gsn",
+)
+
+
 def _kernel(fn):
-    """``triton.jit`` for a kernel that never specializes on argument alignment.
+    """``triton.jit`` for a kernel whose compiled variant depends only on its
+    constexprs and argument dtypes, never on argument values.
 
     The launchers guarantee 16-byte aligned q/k/v/out/gradient tensors whose
     strides and head dims are multiples of 16 elements (copying the rare input
     that is not), and the kernels state it (``_aligned_base``, ``x // 16 * 16``)
-    so their loads vectorize.  Without alignment specialization every launch
-    compiles exactly the variant ``compile_targets()`` checks.
+    so their loads vectorize; so no argument is specialized on alignment, and
+    none but ``_UNIT_STRIDES`` on being 1 (a head count or length of 1 would
+    otherwise compile another variant).  Strides that can pass 2**31 are
+    annotated ``tl.int64`` so their type does not depend on their value
+    either.  Every launch thus compiles the variant ``compile_targets()``
+    checks for its constexprs.
     """
     arguments = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
-    return triton.jit(fn, do_not_specialize_on_alignment=arguments)
+    return triton.jit(
+        fn,
+        do_not_specialize=[name for name in arguments if name not in _UNIT_STRIDES],
+        do_not_specialize_on_alignment=arguments,
+    )
+
+
+@triton.jit
+def _head_base(ptr, batch, stride_b, head, stride_h):
+    # Start of (batch, head) in a [B, H, ...] tensor, in 64-bit offsets.
+    return ptr + batch.to(tl.int64) * stride_b + tl.cast(head, tl.int64) * stride_h
 
 
 @triton.jit
 def _aligned_base(ptr, batch, stride_b, head, stride_h):
-    return tl.multiple_of(ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h, 16)
+    return tl.multiple_of(_head_base(ptr, batch, stride_b, head, stride_h), 16)
 
 
 @triton.jit
@@ -96,7 +120,7 @@ def _masked_scores(
         keep = keep & (k_idx <= q_idx + causal_shift)
     if HAS_DENSE_MASK:
         mask_tile = tl.load(
-            mask_base + q_idx * stride_mm + k_idx * stride_mn,
+            mask_base + q_idx.to(tl.int64) * stride_mm + k_idx * stride_mn,
             mask=keep & (q_idx < seq_len_q),
             other=0,
         )
@@ -153,15 +177,6 @@ def _key_range(
         full_hi = tl.maximum(tl.minimum(hi, row_start + causal_shift + 1) // 8 * 8, lo)
     hi = tl.maximum(hi, lo)
     return lo, full_hi, hi
-
-
-@triton.jit
-def _optional_base(ptr, batch, stride_b, head, stride_h, ENABLED: tl.constexpr):
-    # Start of (batch, head) in an optional tensor; when its switch is off the
-    # tensor arrives as None and the pointer is passed through untouched.
-    if ENABLED:
-        ptr += batch.to(tl.int64) * stride_b + tl.cast(head, tl.int64) * stride_h
-    return ptr
 
 
 @triton.jit
@@ -250,14 +265,14 @@ def _forward_inner(
 @_kernel
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, key_padding_ptr, key_bounds_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_lseb, stride_lseh, stride_lsem,
-    stride_kpb, stride_kpn,
-    stride_kbb, stride_kbe,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_qb: tl.int64, stride_qh: tl.int64, stride_qm, stride_qd,
+    stride_kb: tl.int64, stride_kh: tl.int64, stride_kn, stride_kd,
+    stride_vb: tl.int64, stride_vh: tl.int64, stride_vn, stride_vd,
+    stride_ob: tl.int64, stride_oh: tl.int64, stride_om, stride_od,
+    stride_lseb: tl.int64, stride_lseh: tl.int64, stride_lsem,
+    stride_kpb: tl.int64, stride_kpn,
+    stride_kbb: tl.int64, stride_kbe,
+    stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
     qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
@@ -286,8 +301,13 @@ def _attention_forward_kernel(
     q_base = _aligned_base(q_ptr, batch, stride_qb, head, stride_qh)
     k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
     v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
-    key_padding_base = _optional_base(key_padding_ptr, batch, stride_kpb, 0, 0, HAS_KEY_PADDING)
-    mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
+    # An optional tensor whose switch is off arrives as None and stays None.
+    key_padding_base = key_padding_ptr
+    if HAS_KEY_PADDING:
+        key_padding_base = _head_base(key_padding_ptr, batch, stride_kpb, 0, 0)
+    mask_base = mask_ptr
+    if HAS_DENSE_MASK:
+        mask_base = _head_base(mask_ptr, batch, stride_mb, head, stride_mh)
 
     q = tl.load(
         q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
@@ -344,8 +364,8 @@ def _attention_forward_kernel(
 @_kernel
 def _attention_backward_delta_kernel(
     grad_out_ptr, out_ptr, delta_ptr,
-    stride_gob, stride_goh, stride_gom, stride_god,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_gob: tl.int64, stride_goh: tl.int64, stride_gom, stride_god,
+    stride_ob: tl.int64, stride_oh: tl.int64, stride_om, stride_od,
     num_q_heads, seq_len_q, head_dim_v, head_batch_start,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -419,7 +439,7 @@ def _dkdv_inner(
         ds_t = p_t * (dp_t - delta[None, :])
         if STORE_GRAD_SCORES:
             tl.store(
-                grad_scores_base + offs_m[None, :] * stride_gsm + k_idx * stride_gsn,
+                grad_scores_base + offs_m.to(tl.int64)[None, :] * stride_gsm + k_idx * stride_gsn,
                 ds_t,
                 mask=row_in[None, :] & (k_idx < seq_len_k),
             )
@@ -442,16 +462,16 @@ def _dkdv_inner(
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, grad_scores_ptr,
     key_padding_ptr, key_bounds_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gob, stride_goh, stride_gom, stride_god,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_gsb, stride_gsh, stride_gsm, stride_gsn,
-    stride_kpb, stride_kpn,
-    stride_kbb, stride_kbe,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_qb: tl.int64, stride_qh: tl.int64, stride_qm, stride_qd,
+    stride_kb: tl.int64, stride_kh: tl.int64, stride_kn, stride_kd,
+    stride_vb: tl.int64, stride_vh: tl.int64, stride_vn, stride_vd,
+    stride_gob: tl.int64, stride_goh: tl.int64, stride_gom, stride_god,
+    stride_dkb: tl.int64, stride_dkh: tl.int64, stride_dkn, stride_dkd,
+    stride_dvb: tl.int64, stride_dvh: tl.int64, stride_dvn, stride_dvd,
+    stride_gsb: tl.int64, stride_gsh: tl.int64, stride_gsm: tl.int64, stride_gsn,
+    stride_kpb: tl.int64, stride_kpn,
+    stride_kbb: tl.int64, stride_kbe,
+    stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, num_kv_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
     scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
@@ -521,8 +541,13 @@ def _attention_backward_dkdv_kernel(
         grad_out_base = _aligned_base(grad_out_ptr, batch, stride_gob, head, stride_goh)
         lse_base = lse_ptr + head_batch.to(tl.int64) * seq_len_q
         delta_base = delta_ptr + head_batch.to(tl.int64) * seq_len_q
-        mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
-        grad_scores_base = _optional_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh, STORE_GRAD_SCORES)
+        # An optional tensor whose switch is off arrives as None and stays None.
+        mask_base = mask_ptr
+        if HAS_DENSE_MASK:
+            mask_base = _head_base(mask_ptr, batch, stride_mb, head, stride_mh)
+        grad_scores_base = grad_scores_ptr
+        if STORE_GRAD_SCORES:
+            grad_scores_base = _head_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh)
         if CAUSAL != 0:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, offs_n[:, None], key_keep[:, None],
@@ -614,14 +639,14 @@ def _dq_inner(
 def _attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr,
     key_padding_ptr, key_bounds_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gob, stride_goh, stride_gom, stride_god,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_kpb, stride_kpn,
-    stride_kbb, stride_kbe,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_qb: tl.int64, stride_qh: tl.int64, stride_qm, stride_qd,
+    stride_kb: tl.int64, stride_kh: tl.int64, stride_kn, stride_kd,
+    stride_vb: tl.int64, stride_vh: tl.int64, stride_vn, stride_vd,
+    stride_gob: tl.int64, stride_goh: tl.int64, stride_gom, stride_god,
+    stride_dqb: tl.int64, stride_dqh: tl.int64, stride_dqm, stride_dqd,
+    stride_kpb: tl.int64, stride_kpn,
+    stride_kbb: tl.int64, stride_kbe,
+    stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
     scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
@@ -663,8 +688,13 @@ def _attention_backward_dq_kernel(
     delta = tl.load(delta_ptr + head_batch.to(tl.int64) * seq_len_q + offs_m, mask=row_in, other=0.0)
     k_base = _aligned_base(k_ptr, batch, stride_kb, kv_head, stride_kh)
     v_base = _aligned_base(v_ptr, batch, stride_vb, kv_head, stride_vh)
-    key_padding_base = _optional_base(key_padding_ptr, batch, stride_kpb, 0, 0, HAS_KEY_PADDING)
-    mask_base = _optional_base(mask_ptr, batch, stride_mb, head, stride_mh, HAS_DENSE_MASK)
+    # An optional tensor whose switch is off arrives as None and stays None.
+    key_padding_base = key_padding_ptr
+    if HAS_KEY_PADDING:
+        key_padding_base = _head_base(key_padding_ptr, batch, stride_kpb, 0, 0)
+    mask_base = mask_ptr
+    if HAS_DENSE_MASK:
+        mask_base = _head_base(mask_ptr, batch, stride_mb, head, stride_mh)
 
     key_lo, key_full_hi, key_hi = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
@@ -728,23 +758,23 @@ class BlockConfig:
 # on both architectures.
 _FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("forward", 64): BlockConfig(128, 64, 8, 3),
-    ("forward", 128): BlockConfig(128, 64, 8, 3),
-    ("forward", 256): BlockConfig(64, 64, 8, 2),
+    ("forward", 128): BlockConfig(128, 32, 8, 3),
+    ("forward", 256): BlockConfig(32, 32, 4, 2),
     ("dkdv", 64): BlockConfig(32, 32, 4, 2),
-    ("dkdv", 128): BlockConfig(32, 64, 8, 2),
-    ("dkdv", 256): BlockConfig(32, 32, 8, 2),
+    ("dkdv", 128): BlockConfig(16, 64, 8, 2),
+    ("dkdv", 256): BlockConfig(16, 16, 8, 1),
     ("dq", 64): BlockConfig(128, 32, 8, 3),
-    ("dq", 128): BlockConfig(64, 64, 8, 3),
-    ("dq", 256): BlockConfig(64, 16, 8, 2),
+    ("dq", 128): BlockConfig(32, 64, 8, 2),
+    ("dq", 256): BlockConfig(16, 32, 8, 1),
 }
 # MASKED: 16-bit inputs with a dense mask (a tile of mask pointers and values)
 # or dropout (Philox state); smaller tiles keep them within registers.
 _MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
-    ("forward", 64): BlockConfig(64, 64, 8, 2),
+    ("forward", 64): BlockConfig(64, 32, 8, 2),
     ("forward", 128): BlockConfig(64, 32, 8, 2),
-    ("forward", 256): BlockConfig(32, 32, 8, 1),
+    ("forward", 256): BlockConfig(32, 16, 8, 1),
     ("dkdv", 64): BlockConfig(16, 32, 8, 2),
-    ("dkdv", 128): BlockConfig(16, 32, 8, 2),
+    ("dkdv", 128): BlockConfig(16, 16, 8, 2),
     ("dkdv", 256): BlockConfig(16, 16, 8, 1),
     ("dq", 64): BlockConfig(32, 32, 4, 2),
     ("dq", 128): BlockConfig(32, 32, 4, 2),
@@ -783,12 +813,6 @@ def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype
     else:
         table = _MASKED_CONFIGS if heavy_masks else _FAST_CONFIGS
     return table[(kernel, bucket)]
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs: three tf32 products recover ~fp32 accuracy on tensor
-    # cores (plain tf32 errs near 3e-4, far from torch's float32 math).
-    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 # ---------------------------------------------------------------------------
@@ -900,16 +924,134 @@ def _config_arguments(config: BlockConfig, dtype: torch.dtype, head_dim: int, he
         BLOCK_N=config.block_n,
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_DV=next_power_of_2(head_dim_v),
-        DOT_PRECISION=_dot_precision(dtype),
+        # float32 inputs: three tf32 products recover ~fp32 accuracy on tensor
+        # cores (plain tf32 errs near 3e-4, far from torch's float32 math).
+        DOT_PRECISION=dot_input_precision(dtype, allow_tf32=False, fp32_exact="tf32x3"),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
-def _launch(kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: list, kwargs: dict) -> None:
-    for start in range(0, num_head_batches, _MAX_GRID_Y):
-        grid = (num_blocks, min(_MAX_GRID_Y, num_head_batches - start))
-        kernel[grid](*args, head_batch_start=start, **kwargs, **config_args)
+def _chunked_launches(
+    kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: list, kwargs: dict
+) -> list[KernelLaunch]:
+    """The launches of ``kernel`` over a (blocks, batch*heads) grid, split
+    where batch*heads passes CUDA's grid limit."""
+    return [
+        KernelLaunch(
+            kernel,
+            (num_blocks, min(_MAX_GRID_Y, num_head_batches - start)),
+            tuple(args),
+            dict(kwargs, head_batch_start=start, **config_args),
+        )
+        for start in range(0, num_head_batches, _MAX_GRID_Y)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masks:
+    """The masking and dropout arguments, as the op layer passes them."""
+
+    key_padding_mask: Optional[torch.Tensor]
+    key_bounds: Optional[torch.Tensor]
+    attn_mask: Optional[torch.Tensor]
+    causal: int
+    scale: float
+    dropout_p: float
+    dropout_seed: Optional[torch.Tensor]
+
+    def arguments(self) -> tuple[list, list, dict]:
+        """(mask pointers, mask strides, the scalar and constexpr keyword
+        arguments that forward, dK/dV and dQ share)."""
+        pointers, strides, switches = _mask_arguments(self.key_padding_mask, self.key_bounds, self.attn_mask)
+        dropout = _dropout_arguments(self.dropout_p, self.dropout_seed)
+        kwargs = dict(qk_scale=self.scale * math.log2(math.e), **dropout, CAUSAL=self.causal, **switches)
+        return pointers, strides, kwargs
+
+    @property
+    def heavy(self) -> bool:
+        """A dense mask or dropout is on (they select the MASKED configs)."""
+        return self.attn_mask is not None or self.dropout_p > 0.0
+
+
+def _forward_launches(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, masks: _Masks
+) -> list[KernelLaunch]:
+    """Launches of the forward kernel; ``query``/``key``/``value``/``out`` as
+    ``_aligned`` returns them, ``lse`` ``[B, Hq, Lq]`` float32."""
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask_pointers, mask_strides, kwargs = masks.arguments()
+    config = block_config("forward", head_dim, head_dim_v, query.dtype, masks.heavy)
+    return _chunked_launches(
+        _attention_forward_kernel,
+        triton.cdiv(seq_len_q, config.block_m),
+        batch * num_q_heads,
+        _config_arguments(config, query.dtype, head_dim, head_dim_v),
+        [
+            query, key, value, out, lse, *mask_pointers,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(), *mask_strides,
+            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
+        ],
+        kwargs,
+    )
+
+
+def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> list[KernelLaunch]:
+    """Launches of the backward pre-pass writing ``delta`` ``[B, Hq, Lq]``."""
+    batch, num_q_heads, seq_len_q, head_dim_v = out.shape
+    return _chunked_launches(
+        _attention_backward_delta_kernel,
+        triton.cdiv(seq_len_q, _DELTA_BLOCK_M),
+        batch * num_q_heads,
+        dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=next_power_of_2(head_dim_v), num_warps=_DELTA_NUM_WARPS),
+        [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],
+        {},
+    )
+
+
+def _dkdv_launches(
+    query, key, value, grad_out, lse, delta, dk, dv, grad_scores: Optional[torch.Tensor], masks: _Masks
+) -> list[KernelLaunch]:
+    """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
+    float32 receives dS when given."""
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask_pointers, mask_strides, kwargs = masks.arguments()
+    config = block_config("dkdv", head_dim, head_dim_v, query.dtype, masks.heavy)
+    return _chunked_launches(
+        _attention_backward_dkdv_kernel,
+        triton.cdiv(seq_len_k, config.block_n),
+        batch * num_kv_heads,
+        _config_arguments(config, query.dtype, head_dim, head_dim_v),
+        [
+            query, key, value, grad_out, lse, delta, dk, dv, grad_scores, *mask_pointers,
+            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+            *(grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)), *mask_strides,
+            num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
+        ],
+        dict(kwargs, scale=masks.scale, STORE_GRAD_SCORES=grad_scores is not None),
+    )
+
+
+def _dq_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
+    """Launches of the dQ kernel."""
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask_pointers, mask_strides, kwargs = masks.arguments()
+    config = block_config("dq", head_dim, head_dim_v, query.dtype, masks.heavy)
+    return _chunked_launches(
+        _attention_backward_dq_kernel,
+        triton.cdiv(seq_len_q, config.block_m),
+        batch * num_q_heads,
+        _config_arguments(config, query.dtype, head_dim, head_dim_v),
+        [
+            query, key, value, grad_out, lse, delta, dq, *mask_pointers,
+            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride(), *mask_strides,
+            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
+        ],
+        dict(kwargs, scale=masks.scale),
+    )
 
 
 def forward(
@@ -928,27 +1070,13 @@ def forward(
     contiguous) and ``lse [B, Hq, Lq]`` float32 (+inf on fully-masked rows)."""
     value_head_dim = value.shape[-1]
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    out = query.new_empty((batch, num_q_heads, seq_len_q, head_dim_v))
+    batch, num_q_heads, seq_len_q, _ = query.shape
+    out = query.new_empty((batch, num_q_heads, seq_len_q, value.shape[3]))
     lse = torch.empty((batch, num_q_heads, seq_len_q), dtype=torch.float32, device=query.device)
-    mask_pointers, mask_strides, switches = _mask_arguments(key_padding_mask, key_bounds, attn_mask)
-    dropout = _dropout_arguments(dropout_p, dropout_seed)
-    heavy_masks = switches["HAS_DENSE_MASK"] or dropout["HAS_DROPOUT"]
-    config = block_config("forward", head_dim, head_dim_v, query.dtype, heavy_masks)
+    masks = _Masks(key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed)
     with torch.cuda.device_of(query):
-        _launch(
-            _attention_forward_kernel,
-            triton.cdiv(seq_len_q, config.block_m),
-            batch * num_q_heads,
-            _config_arguments(config, query.dtype, head_dim, head_dim_v),
-            [
-                query, key, value, out, lse, *mask_pointers,
-                *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(), *mask_strides,
-                num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
-            ],
-            dict(qk_scale=scale * math.log2(math.e), **dropout, CAUSAL=causal, **switches),
-        )
+        for launch in _forward_launches(query, key, value, out, lse, masks):
+            launch()
     return _unpadded(out, value_head_dim), lse
 
 
@@ -974,9 +1102,8 @@ def backward(
     ``attn_mask_needs_grad`` (else an empty tensor)."""
     query_head_dim, value_head_dim = query.shape[-1], value.shape[-1]
     grad_out, query, key, value, out = (_aligned(t) for t in (grad_out, query, key, value, out))
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    group_size = num_q_heads // num_kv_heads
+    batch, num_q_heads, seq_len_q, _ = query.shape
+    seq_len_k = key.shape[2]
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -986,46 +1113,14 @@ def backward(
     if attn_mask_needs_grad:
         # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
         grad_scores = torch.zeros((batch, num_q_heads, seq_len_q, seq_len_k), dtype=torch.float32, device=query.device)
-    mask_pointers, mask_strides, switches = _mask_arguments(key_padding_mask, key_bounds, attn_mask)
-    dropout = _dropout_arguments(dropout_p, dropout_seed)
-    heavy_masks = switches["HAS_DENSE_MASK"] or dropout["HAS_DROPOUT"]
-    scales = dict(scale=scale, qk_scale=scale * math.log2(math.e), **dropout, CAUSAL=causal, **switches)
+    masks = _Masks(key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed)
     with torch.cuda.device_of(query):
-        _launch(
-            _attention_backward_delta_kernel,
-            triton.cdiv(seq_len_q, _DELTA_BLOCK_M),
-            batch * num_q_heads,
-            dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=next_power_of_2(head_dim_v), num_warps=_DELTA_NUM_WARPS),
-            [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],
-            {},
-        )
-        dkdv_config = block_config("dkdv", head_dim, head_dim_v, query.dtype, heavy_masks)
-        _launch(
-            _attention_backward_dkdv_kernel,
-            triton.cdiv(seq_len_k, dkdv_config.block_n),
-            batch * num_kv_heads,
-            _config_arguments(dkdv_config, query.dtype, head_dim, head_dim_v),
-            [
-                query, key, value, grad_out, lse, delta, dk, dv, grad_scores, *mask_pointers,
-                *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                *(grad_scores.stride() if attn_mask_needs_grad else (0, 0, 0, 0)), *mask_strides,
-                num_q_heads, num_kv_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v,
-            ],
-            dict(scales, STORE_GRAD_SCORES=attn_mask_needs_grad),
-        )
-        dq_config = block_config("dq", head_dim, head_dim_v, query.dtype, heavy_masks)
-        _launch(
-            _attention_backward_dq_kernel,
-            triton.cdiv(seq_len_q, dq_config.block_m),
-            batch * num_q_heads,
-            _config_arguments(dq_config, query.dtype, head_dim, head_dim_v),
-            [
-                query, key, value, grad_out, lse, delta, dq, *mask_pointers,
-                *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride(), *mask_strides,
-                num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v,
-            ],
-            scales,
-        )
+        for launch in (
+            *_delta_launches(grad_out, out, delta),
+            *_dkdv_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks),
+            *_dq_launches(query, key, value, grad_out, lse, delta, dq, masks),
+        ):
+            launch()
     if grad_scores is None:
         grad_scores = torch.empty(0, dtype=torch.float32, device=query.device)
     return (
@@ -1037,70 +1132,39 @@ def backward(
 # Compile targets
 # ---------------------------------------------------------------------------
 
-_KERNELS = {
-    "forward": _attention_forward_kernel,
-    "dkdv": _attention_backward_dkdv_kernel,
-    "dq": _attention_backward_dq_kernel,
-}
-_FP32_POINTERS = ("lse_ptr", "delta_ptr", "grad_scores_ptr")
-_FLOAT_SCALARS = ("scale", "qk_scale", "dropout_scale")
-# Strides that are 1 in every launch (the launchers ensure it), which Triton
-# compiles as constants.
-_UNIT_STRIDES = (
-    "stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_god", "stride_dqd", "stride_dkd", "stride_dvd",
-    "stride_lsem", "stride_kpn", "stride_kbe", "stride_mn", "stride_gsn",
-)
-_LIGHT_SWITCHES = dict(CAUSAL=2, HAS_KEY_PADDING=True, HAS_DENSE_MASK=False, MASK_IS_BOOL=False, HAS_DROPOUT=False)
-_ALL_SWITCHES = dict(CAUSAL=2, HAS_KEY_PADDING=True, HAS_DENSE_MASK=True, MASK_IS_BOOL=False, HAS_DROPOUT=True)
+# The representative problem compiled for every target: grouped-query heads,
+# lengths and head dims that are multiples of the tiles.  The kernels
+# specialize on no argument value (see ``_kernel``), so the shape matters only
+# through the table entry it selects.
+_TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS, _TARGET_LENGTH = 2, 4, 2, 256
 
 
-def _signature(kernel, dtype_name: str, constexprs: dict) -> dict:
-    """Triton types of ``kernel``'s arguments; adds the unit strides to ``constexprs``."""
-    constexprs.update({name: 1 for name in _UNIT_STRIDES if name in kernel.arg_names})
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in _FP32_POINTERS:
-            signature[name] = "*fp32"
-        elif name == "key_padding_ptr":
-            signature[name] = "*u1"  # torch.bool
-        elif name == "key_bounds_ptr":
-            signature[name] = "*i32"
-        elif name.endswith("_ptr"):
-            signature[name] = f"*{dtype_name}"  # the float mask has the query's dtype
-        elif name in _FLOAT_SCALARS:
-            signature[name] = "fp32"
-        elif name == "dropout_seed":
-            signature[name] = "i64"
-        else:
-            signature[name] = "i32"
-    return signature
-
-
-def _attention_target(kernel_name: str, bucket: int, config: BlockConfig, dtype: torch.dtype, switches: dict):
-    kernel = _KERNELS[kernel_name]
-    dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
-    constexprs = dict(
-        switches,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=bucket, BLOCK_DV=bucket,
-        DOT_PRECISION=_dot_precision(dtype),
-    )
-    if kernel_name == "dkdv":
-        constexprs["STORE_GRAD_SCORES"] = switches["HAS_DENSE_MASK"]
-        if not switches["HAS_DENSE_MASK"]:
-            constexprs["grad_scores_ptr"] = None
-    if not switches["HAS_DENSE_MASK"]:
-        constexprs["mask_ptr"] = None
-    variant = "all_masks" if switches["HAS_DENSE_MASK"] else "causal_padding"
-    return CompileTarget(
-        name=f"attention_{kernel_name}_{dtype_name}_d{bucket}_{variant}",
-        kernel=kernel,
-        signature=_signature(kernel, dtype_name, constexprs),
-        constexprs=constexprs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, all_masks: bool) -> KernelLaunch:
+    """The launch the backend makes for the representative problem: with
+    bottom-right causal and key padding, and with ``all_masks`` also a float
+    mask whose gradient is stored, and dropout."""
+    batch, heads, kv_heads, length = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS, _TARGET_LENGTH
+    query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
+    key, value, dk, dv = (torch.empty(batch, kv_heads, length, head_dim, dtype=dtype) for _ in range(4))
+    lse, delta = (torch.empty(batch, heads, length) for _ in range(2))
+    key_padding_mask = torch.zeros(batch, length, dtype=torch.bool)
+    key_bounds = torch.tensor([[0, length]] * batch, dtype=torch.int32)
+    attn_mask = grad_scores = None
+    dropout_p, dropout_seed = 0.0, None
+    if all_masks:
+        attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
+        grad_scores = torch.empty(batch, heads, length, length)
+        dropout_p, dropout_seed = 0.1, torch.tensor([1234567, 89], dtype=torch.int64)
+    masks = _Masks(key_padding_mask, key_bounds, attn_mask, 2, head_dim**-0.5, dropout_p, dropout_seed)
+    if kernel_name == "forward":
+        launches = _forward_launches(query, key, value, out, lse, masks)
+    elif kernel_name == "dkdv":
+        launches = _dkdv_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks)
+    elif kernel_name == "dq":
+        launches = _dq_launches(query, key, value, grad_out, lse, delta, dq, masks)
+    else:
+        launches = _delta_launches(grad_out, out, delta)
+    return launches[0]
 
 
 def compile_targets() -> list[CompileTarget]:
@@ -1111,22 +1175,20 @@ def compile_targets() -> list[CompileTarget]:
     mask, dropout, dS store).  FAST configs compile in bfloat16 and MASKED in
     float16, so both 16-bit types are covered."""
     targets = []
-    for table, dtype, switches in (
-        (_FAST_CONFIGS, torch.bfloat16, _LIGHT_SWITCHES),
-        (_MASKED_CONFIGS, torch.float16, _ALL_SWITCHES),
-        (_FLOAT32_CONFIGS, torch.float32, _ALL_SWITCHES),
+    for table, dtype, all_masks in (
+        (_FAST_CONFIGS, torch.bfloat16, False),
+        (_MASKED_CONFIGS, torch.float16, True),
+        (_FLOAT32_CONFIGS, torch.float32, True),
     ):
-        for (kernel_name, bucket), config in table.items():
-            targets.append(_attention_target(kernel_name, bucket, config, dtype, switches))
-    for dtype, block_dv in ((torch.bfloat16, 64), (torch.float16, 256)):
-        dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
-        constexprs = dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=block_dv)
+        variant = "all_masks" if all_masks else "causal_padding"
+        for kernel_name, bucket in table:
+            targets.append(CompileTarget(
+                f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{variant}",
+                functools.partial(_target_launch, kernel_name, bucket, dtype, all_masks),
+            ))
+    for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
-            name=f"attention_delta_{dtype_name}_d{block_dv}",
-            kernel=_attention_backward_delta_kernel,
-            signature=_signature(_attention_backward_delta_kernel, dtype_name, constexprs),
-            constexprs=constexprs,
-            num_warps=_DELTA_NUM_WARPS,
-            num_stages=1,
+            f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
+            functools.partial(_target_launch, "delta", head_dim, dtype, False),
         ))
     return targets

@@ -28,15 +28,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget
+from ..eager import qkv as eager_qkv
+from ._common import (
+    INT32_MAX,
+    TORCH_TO_TRITON_DTYPE,
+    CompileTarget,
+    KernelLaunch,
+    dot_input_precision,
+    fp32_matmul_allows_tf32,
+    multiprocessor_count,
+)
 
 __all__ = [
     "KERNELS", "GemmConfig", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits",
     "unsupported_reason",
 ]
-
-_INT32_MAX = 2**31 - 1
-
 
 # ---------------------------------------------------------------------------
 # Shared pieces
@@ -377,10 +383,6 @@ _WIDE_16BIT = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_wa
 _LARGE_16BIT = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _LARGE_TF32 = GemmConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
 _SMALL = GemmConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
-# fp32 without tf32 is an FMA loop: a shorter BLOCK_K keeps the unrolled
-# operand fragments under the register file (BLOCK_K 32 and 16 spill).
-_SMALL_IEEE = GemmConfig(block_m=64, block_n=64, block_k=8, group_m=8, num_warps=4, num_stages=3)
-
 KERNELS = ("forward", "grad_input", "grad_weight")
 
 
@@ -390,10 +392,9 @@ def _large_config(kernel: str, dtype: torch.dtype) -> GemmConfig:
     return _WIDE_16BIT if kernel == "forward" else _LARGE_16BIT
 
 
-def gemm_config(kernel: str, dtype: torch.dtype, use_tf32: bool, m: int, n: int, num_sms: int) -> GemmConfig:
-    """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]`` output."""
-    if dtype == torch.float32 and not use_tf32:
-        return _SMALL_IEEE
+def gemm_config(kernel: str, dtype: torch.dtype, m: int, n: int, num_sms: int) -> GemmConfig:
+    """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]``
+    output (float32 inputs: TF32 dots)."""
     large = _large_config(kernel, dtype)
     if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= num_sms:
         return large
@@ -412,18 +413,11 @@ def grad_weight_splits(output_tiles: int, num_tokens: int, block_k: int, num_sms
     return max(1, min(triton.cdiv(2 * num_sms, output_tiles), num_tokens // (16 * block_k)))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    # The interpreter: a small "GPU", so modest test shapes reach every path.
-    return 4
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+def _uses_torch_matmul(dtype: torch.dtype) -> bool:
+    """float32 without TF32 runs as torch matmuls (the eager backend): a
+    Triton FMA loop would be slower than cuBLAS's float32 GEMM, and Triton's
+    dots need BLOCK_K >= 16, which such a loop cannot hold in registers."""
+    return dtype == torch.float32 and not fp32_matmul_allows_tf32()
 
 
 # ---------------------------------------------------------------------------
@@ -444,8 +438,8 @@ def unsupported_reason(
     if x.dtype not in TORCH_TO_TRITON_DTYPE:
         return f"the triton backend supports float16, bfloat16 and float32, got {x.dtype}"
     # Each output (and each gradient) has x.numel() elements.
-    if max(_max_offset(x), _max_offset(weight), x.numel()) > _INT32_MAX:
-        return f"the triton kernels index with int32: tensors must span at most {_INT32_MAX} elements"
+    if max(_max_offset(x), _max_offset(weight), x.numel()) > INT32_MAX:
+        return f"the triton kernels index with int32: tensors must span at most {INT32_MAX} elements"
     return None
 
 
@@ -454,7 +448,44 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
+def _meta(cfg: GemmConfig) -> dict:
+    return dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _forward_launch(
+    x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], outputs: list[torch.Tensor],
+    cfg: GemmConfig,
+) -> KernelLaunch:
+    """The forward GEMM: ``x3`` ``[B, L, E_in]``, ``outputs`` the ``n``
+    ``[B, H, L, Dh]`` contiguous results."""
+    _, seq_len, in_features = x3.shape
+    _, num_heads, _, head_dim = outputs[0].shape
+    embed_dim = num_heads * head_dim
+    num_proj = len(outputs)
+    num_tokens = x3.shape[0] * seq_len
+    padded = outputs + [outputs[0]] * (3 - num_proj)
+    grid = (triton.cdiv(num_tokens, cfg.block_m) * num_proj * triton.cdiv(embed_dim, cfg.block_n),)
+    return KernelLaunch(
+        _qkv_forward_kernel,
+        grid,
+        (
+            x3, weight, weight if bias is None else bias, *padded,
+            num_tokens, seq_len, embed_dim, in_features, head_dim,
+            *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
+        ),
+        dict(
+            NUM_PROJ=num_proj, HAS_BIAS=bias is not None, INPUT_PRECISION=dot_input_precision(x3.dtype, True),
+            **_meta(cfg),
+        ),
+    )
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int) -> list[torch.Tensor]:
+    if _uses_torch_matmul(x.dtype):
+        return eager_qkv.forward(x, weight, bias, num_heads)
     *batch, seq_len, in_features = x.shape
     embed_dim = in_features
     num_proj = weight.shape[0] // embed_dim
@@ -464,34 +495,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     num_tokens = x3.shape[0] * seq_len
     if num_tokens == 0:
         return outputs
-    precision = _input_precision(x.dtype)
-    cfg = gemm_config("forward", x.dtype, precision == "tf32", num_tokens, num_proj * embed_dim, _num_sms(x.device))
+    cfg = gemm_config("forward", x.dtype, num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
     out3 = [o.view(-1, num_heads, seq_len, head_dim) for o in outputs]
-    padded = out3 + [out3[0]] * (3 - num_proj)
-    grid = (triton.cdiv(num_tokens, cfg.block_m) * num_proj * triton.cdiv(embed_dim, cfg.block_n),)
-    _qkv_forward_kernel[grid](
-        x3,
-        weight,
-        weight if bias is None else bias,
-        *padded,
-        num_tokens,
-        seq_len,
-        embed_dim,
-        in_features,
-        head_dim,
-        *x3.stride(),
-        *weight.stride(),
-        *out3[0].stride()[:3],
-        NUM_PROJ=num_proj,
-        HAS_BIAS=bias is not None,
-        INPUT_PRECISION=precision,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _forward_launch(x3, weight, bias, out3, cfg)()
     return outputs
 
 
@@ -506,10 +512,63 @@ def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     if (
         first.stride(-1) == 1
         and all(g.stride() == first.stride() for g in grads[1:])
-        and _max_offset(first) <= _INT32_MAX
+        and _max_offset(first) <= INT32_MAX
     ):
         return grads
     return [g.contiguous() for g in grads]
+
+
+def _grad_input_launch(
+    grads4: list[torch.Tensor], weight: torch.Tensor, grad_x: torch.Tensor, cfg: GemmConfig
+) -> KernelLaunch:
+    """The input-gradient GEMM: ``grads4`` as ``_shared_layout`` returns
+    them, ``grad_x`` contiguous ``[*batch, L, E_in]``."""
+    batch, num_heads, seq_len, head_dim = grads4[0].shape
+    embed_dim = num_heads * head_dim
+    in_features = grad_x.shape[-1]
+    num_tokens = batch * seq_len
+    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
+    grid = (triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(in_features, cfg.block_n),)
+    return KernelLaunch(
+        _qkv_grad_input_kernel,
+        grid,
+        (
+            *grads4, *[grads4[0]] * (3 - len(grads4)), weight, grad_x,
+            num_tokens, seq_len, embed_dim, in_features, head_dim,
+            stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
+        ),
+        dict(NUM_PROJ=len(grads4), INPUT_PRECISION=dot_input_precision(grad_x.dtype, True), **_meta(cfg)),
+    )
+
+
+def _grad_weight_launch(
+    grads4: list[torch.Tensor], x3: torch.Tensor, grad_w_out: torch.Tensor, grad_b_out: torch.Tensor,
+    has_bias: bool, tokens_per_split: int, cfg: GemmConfig,
+) -> KernelLaunch:
+    """The weight/bias-gradient GEMM: ``grad_w_out`` ``[n*E, E_in]`` (one
+    split) or ``[splits, n*E, E_in]`` float32 partial sums, ``grad_b_out``
+    likewise (any tensor when ``has_bias`` is False)."""
+    batch, seq_len, in_features = x3.shape
+    _, num_heads, _, head_dim = grads4[0].shape
+    embed_dim = num_heads * head_dim
+    num_proj = len(grads4)
+    num_tokens = batch * seq_len
+    features = num_proj * embed_dim
+    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
+    tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
+    return KernelLaunch(
+        _qkv_grad_weight_kernel,
+        (tiles, triton.cdiv(num_tokens, tokens_per_split)),
+        (
+            *grads4, *[grads4[0]] * (3 - num_proj), x3, grad_w_out, grad_b_out,
+            num_tokens, seq_len, embed_dim, in_features, head_dim, tokens_per_split,
+            stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
+        ),
+        dict(
+            NUM_PROJ=num_proj, HAS_BIAS=has_bias, INPUT_PRECISION=dot_input_precision(x3.dtype, True),
+            **_meta(cfg),
+        ),
+    )
 
 
 def backward(
@@ -522,47 +581,24 @@ def backward(
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _uses_torch_matmul(x.dtype):
+        return eager_qkv.backward(
+            grads, x, weight, has_bias, num_heads, needs_grad_x, needs_grad_weight, needs_grad_bias
+        )
     *_, seq_len, in_features = x.shape
     embed_dim = in_features
     num_proj = len(grads)
-    head_dim = embed_dim // num_heads
     x3 = _as_3d(x)
     num_tokens = x3.shape[0] * seq_len
     grads4 = _shared_layout(grads)
-    padded = grads4 + [grads4[0]] * (3 - num_proj)
-    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
-    precision = _input_precision(x.dtype)
-    num_sms = _num_sms(x.device)
+    num_sms = multiprocessor_count(x.device)
 
     grad_x = x.new_empty(0)
     if needs_grad_x:
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         if num_tokens > 0:
-            cfg = gemm_config("grad_input", x.dtype, precision == "tf32", num_tokens, in_features, num_sms)
-            grid = (triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(in_features, cfg.block_n),)
-            _qkv_grad_input_kernel[grid](
-                *padded,
-                weight,
-                grad_x,
-                num_tokens,
-                seq_len,
-                embed_dim,
-                in_features,
-                head_dim,
-                stride_gb,
-                stride_gh,
-                stride_gl,
-                *weight.stride(),
-                in_features,
-                NUM_PROJ=num_proj,
-                INPUT_PRECISION=precision,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )
+            cfg = gemm_config("grad_input", x.dtype, num_tokens, in_features, num_sms)
+            _grad_input_launch(grads4, weight, grad_x, cfg)()
 
     grad_weight, grad_bias = x.new_empty(0), x.new_empty(0)
     with_bias = has_bias and needs_grad_bias
@@ -572,7 +608,7 @@ def backward(
             grad_weight = torch.zeros_like(weight) if needs_grad_weight else x.new_empty(0)
             grad_bias = weight.new_zeros(features) if with_bias else x.new_empty(0)
             return grad_x, grad_weight, grad_bias
-        cfg = gemm_config("grad_weight", x.dtype, precision == "tf32", features, in_features, num_sms)
+        cfg = gemm_config("grad_weight", x.dtype, features, in_features, num_sms)
         tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
         splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
         tokens_per_split = triton.cdiv(triton.cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
@@ -583,35 +619,7 @@ def backward(
         else:
             grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
             grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if with_bias else grad_w_out
-        grid = (tiles, splits)
-        _qkv_grad_weight_kernel[grid](
-            *padded,
-            x3,
-            grad_w_out,
-            grad_b_out,
-            num_tokens,
-            seq_len,
-            embed_dim,
-            in_features,
-            head_dim,
-            tokens_per_split,
-            stride_gb,
-            stride_gh,
-            stride_gl,
-            *x3.stride(),
-            features * in_features,
-            in_features,
-            features,
-            NUM_PROJ=num_proj,
-            HAS_BIAS=with_bias,
-            INPUT_PRECISION=precision,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, with_bias, tokens_per_split, cfg)()
         if splits > 1:
             grad_w_out = grad_w_out.sum(0).to(weight.dtype)
             grad_b_out = grad_b_out.sum(0).to(weight.dtype) if with_bias else grad_b_out
@@ -624,64 +632,42 @@ def backward(
 # Compile targets
 # ---------------------------------------------------------------------------
 
-
-def _dispatch_choices(kernel: str) -> list[tuple[str, torch.dtype, str, GemmConfig]]:
-    """Every (label, dtype, input precision, config) ``gemm_config`` can return for ``kernel``."""
-    choices = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for precision in ("tf32", "ieee") if dtype == torch.float32 else ("tf32",):
-            configs = {id(c): c for c in (
-                gemm_config(kernel, dtype, precision == "tf32", m, m, 100) for m in (64, 1 << 16))}
-            for cfg in configs.values():
-                name = TORCH_TO_TRITON_DTYPE[dtype]
-                label = f"{name}-{precision}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}" if dtype == torch.float32 \
-                    else f"{name}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                choices.append((label, dtype, precision, cfg))
-    return choices
+# The representative problem: batch 4, length 512, E = 1024 in 16 heads of 64,
+# contiguous tensors (unit strides along E_in and Dh, sizes divisible by 16),
+# n = 3 projections with bias.
+_TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS = 4, 512, 1024, 16
 
 
-def _meta(cfg: GemmConfig) -> dict:
-    return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+def _target_launch(kernel: str, dtype: torch.dtype, cfg: GemmConfig, split: bool) -> KernelLaunch:
+    batch, length, embed, heads = _TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS
+    x3 = torch.empty(batch, length, embed, dtype=dtype)
+    weight = torch.empty(3 * embed, embed, dtype=dtype)
+    heads_split = [torch.empty(batch, heads, length, embed // heads, dtype=dtype) for _ in range(3)]
+    if kernel == "forward":
+        return _forward_launch(x3, weight, torch.empty(3 * embed, dtype=dtype), heads_split, cfg)
+    if kernel == "grad_input":
+        return _grad_input_launch(heads_split, weight, torch.empty_like(x3), cfg)
+    splits = 2 if split else 1
+    out_dtype = torch.float32 if split else dtype
+    grad_w_out = torch.empty(splits, 3 * embed, embed, dtype=out_dtype).squeeze(0)
+    grad_b_out = torch.empty(splits, 3 * embed, dtype=out_dtype).squeeze(0)
+    return _grad_weight_launch(heads_split, x3, grad_w_out, grad_b_out, True, batch * length // splits, cfg)
 
 
 def compile_targets() -> list[CompileTarget]:
-    """Each kernel with each configuration it can be launched with, with NUM_PROJ = 3 and HAS_BIAS set."""
+    """Each kernel with each configuration ``gemm_config`` can return, for
+    the representative problem (the weight gradient also with split-token
+    float32 partial sums)."""
     targets = []
-    for label, dtype, precision, cfg in _dispatch_choices("forward"):
-        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
-        const = {"NUM_PROJ": 3, "HAS_BIAS": True, "INPUT_PRECISION": precision, **_meta(cfg)}
-        sig = {name: t for name in ("x_ptr", "weight_ptr", "bias_ptr", "q_ptr", "k_ptr", "v_ptr")}
-        sig.update({name: "i32" for name in (
-            "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "stride_xb", "stride_xl", "stride_xe",
-            "stride_wf", "stride_we", "stride_ob", "stride_oh", "stride_ol")})
-        sig.update({name: "constexpr" for name in const})
-        targets.append(CompileTarget(f"qkv_forward-{label}", _qkv_forward_kernel, sig, const,
-                                     cfg.num_warps, cfg.num_stages))
-
-    for label, dtype, precision, cfg in _dispatch_choices("grad_input"):
-        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
-        const = {"NUM_PROJ": 3, "INPUT_PRECISION": precision, **_meta(cfg)}
-        sig = {name: t for name in ("grad_q_ptr", "grad_k_ptr", "grad_v_ptr", "weight_ptr", "grad_x_ptr")}
-        sig.update({name: "i32" for name in (
-            "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "stride_gb", "stride_gh", "stride_gl",
-            "stride_wf", "stride_we", "stride_dxt")})
-        sig.update({name: "constexpr" for name in const})
-        targets.append(CompileTarget(f"qkv_grad_input-{label}", _qkv_grad_input_kernel, sig, const,
-                                     cfg.num_warps, cfg.num_stages))
-
-    for label, dtype, precision, cfg in _dispatch_choices("grad_weight"):
-        t = "*" + TORCH_TO_TRITON_DTYPE[dtype]
-        const = {"NUM_PROJ": 3, "HAS_BIAS": True, "INPUT_PRECISION": precision, **_meta(cfg)}
-        # Split-token launches write fp32 partial sums, unsplit ones the weight's dtype.
-        for grad_type in dict.fromkeys((t, "*fp32")):
-            sig = {name: t for name in ("grad_q_ptr", "grad_k_ptr", "grad_v_ptr", "x_ptr")}
-            sig.update({"grad_w_ptr": grad_type, "grad_b_ptr": grad_type})
-            sig.update({name: "i32" for name in (
-                "num_tokens", "seq_len", "embed_dim", "in_features", "head_dim", "tokens_per_split", "stride_gb",
-                "stride_gh", "stride_gl", "stride_xb", "stride_xl", "stride_xe", "stride_dws", "stride_dwf",
-                "stride_dbs")})
-            sig.update({name: "constexpr" for name in const})
-            out = "fp32partials" if grad_type == "*fp32" and t != "*fp32" else "direct"
-            targets.append(CompileTarget(f"qkv_grad_weight-{label}-{out}", _qkv_grad_weight_kernel, sig, const,
-                                         cfg.num_warps, cfg.num_stages))
+    for kernel in KERNELS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for cfg in dict.fromkeys((_large_config(kernel, dtype), _SMALL)):
+                label = f"qkv_{kernel}-{TORCH_TO_TRITON_DTYPE[dtype]}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+                # float32 partial sums are a separate variant only for 16-bit weights.
+                splits = (False, True) if kernel == "grad_weight" and dtype != torch.float32 else (False,)
+                for split in splits:
+                    suffix = ("-fp32partials" if split else "-direct") if kernel == "grad_weight" else ""
+                    targets.append(
+                        CompileTarget(label + suffix, functools.partial(_target_launch, kernel, dtype, cfg, split))
+                    )
     return targets
