@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -18,3 +19,23 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@contextlib.contextmanager
+def tf32_setting(kind: str, allowed: bool, api: str):
+    """Let float32 matmuls (``kind`` "matmul") or convolutions ("conv") use
+    TF32 or not, through torch's legacy ``allow_tf32`` flag (``api``
+    "legacy") or its ``fp32_precision`` setting ("new"); the old value is
+    restored through the same API (mixing the two makes torch raise)."""
+    if api == "legacy":
+        owner = torch.backends.cuda.matmul if kind == "matmul" else torch.backends.cudnn
+        name, value = "allow_tf32", allowed
+    else:
+        owner = torch.backends.cuda.matmul if kind == "matmul" else torch.backends.cudnn.conv
+        name, value = "fp32_precision", "tf32" if allowed else "ieee"
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)

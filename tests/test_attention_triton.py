@@ -234,6 +234,23 @@ def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(monkeypatch):
     _run_case(batch=2, heads=4, kv_heads=2, lq=20, lk=20, causal="top_left", padding="left_and_holes")
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter: the huge strides stay in one lazily allocated host buffer")
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_dense_mask_rows_beyond_int32_offsets(kind):
+    # Rows 2 and 3 of this mask start 2**31 and 3 * 2**30 elements into its
+    # buffer: with int32 row offsets (row * stride) they would wrap around.
+    # Only the rows' pages are ever written or read.
+    lq, lk, row_stride = 4, 64, 2**30
+    dtype = torch.bool if kind == "bool" else torch.float32
+    buffer = torch.empty((lq - 1) * row_stride + lk, dtype=dtype)
+    mask = buffer.as_strided((1, 1, lq, lk), (0, 0, row_stride, 1))
+    mask.copy_(torch.rand(1, 1, lq, lk) > 0.3 if kind == "bool" else torch.randn(1, 1, lq, lk))
+    query, key, value = (torch.randn(1, 1, length, 16) for length in (lq, lk, lk))
+    out, _ = triton_attention.forward(query, key, value, None, None, mask, 0, 0.25, 0.0, None)
+    expected = reference_attention(query, key, value, attn_mask=mask.contiguous(), scale=0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------
 # Dropout
 # ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TRITON_DEVICE, requires_cuda
+from conftest import TRITON_DEVICE, requires_cuda, tf32_setting
 
 import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError
@@ -452,3 +452,13 @@ def test_gpu_fp32_and_step():
     full = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual, residual_scale=SCALE)
     steps = _decode(x, weight, bias, residual, pad_value=1.0, backend="triton")
     torch.testing.assert_close(steps, full, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("api", ["legacy", "new"])
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_triton_float32_follows_the_conv_tf32_setting_of_either_api(api, allow_tf32):
+    from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+
+    with tf32_setting("conv", allow_tf32, api):
+        assert triton_glu_conv._input_precision(torch.float32) == ("tf32" if allow_tf32 else "ieee")
+        assert triton_glu_conv._input_precision(torch.float16) == "tf32"

@@ -8,7 +8,7 @@ import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError
 from transformer_kernels.reference import qkv_projection as reference_qkv
 
-from conftest import CUDA, TRITON_DEVICE, requires_cuda
+from conftest import CUDA, TRITON_DEVICE, requires_cuda, tf32_setting
 
 # (x shape, num_heads): the seeds' tiny E = 4 with two heads, E not a multiple
 # of 16, head dims 2..16, an unbatched [L, E] input and two leading batch dims.
@@ -122,10 +122,46 @@ TRITON_CASES = [
 
 
 @pytest.mark.parametrize("shape,num_heads,num_proj,dtype,bias", TRITON_CASES)
-def test_triton_matches_references(monkeypatch, shape, num_heads, num_proj, dtype, bias):
+def test_triton_matches_references(shape, num_heads, num_proj, dtype, bias):
+    # float32 reaches the kernels only with TF32 allowed (the interpreter
+    # computes tf32 dots in full float32); without it torch matmuls run.
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    _check_against_references("triton", shape, num_heads, num_proj, dtype, bias, tol, TRITON_DEVICE)
+    with tf32_setting("matmul", True, "new"):
+        _check_against_references("triton", shape, num_heads, num_proj, dtype, bias, tol, TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("api", ["legacy", "new"])
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_triton_float32_runs_kernels_only_with_tf32_allowed(monkeypatch, api, allow_tf32):
+    from transformer_kernels.backends.eager import qkv as eager_qkv
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+
+    launched = []
+    real_launch = triton_qkv.KernelLaunch.__call__
+    monkeypatch.setattr(triton_qkv.KernelLaunch, "__call__", lambda self: launched.append(self) or real_launch(self))
+    x, weight, b = _inputs((2, 5, 16), 3, device=TRITON_DEVICE)
+    with tf32_setting("matmul", allow_tf32, api):
+        outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+        grads = torch.autograd.grad(sum(o.sum() for o in outputs), (x, weight, b))
+    assert len(launched) == (3 if allow_tf32 else 0)
+    with torch.no_grad():
+        expected = eager_qkv.forward(x, weight, b, 2)
+    _assert_close_all(list(outputs), list(expected), rtol=1e-4, atol=1e-4)
+    expected_grads = torch.autograd.grad(sum(o.sum() for o in reference_qkv(x, weight, b, 2)), (x, weight, b))
+    _assert_close_all(list(grads), list(expected_grads), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("api", ["legacy", "new"])
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_fp32_matmul_allows_tf32_reads_either_api(api, allow_tf32):
+    from transformer_kernels.backends.triton._common import fp32_matmul_allows_tf32
+
+    with tf32_setting("matmul", allow_tf32, api):
+        assert fp32_matmul_allows_tf32() is allow_tf32
+        # Once the new API set "tf32", torch refuses to read the legacy flag.
+        if api == "new" and allow_tf32:
+            with pytest.raises(RuntimeError, match="legacy and new"):
+                torch.backends.cuda.matmul.allow_tf32
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter-only: forces tile configurations through the SM count")
@@ -139,17 +175,17 @@ def test_triton_every_config_path(monkeypatch, num_sms, dtype):
     # 64x64 tiles run and the weight gradient splits the 1040 tokens over
     # program_id(1) (fp32 partial sums, then a sum).  The interpreter
     # computes tf32 dots in full fp32.
-    monkeypatch.setattr(triton_qkv, "_num_sms", lambda device: num_sms)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    forward_cfg = triton_qkv.gemm_config("forward", dtype, True, 1040, 48, num_sms)
-    weight_cfg = triton_qkv.gemm_config("grad_weight", dtype, True, 48, 16, num_sms)
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", lambda device: num_sms)
+    forward_cfg = triton_qkv.gemm_config("forward", dtype, 1040, 48, num_sms)
+    weight_cfg = triton_qkv.gemm_config("grad_weight", dtype, 48, 16, num_sms)
     if num_sms == 1:
         assert forward_cfg.block_m == 128 and weight_cfg.block_m == 128
     else:
         assert forward_cfg.block_m == 64 and weight_cfg.block_m == 64
         assert triton_qkv.grad_weight_splits(3, 1040, weight_cfg.block_k, num_sms) == 2
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    _check_against_references("triton", (2, 520, 16), 2, 3, dtype, True, tol)
+    with tf32_setting("matmul", True, "new"):
+        _check_against_references("triton", (2, 520, 16), 2, 3, dtype, True, tol)
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
@@ -379,13 +415,14 @@ def test_cuda_error_within_twice_pytorch(dtype, shape, num_heads, num_proj):
 
 
 @requires_cuda
+@pytest.mark.parametrize("api", ["legacy", "new"])
 @pytest.mark.parametrize("allow_tf32", [False, True])
-def test_cuda_float32_follows_allow_tf32(monkeypatch, allow_tf32):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
+def test_cuda_float32_follows_allow_tf32(api, allow_tf32):
     x, weight, b = _inputs((4, 100, 256), 3, device="cuda")
-    outs = tk.qkv_projection(x, weight, b, num_heads=4, backend="triton")
+    with tf32_setting("matmul", allow_tf32, api):
+        outs = tk.qkv_projection(x, weight, b, num_heads=4, backend="triton")
+        torch_fp32 = reference_qkv(x, weight, b, 4)  # cuBLAS under the same setting
     expected = reference_qkv(x.double(), weight.double(), b.double(), 4)
-    torch_fp32 = reference_qkv(x, weight, b, 4)  # cuBLAS under the same flag
     for o, e, t in zip(outs, expected, torch_fp32):
         assert _error(o, e) <= 2 * _error(t, e) + 1e-5
 

@@ -762,7 +762,7 @@ _FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("forward", 256): BlockConfig(32, 32, 4, 2),
     ("dkdv", 64): BlockConfig(32, 32, 4, 2),
     ("dkdv", 128): BlockConfig(16, 64, 8, 2),
-    ("dkdv", 256): BlockConfig(16, 16, 8, 1),
+    ("dkdv", 256): BlockConfig(16, 16, 4, 1),
     ("dq", 64): BlockConfig(128, 32, 8, 3),
     ("dq", 128): BlockConfig(32, 64, 8, 2),
     ("dq", 256): BlockConfig(16, 32, 8, 1),
@@ -791,6 +791,15 @@ _FLOAT32_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("dq", 64): BlockConfig(16, 32, 4, 1),
 }
 MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
+# Triton before 3.9 (checked with 3.6) allocates registers differently: no
+# single dK/dV tile serves head dim 256 under both without spilling, and with
+# a dense mask or dropout none does under 3.6 at all (every tile of 16 to 32
+# rows, 1 to 16 warps spills), so ``unsupported_reason`` refuses that case.
+_OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
+if _OLD_TRITON:
+    _FAST_CONFIGS[("dkdv", 256)] = BlockConfig(16, 16, 8, 1)
+    del _MASKED_CONFIGS[("dkdv", 256)]
+MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
 # diagonal paths at the short lengths the tests can afford.
 _INTERPRETER_CONFIGS = {
@@ -837,6 +846,12 @@ def unsupported_reason(
         return (
             f"the triton backend supports float32 on the GPU up to head dim {MAX_FLOAT32_HEAD_DIM_ON_GPU} "
             f"(its float32 kernels would spill registers), got {head_dim}; use float16/bfloat16 or backend='eager'"
+        )
+    if (attn_mask is not None or dropout_p > 0.0) and query.is_cuda and head_dim > MAX_MASKED_HEAD_DIM_ON_GPU:
+        return (
+            f"the triton backend supports a dense attn_mask or dropout on the GPU up to head dim "
+            f"{MAX_MASKED_HEAD_DIM_ON_GPU} with triton {triton.__version__} (its dK/dV kernel would spill "
+            f"registers; triton >= 3.9 serves up to {MAX_HEAD_DIM}), got {head_dim}; use backend='eager'"
         )
     return None
 

@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 
 from ..eager.glu_conv import empty_output
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget
+from ._common import (
+    TORCH_TO_TRITON_DTYPE,
+    CompileTarget,
+    KernelLaunch,
+    dot_input_precision,
+    fp32_conv_allows_tf32,
+    multiprocessor_count,
+)
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "compile_targets"]
 
@@ -374,9 +381,7 @@ def kernel_config(kernel: str, dtype: torch.dtype) -> _Config:
 
 def _input_precision(dtype: torch.dtype) -> str:
     # fp32 follows torch's convolution setting (cuDNN uses TF32 unless disabled).
-    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
-        return "ieee"
-    return "tf32"
+    return dot_input_precision(dtype, fp32_conv_allows_tf32())
 
 
 def unsupported_reason(
@@ -397,13 +402,6 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few splits so the split-K path runs
-
-
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -418,13 +416,15 @@ def forward(
     channels_z, _, kernel_size = weight.shape
     length_out = x.shape[2] + pad_left + pad_right - kernel_size + 1
     out = empty_output(x, channels_z // 2, length_out)
-    _launch_preactivation(
-        x, _packed_weight(weight), bias, residual, None, out, pad_left, length_out, pad_value, residual_scale
-    )
+    if x.shape[0] > 0:
+        _preactivation_launch(
+            x, _packed_weight(weight), bias, residual, None, out, pad_left, length_out, pad_value, residual_scale,
+            _input_precision(x.dtype),
+        )()
     return out, x.new_empty(0)
 
 
-def _launch_preactivation(
+def _preactivation_launch(
     x: torch.Tensor,
     packed: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -435,20 +435,20 @@ def _launch_preactivation(
     length_out: int,
     pad_value: float,
     residual_scale: float,
-) -> None:
-    """Run ``_glu_conv1d_fwd_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``);
-    ``grad_out`` given selects the ``COMPUTE_GRAD`` epilogue."""
+    precision: str,
+) -> KernelLaunch:
+    """``_glu_conv1d_fwd_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
+    for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
+    epilogue."""
     batch, channels_in, length_in = x.shape
     kernel_size, _, channels_z = packed.shape
-    if batch == 0:
-        return
     config = kernel_config("fwd", x.dtype)
     unused_strides = (0, 0, 0)
     grid = (
         triton.cdiv(batch * length_out, config.blocks["BLOCK_POS"]),
         triton.cdiv(channels_z // 2, config.blocks["BLOCK_C"]),
     )
-    _glu_conv1d_fwd_kernel[grid](
+    return KernelLaunch(_glu_conv1d_fwd_kernel, grid, (
         x,
         packed,
         bias if bias is not None else packed,
@@ -469,20 +469,21 @@ def _launch_preactivation(
         *(residual.stride() if residual is not None else unused_strides),
         *(grad_out.stride() if grad_out is not None else unused_strides),
         *destination.stride(),
+    ), dict(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         COMPUTE_GRAD=grad_out is not None,
-        INPUT_PRECISION=_input_precision(x.dtype),
+        INPUT_PRECISION=precision,
         **config.blocks,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
+    ))
 
 
 def _weight_splits(rows: int, tiles: int, config: _Config, device: torch.device) -> int:
     """How many row ranges grad_weight is split into: enough programs to fill the GPU twice,
     but at least two row blocks per split."""
-    wanted = triton.cdiv(2 * _multiprocessor_count(device), tiles)
+    wanted = triton.cdiv(2 * multiprocessor_count(device), tiles)
     return max(1, min(wanted, triton.cdiv(rows, 2 * config.blocks["BLOCK_POS"])))
 
 
@@ -513,34 +514,14 @@ def backward(
     packed = _packed_weight(weight)
     # grad_z [B, 2C, L_out] stored channel-last: both GEMMs below read it along channels.
     grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
-    _launch_preactivation(x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, residual_scale)
+    if batch > 0:
+        _preactivation_launch(
+            x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, residual_scale, precision
+        )()
 
     grad_x = empty_output(x, channels_in, length_in) if needs_grad_x else x.new_empty(0)
     if needs_grad_x and batch > 0:
-        config = kernel_config("bwd_input", x.dtype)
-        grid = (
-            triton.cdiv(batch * length_in, config.blocks["BLOCK_POS"]),
-            triton.cdiv(channels_in, config.blocks["BLOCK_CI"]),
-        )
-        _glu_conv1d_bwd_input_kernel[grid](
-            grad_z,
-            packed,
-            grad_x,
-            batch,
-            length_in,
-            length_out,
-            channels_in,
-            channels_z,
-            kernel_size,
-            pad_left,
-            *grad_z.stride(),
-            *packed.stride(),
-            *grad_x.stride(),
-            INPUT_PRECISION=precision,
-            **config.blocks,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+        _grad_input_launch(grad_z, packed, grad_x, pad_left, precision)()
 
     grad_bias_wanted = needs_grad_bias and bias is not None
     grad_weight = weight.new_empty(0)
@@ -556,29 +537,10 @@ def backward(
         splits = max(1, triton.cdiv(rows_out, rows_per_split))
         grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
         grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
-        _glu_conv1d_bwd_weight_kernel[(tiles, kernel_size, splits)](
-            x,
-            grad_z,
-            grad_weight_partial,
-            grad_bias_partial,
-            batch,
-            length_in,
-            length_out,
-            channels_in,
-            channels_z,
-            pad_left,
-            rows_per_split,
-            float(pad_value),
-            *x.stride(),
-            *grad_z.stride(),
-            *grad_weight_partial.stride(),
-            grad_bias_partial.stride(0),
-            HAS_BIAS=grad_bias_wanted,
-            INPUT_PRECISION=precision,
-            **config.blocks,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+        _grad_weight_launch(
+            x, grad_z, grad_weight_partial, grad_bias_partial, pad_left, rows_per_split, pad_value,
+            grad_bias_wanted, precision,
+        )()
         if needs_grad_weight:
             grad_weight = grad_weight_partial.sum(0).to(weight.dtype)
         if grad_bias_wanted:
@@ -586,49 +548,94 @@ def backward(
     return grad_x, grad_weight, grad_bias
 
 
-def _signature(kernel, dtype: str) -> dict:
-    """Triton types of ``kernel``'s arguments, read off their names: ``*_ptr`` tensors of
-    ``dtype`` (fp32 for the split-K partial sums), ``pad_value`` / ``residual_scale`` fp32,
-    UPPER_CASE constexprs, every other (sizes, strides) i32."""
-    signature = {}
-    for name in kernel.arg_names:
-        if name.endswith("_partial_ptr"):
-            signature[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            signature[name] = "*" + dtype
-        elif name in ("pad_value", "residual_scale"):
-            signature[name] = "fp32"
-        elif name.isupper():
-            signature[name] = "constexpr"
-        else:
-            signature[name] = "i32"
-    return signature
+def _grad_input_launch(
+    grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, precision: str
+) -> KernelLaunch:
+    """``_glu_conv1d_bwd_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
+    ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
+    batch, channels_in, length_in = grad_x.shape
+    kernel_size, _, channels_z = packed.shape
+    config = kernel_config("bwd_input", grad_x.dtype)
+    grid = (
+        triton.cdiv(batch * length_in, config.blocks["BLOCK_POS"]),
+        triton.cdiv(channels_in, config.blocks["BLOCK_CI"]),
+    )
+    return KernelLaunch(_glu_conv1d_bwd_input_kernel, grid, (
+        grad_z, packed, grad_x,
+        batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
+        *grad_z.stride(), *packed.stride(), *grad_x.stride(),
+    ), dict(
+        INPUT_PRECISION=precision, **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
+    ))
+
+
+def _grad_weight_launch(
+    x: torch.Tensor,
+    grad_z: torch.Tensor,
+    grad_weight_partial: torch.Tensor,
+    grad_bias_partial: torch.Tensor,
+    pad_left: int,
+    rows_per_split: int,
+    pad_value: float,
+    has_bias: bool,
+    precision: str,
+) -> KernelLaunch:
+    """``_glu_conv1d_bwd_weight_kernel`` writing float32 partial sums
+    ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
+    batch, channels_in, length_in = x.shape
+    splits, channels_z, _, kernel_size = grad_weight_partial.shape
+    config = kernel_config("bwd_weight", x.dtype)
+    tiles = triton.cdiv(channels_z, config.blocks["BLOCK_CZ"]) * triton.cdiv(channels_in, config.blocks["BLOCK_CI"])
+    return KernelLaunch(_glu_conv1d_bwd_weight_kernel, (tiles, kernel_size, splits), (
+        x, grad_z, grad_weight_partial, grad_bias_partial,
+        batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
+        *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
+    ), dict(
+        HAS_BIAS=has_bias, INPUT_PRECISION=precision, **config.blocks,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    ))
+
+
+# The representative problem: batch 4, C_in = C = 256, kernel size 4,
+# length 512 ("same" padding), channel-first contiguous x and residual.
+_TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH = 4, 256, 4, 512
+
+
+def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: bool) -> KernelLaunch:
+    batch, channels, kernel_size, length = _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH
+    pad_left = (kernel_size - 1) // 2
+    x = torch.empty(batch, channels, length, dtype=dtype)
+    packed = torch.empty(kernel_size, channels, 2 * channels, dtype=dtype)
+    grad_z = torch.empty(batch, length, 2 * channels, dtype=dtype).transpose(1, 2)
+    if kind == "fwd":
+        bias = torch.empty(2 * channels, dtype=dtype)
+        if compute_grad:
+            return _preactivation_launch(
+                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, precision
+            )
+        return _preactivation_launch(
+            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, precision
+        )
+    if kind == "bwd_input":
+        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, precision)
+    splits = 2
+    return _grad_weight_launch(
+        x, grad_z, torch.empty(splits, 2 * channels, channels, kernel_size), torch.empty(splits, 2 * channels),
+        pad_left, batch * length // splits, 0.0, True, precision,
+    )
 
 
 def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
-    constexpr flags (the forward kernel also in its COMPUTE_GRAD form)."""
+    constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
+    representative problem."""
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "ieee")]
-    kernels = [
-        ("fwd", _glu_conv1d_fwd_kernel, {"HAS_BIAS": True, "HAS_RESIDUAL": True, "COMPUTE_GRAD": False}),
-        ("fwd", _glu_conv1d_fwd_kernel, {"HAS_BIAS": True, "HAS_RESIDUAL": False, "COMPUTE_GRAD": True}),
-        ("bwd_input", _glu_conv1d_bwd_input_kernel, {}),
-        ("bwd_weight", _glu_conv1d_bwd_weight_kernel, {"HAS_BIAS": True}),
+    kernels = [("fwd", False), ("fwd", True), ("bwd_input", False), ("bwd_weight", False)]
+    return [
+        CompileTarget(
+            f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}",
+            functools.partial(_target_launch, kind, dtype, precision, compute_grad),
+        )
+        for dtype, precision in variants
+        for kind, compute_grad in kernels
     ]
-    targets = []
-    for dtype, precision in variants:
-        dtype_name = TORCH_TO_TRITON_DTYPE[dtype]
-        for kind, kernel, flags in kernels:
-            config = kernel_config(kind, dtype)
-            mode = "-grad" if flags.get("COMPUTE_GRAD") else ""
-            targets.append(
-                CompileTarget(
-                    name=f"glu_conv_{kind}{mode}-{dtype_name}-{precision}",
-                    kernel=kernel,
-                    signature=_signature(kernel, dtype_name),
-                    constexprs={**flags, "INPUT_PRECISION": precision, **config.blocks},
-                    num_warps=config.num_warps,
-                    num_stages=config.num_stages,
-                )
-            )
-    return targets
