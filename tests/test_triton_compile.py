@@ -1,13 +1,16 @@
 """Every Triton configuration the dispatchers can choose, compiled for sm_80
 and sm_90 on this CPU machine.
 
-Each is compiled with the specialization Triton's launcher makes for the
-usual shapes (16-byte aligned pointers, integer arguments divisible by 16),
-and must compile, fit in shared memory and not spill registers.  Odd sizes
-get scalar loads and more registers; that specialization is not checked.
+Each kernel module lists its configurations in ``compile_targets()``: each is
+the launch its launcher builds for a representative shape, compiled with the
+specialization Triton's own launcher derives from those arguments (which
+integers are 1, which are divisible by 16, which pointers are aligned; see
+``backends/triton/_common.py``).  Each must compile, fit in shared memory and
+not spill registers.  Attention kernels specialize on no argument value, so
+their check covers every launch; QKV and GLU launches of other shapes (odd
+sizes, other strides) compile other variants, which are not checked.
 
-Each kernel module lists its configurations in ``compile_targets()``; the
-compiling happens in a subprocess (``_compile_targets.py``) because this
+The compiling happens in a subprocess (``_compile_targets.py``) because this
 session runs with the Triton interpreter switched on.
 """
 
