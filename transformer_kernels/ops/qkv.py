@@ -223,9 +223,11 @@ def qkv_projection(
     does: float16/bfloat16/float32 inputs are cast to
     ``torch.get_autocast_dtype(device_type)`` (bfloat16 on CPU and float16 on
     CUDA by default), float64 inputs are not cast.  The Triton kernels
-    accumulate in float32 and round once, at the output; for float32 inputs
-    they use TF32 tensor cores exactly when
-    ``torch.backends.cuda.matmul.allow_tf32`` is ``True``.
+    accumulate in float32 and round once, at the output.  float32 inputs use
+    TF32 tensor cores exactly when torch allows TF32 for float32 matmuls,
+    through either API (``torch.backends.cuda.matmul.fp32_precision = "tf32"``,
+    ``allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``);
+    otherwise they run torch's own IEEE float32 matmuls, like ``nn.Linear``.
 
     Autograd: gradients for ``x``, ``weight`` and ``bias``; not twice
     differentiable.  Saved for backward: ``x`` and ``weight`` themselves (no
