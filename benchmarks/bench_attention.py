@@ -19,7 +19,9 @@ Implementations:
 
 Inputs are ``[B, L, H, D]`` tensors viewed as ``[B, H, L, D]`` (what a fused
 projection produces).  Directions: ``fwd`` (no autograd), ``bwd`` (gradients
-of a stored forward), ``fwd+bwd``.  CPU runs fp32, CUDA bf16.
+of a stored forward), ``fwd+bwd``.  CPU runs fp32, CUDA bf16.  Each (case,
+direction) is one group whose implementations are timed interleaved
+(``benchmarks/interleaved.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
+from conftest import DEVICE, timed_call
 
 import transformer_kernels as tk
 from transformer_kernels.reference import attention as reference_attention
@@ -104,7 +106,7 @@ CASES = [case for case in ALL_CASES if DEVICE.type in case.devices]
 
 SDPA_BACKENDS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient": "EFFICIENT_ATTENTION",
                  "torch_sdpa_cudnn": "CUDNN_ATTENTION", "torch_sdpa_math": "MATH"}
-IMPLS = ["eager", "triton", "torch_sdpa", *SDPA_BACKENDS, "flex_attention", "reference"]
+IMPLS = [OURS, "torch_sdpa", *SDPA_BACKENDS, "flex_attention", "reference"] if CUDA else [OURS, "torch_sdpa", "reference"]
 DIRECTIONS = ["fwd", "bwd", "fwd+bwd"]
 # Materializing [B, H, L, L] scores: only up to this length on CUDA.
 MATERIALIZED_MAX_LENGTH = 2048
@@ -198,10 +200,6 @@ def _flex_block_mask(case: AttentionCase, inputs: dict):
 
 
 def skip_reason(case: AttentionCase, impl: str) -> Optional[str]:
-    if impl == "eager" and CUDA:
-        return "CUDA runs the triton backend"
-    if impl in ("triton", "flex_attention", *SDPA_BACKENDS) and not CUDA:
-        return f"{impl} is benchmarked on CUDA"
     if impl == "torch_sdpa_flash" and case.padded:
         return "SDPA's flash backend takes no mask"
     if impl == "flex_attention" and not case.flex:
@@ -243,37 +241,13 @@ def make_forward(case: AttentionCase, impl: str, inputs: dict) -> Callable[[], t
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_attention(run_benchmark, case, impl, direction):
-    reason = skip_reason(case, impl)
-    if reason:
-        pytest.skip(reason)
+def test_attention(compare, case, direction):
     inputs = make_inputs(case, DEVICE, DTYPE)
-    forward = make_forward(case, impl, inputs)
-    leaves = inputs["leaves"]
-    try:
-        out = forward()
-    except RuntimeError as error:  # an SDPA backend this torch/GPU lacks
-        if impl in SDPA_BACKENDS:
-            pytest.skip(f"{impl} unavailable: {str(error).splitlines()[0]}")
-        raise
-    grad_out = torch.randn_like(out)
-
-    if direction == "fwd":
-
-        def fn():
-            with torch.no_grad():
-                forward()
-
-    elif direction == "bwd":
-
-        def fn():
-            torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
-
-    else:
-
-        def fn():
-            torch.autograd.grad(forward(), leaves, grad_out)
-
-    run_benchmark(fn, op=OP, case=case.name, impl=impl, direction=direction)
+    skipped = {impl: skip_reason(case, impl) for impl in IMPLS if skip_reason(case, impl)}
+    factories = {
+        impl: functools.partial(timed_call, functools.partial(make_forward, case, impl, inputs), direction,
+                                inputs["leaves"])
+        for impl in IMPLS if impl not in skipped
+    }
+    compare(factories, op=OP, case=case.name, direction=direction, ours=OURS, skipped=skipped)

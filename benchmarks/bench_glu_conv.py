@@ -13,18 +13,22 @@ model holds them between layers):
 
 Cases: the seed's shapes (B=128, C=512, k=3, L 20-60, a 10-layer encoder stack
 and the causal decoder layer) and long sequences (L 1k-8k, CUDA only).  On a
-CPU the batch shrinks (the case name says so) to keep the suite near 3 minutes.
+CPU the batch shrinks (the case name says so) to keep the suite short.
+Directions: ``fwd``, ``bwd`` (gradients for x, weights and biases of one
+stored forward) and ``fwd+bwd``.  Each (case, direction) is one group whose
+implementations are timed interleaved (``benchmarks/interleaved.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
+from conftest import DEVICE, timed_call
 
 import transformer_kernels as tk
 
@@ -57,7 +61,7 @@ else:
     LONG_CASES = [Case(2, 1024)]
 CASES = SEED_CASES + LONG_CASES
 IMPLS = [OURS, "seed", "per_tap_gemm"]
-DIRECTIONS = ["fwd", "fwd+bwd"]
+DIRECTIONS = ["fwd", "bwd", "fwd+bwd"]
 
 # Issue 4: GPU forward+backward >= 1.5x the seed path with peak memory <= 0.6x of it;
 # CPU eager never slower than the seed path.
@@ -135,27 +139,22 @@ def _per_tap_gemm(case: Case):
 _IMPLEMENTATIONS = {OURS: _ours, "seed": _seed, "per_tap_gemm": _per_tap_gemm}
 
 
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_glu_conv1d(run_benchmark, case: Case, impl: str, direction: str):
+def _setup(case: Case, impl: str, direction: str):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(case.batch, case.length, case.channels, generator=generator).to(DEVICE, DTYPE)
     weights = _layer_weights(case, generator)
     layer = _IMPLEMENTATIONS[impl](case)
+    leaves = [x.requires_grad_()]
+    for weight, bias, weight_tbc in weights:
+        # ConvTBC's weight is its own parameter; the other two paths train the nn.Conv1d weight.
+        leaves += [weight_tbc if impl == "per_tap_gemm" else weight, bias]
+    for leaf in leaves:
+        leaf.requires_grad_()
+    return timed_call(lambda: functools.partial(layer, x, weights), direction, leaves)
 
-    if direction == "fwd":
-        def fn():
-            with torch.no_grad():
-                layer(x, weights)
-    else:
-        x.requires_grad_()
-        for tensors in weights:
-            for t in tensors:
-                t.requires_grad_()
-        grad = torch.randn(x.shape, generator=generator).to(DEVICE, DTYPE)
 
-        def fn():
-            layer(x, weights).backward(grad)
-
-    run_benchmark(fn, op=OP, case=case.name, impl=impl, direction=direction)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_glu_conv1d(compare, case: Case, direction: str):
+    factories = {impl: functools.partial(_setup, case, impl, direction) for impl in IMPLS}
+    compare(factories, op=OP, case=case.name, direction=direction, ours=OURS)

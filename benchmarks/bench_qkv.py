@@ -11,15 +11,18 @@ Implementations:
 - ``cublas_matmul`` (CUDA): ``torch.matmul(x, weight.t())`` on ``[T, E]``, the
   same GEMM without bias or head split: the speed of light.
 
-Directions: ``fwd`` and ``fwd+bwd`` (gradients for x, weights and biases from
-one contiguous ``[B, H, L, Dh]`` gradient per output, as attention's backward
-returns them).
+Directions: ``fwd``, ``bwd`` and ``fwd+bwd`` (gradients for x, weights and
+biases from one contiguous ``[B, H, L, Dh]`` gradient per output, as
+attention's backward returns them).  Each (case, direction) is one group whose
+implementations are timed interleaved (``benchmarks/interleaved.py``).
 """
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
+from conftest import DEVICE, timed_call
 
 import transformer_kernels as tk
 
@@ -38,8 +41,8 @@ LARGE_CASES = [("tok4k_E1024", 4, 1024, 1024, 16), ("tok16k_E2048", 8, 2048, 204
 CPU_CASES = [SEEDS_CASES[0], SEEDS_CASES[2], ("tok4k_E1024", 4, 1024, 1024, 16)]
 CASES = SEEDS_CASES + LARGE_CASES if CUDA else CPU_CASES
 
-IMPLS = ["eager", "triton", "reference", "mha_packed", "cublas_matmul"]
-DIRECTIONS = ["fwd", "fwd+bwd"]
+IMPLS = [OURS, "reference", "mha_packed", "cublas_matmul"] if CUDA else [OURS, "reference", "mha_packed"]
+DIRECTIONS = ["fwd", "bwd", "fwd+bwd"]
 
 TARGETS = (
     [
@@ -87,27 +90,13 @@ def _make_case(batch, seq_len, embed_dim, num_heads, impl):
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_qkv_projection(run_benchmark, case, impl, direction):
+def test_qkv_projection(compare, case, direction):
     name, batch, seq_len, embed_dim, num_heads = case
-    if impl == "triton" and not CUDA:
-        pytest.skip("triton benchmarks need CUDA")
-    if impl == "eager" and CUDA:
-        pytest.skip("CUDA runs the triton backend")
-    if impl == "cublas_matmul" and not CUDA:
-        pytest.skip("the cuBLAS speed of light is a CUDA baseline")
-    forward, inputs = _make_case(batch, seq_len, embed_dim, num_heads, impl)
-    if direction == "fwd":
 
-        def fn():
-            with torch.no_grad():
-                forward()
+    def factory(impl):
+        forward, inputs = _make_case(batch, seq_len, embed_dim, num_heads, impl)
+        return timed_call(lambda: forward, direction, inputs)
 
-    else:
-        grad_outputs = [torch.randn(o.shape, device=DEVICE, dtype=DTYPE) for o in forward()]
-
-        def fn():
-            torch.autograd.grad(forward(), inputs, grad_outputs)
-
-    run_benchmark(fn, op=OP, case=name, impl=impl, direction=direction)
+    factories = {impl: functools.partial(factory, impl) for impl in IMPLS}
+    compare(factories, op=OP, case=name, direction=direction, ours=OURS)

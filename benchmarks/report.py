@@ -1,17 +1,24 @@
 """Run the benchmark suites on the present device and write a report.
 
-    python benchmarks/report.py                 # every suite, into benchmarks/results/<device>/
+    python benchmarks/report.py                    # every suite, into benchmarks/results/<device>/
     python benchmarks/report.py --suites attention --out /tmp/bench
+    python benchmarks/report.py --suites qkv -- -k seeds   # extra pytest arguments after --
+    python benchmarks/report.py --report-only      # rewrite report.md from the JSON already there
 
-Each suite ``benchmarks/bench_<name>.py`` runs in its own pytest process with
-``--benchmark-json``; this script then writes, into the output folder:
+Each suite ``benchmarks/bench_<name>.py`` runs in its own pytest process.  A
+benchmark group (op, case, direction) times its implementations interleaved,
+round by round (``benchmarks/interleaved.py``), so every ratio is a median of
+per-round ratios, shown with its spread.  Written into the output folder:
 
-- ``<name>.json``: pytest-benchmark's raw results (every round),
-- ``results.csv``: one row per measurement (median, IQR, peak memory),
-- ``report.md``: per benchmark group, each implementation's median time and
-  its speedup over every other implementation in the group, then every
-  ``TARGETS`` entry of the suites for this device with its measured speedup
-  and whether it was met.
+- ``<name>.json``: every group's per-round times (seconds per call), calls per
+  sample, peak memory, and the implementations left out and why,
+- ``results.csv``: one row per group and implementation (median time, spread,
+  rounds, peak memory),
+- ``report.md``: every ``TARGETS`` entry of the suites for this device with its
+  measured speedup (median and spread of the per-round ratios) and status,
+  then per group each implementation's median time and its per-round speedup
+  over every other implementation.  A target is met only when the spread's
+  lower end is at or above it.
 
 Numbers in the report come only from the JSON the run wrote.
 """
@@ -28,6 +35,9 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
+
+import interleaved
 
 BENCH_DIR = Path(__file__).resolve().parent
 SUITES = ("attention", "qkv", "glu_conv")
@@ -61,98 +71,154 @@ def _environment() -> dict:
     return env
 
 
-def run_suite(name: str, out_dir: Path, extra_args: list[str]) -> Path:
+def run_suite(name: str, out_dir: Path, extra_args: list[str]) -> tuple[Path, int]:
+    """Runs one suite; returns its JSON path and pytest's exit code."""
     json_path = out_dir / f"{name}.json"
+    json_path.unlink(missing_ok=True)  # never report a previous run's numbers
     command = [
         sys.executable, "-m", "pytest", str(BENCH_DIR / f"bench_{name}.py"),
-        "-q", "-p", "no:cacheprovider", f"--benchmark-json={json_path}", *extra_args,
+        "-q", "-p", "no:cacheprovider", f"--results-json={json_path}", *extra_args,
     ]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=False, cwd=BENCH_DIR.parent)
-    return json_path
+    return json_path, subprocess.run(command, check=False, cwd=BENCH_DIR.parent).returncode
 
 
-def load_rows(json_paths: list[Path]) -> list[dict]:
-    rows = []
+def load_groups(json_paths: list[Path]) -> list[dict]:
+    groups = []
     for path in json_paths:
-        if not path.exists():
-            continue
-        for bench in json.loads(path.read_text())["benchmarks"]:
-            info, stats = bench["extra_info"], bench["stats"]
-            rows.append({
-                "op": info["op"], "case": info["case"], "direction": info["direction"], "impl": info["impl"],
-                "device": info["device"], "median_ms": stats["median"] * 1e3, "iqr_ms": stats["iqr"] * 1e3,
-                "rounds": stats["rounds"], "peak_mem_mb": info.get("peak_mem_bytes", 0) / 2**20,
-            })
-    return rows
+        if path.exists():
+            groups.extend(json.loads(path.read_text())["groups"])
+    return groups
 
 
 def load_targets(suites: list[str]) -> list[dict]:
     targets = []
-    for name in suites:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"bench_{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        sys.path.insert(0, str(BENCH_DIR))
-        try:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        for name in suites:
+            spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"bench_{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses look their module up there
             spec.loader.exec_module(module)
-        finally:
-            sys.path.remove(str(BENCH_DIR))
-        targets.extend(getattr(module, "TARGETS", []))
+            targets.extend(getattr(module, "TARGETS", []))
+    finally:
+        sys.path.remove(str(BENCH_DIR))
     return targets
 
 
-def _groups(rows: list[dict]) -> dict:
-    groups: dict[tuple, dict[str, dict]] = {}
-    for row in rows:
-        groups.setdefault((row["op"], row["case"], row["direction"]), {})[row["impl"]] = row
-    return groups
+def _key(group: dict) -> tuple[str, str, str]:
+    return group["op"], group["case"], group["direction"]
 
 
-def evaluate_targets(targets: list[dict], rows: list[dict], device: str) -> list[dict]:
-    groups = _groups(rows)
+def _median_ms(group: dict, impl: str) -> float:
+    return interleaved.quantile(group["times_s"][impl], 0.5) * 1e3
+
+
+def _ratio_text(summary: Optional[interleaved.Summary]) -> str:
+    if summary is None:
+        return "—"
+    return f"{summary.median:.2f}x ({summary.low:.2f}–{summary.high:.2f})"
+
+
+def evaluate_targets(targets: list[dict], groups: list[dict], device: str) -> list[dict]:
+    by_key = {_key(group): group for group in groups}
     results = []
     for target in targets:
         if target["device"] != device:
             continue
-        group = groups.get((target["op"], target["case"], target["direction"]), {})
-        ours, baseline = group.get(target["impl"]), group.get(target["baseline"])
-        speedup = baseline["median_ms"] / ours["median_ms"] if ours and baseline else None
-        met = speedup is not None and speedup >= target["min_speedup"]
+        group = by_key.get((target["op"], target["case"], target["direction"]))
+        ours, baseline = target["impl"], target["baseline"]
+        speedup = None if group is None else interleaved.ratio_summary(group["times_s"], baseline, ours)
+        met = speedup is not None and speedup.low >= target["min_speedup"]
         memory_ratio = None
-        if "max_memory_ratio" in target and ours and baseline and baseline["peak_mem_mb"] > 0:
-            memory_ratio = ours["peak_mem_mb"] / baseline["peak_mem_mb"]
+        if "max_memory_ratio" in target and speedup is not None and group["peak_mem_bytes"][baseline] > 0:
+            memory_ratio = group["peak_mem_bytes"][ours] / group["peak_mem_bytes"][baseline]
             met = met and memory_ratio <= target["max_memory_ratio"]
         status = "not measured" if speedup is None else ("met" if met else "MISSED")
-        results.append({**target, "speedup": speedup, "memory_ratio": memory_ratio, "status": status})
+        times = {impl: _median_ms(group, impl) for impl in (ours, baseline)} if speedup is not None else {}
+        results.append({**target, "speedup": speedup, "memory_ratio": memory_ratio, "status": status,
+                        "ours_ms": times.get(ours), "baseline_ms": times.get(baseline)})
     return results
 
 
-def write_report(out_dir: Path, rows: list[dict], target_results: list[dict], env: dict) -> Path:
+def _csv_rows(groups: list[dict]) -> list[dict]:
+    rows = []
+    for group in groups:
+        for impl, times in group["times_s"].items():
+            spread = interleaved.Summary.of([t * 1e3 for t in times])
+            rows.append({
+                "op": group["op"], "case": group["case"], "direction": group["direction"], "impl": impl,
+                "device": group["device"], "median_ms": spread.median, "low_ms": spread.low, "high_ms": spread.high,
+                "rounds": group["rounds"], "calls_per_sample": group["calls"][impl],
+                "peak_mem_mb": group["peak_mem_bytes"][impl] / 2**20,
+            })
+    return rows
+
+
+def write_report(out_dir: Path, groups: list[dict], target_results: list[dict], env: dict,
+                 suite_failures: dict[str, int]) -> Path:
+    rows = _csv_rows(groups)
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["op"])
         writer.writeheader()
         writer.writerows(rows)
+    low, high = (f"p{round(q * 100)}" for q in interleaved.SPREAD)
     lines = ["# transformer_kernels benchmark report", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
-    lines += ["", "Times are medians over the rounds pytest-benchmark ran; speedup = other impl's median / this impl's median.", ""]
+    lines += [
+        "",
+        "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
+        "(a sample of back-to-back calls, reported per call), in an order that rotates each round. "
+        f"Times are medians over rounds with their {low}–{high} range; a speedup is the median of the per-round "
+        f"ratios (other's time / this one's, same round) with the {low}–{high} range of those ratios in "
+        f"parentheses. A target is met only when the ratio's {low} is at or above it.",
+        "",
+    ]
+    for suite, code in suite_failures.items():
+        lines.append(f"- **suite `{suite}` exited with pytest code {code}**: groups it did not finish are missing.")
+    if suite_failures:
+        lines.append("")
     if target_results:
-        lines += ["## Targets", "", "| op | case | direction | ours | baseline | speedup | target | peak memory vs baseline | status |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Targets", "",
+            f"| op | case | direction | ours | baseline | ours ms | baseline ms | speedup ({low}–{high}) | target "
+            "| peak memory vs baseline | status |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for t in target_results:
-            speedup = "—" if t["speedup"] is None else f"{t['speedup']:.2f}x"
-            target = f"≥ {t['min_speedup']}x"
             memory = "—" if t["memory_ratio"] is None else f"{t['memory_ratio']:.2f}x"
             if "max_memory_ratio" in t:
                 memory += f" (≤ {t['max_memory_ratio']}x)"
-            lines.append(f"| {t['op']} | {t['case']} | {t['direction']} | {t['impl']} | {t['baseline']} | {speedup} | {target} | {memory} | {t['status']} |")
+            ours_ms = "—" if t["ours_ms"] is None else f"{t['ours_ms']:.3f}"
+            baseline_ms = "—" if t["baseline_ms"] is None else f"{t['baseline_ms']:.3f}"
+            lines.append(
+                f"| {t['op']} | {t['case']} | {t['direction']} | {t['impl']} | {t['baseline']} | {ours_ms} "
+                f"| {baseline_ms} | {_ratio_text(t['speedup'])} | ≥ {t['min_speedup']}x | {memory} | {t['status']} |"
+            )
         lines.append("")
     lines += ["## All measurements", ""]
-    for (op, case, direction), impls in sorted(_groups(rows).items()):
-        lines += [f"### {op} — {case} — {direction}", "", "| impl | median ms | IQR ms | peak MiB | " + " | ".join(f"vs {i}" for i in impls) + " |"]
-        lines.append("|---" * (4 + len(impls)) + "|")
-        for impl, row in sorted(impls.items(), key=lambda item: item[1]["median_ms"]):
-            ratios = " | ".join(f"{other['median_ms'] / row['median_ms']:.2f}x" for other in impls.values())
-            lines.append(f"| {impl} | {row['median_ms']:.3f} | {row['iqr_ms']:.3f} | {row['peak_mem_mb']:.1f} | {ratios} |")
+    for group in groups:
+        times = group["times_s"]
+        impls = sorted(times, key=lambda impl: _median_ms(group, impl))
+        lines += [f"### {group['op']} — {group['case']} — {group['direction']}", "", f"{group['rounds']} rounds.", ""]
+        lines += [f"- `{impl}` not measured: {reason}" for impl, reason in group["unavailable"].items()]
+        if group["unavailable"]:
+            lines.append("")
+        if not impls:
+            continue
+        lines.append(f"| impl | median ms | {low}–{high} ms | calls per sample | peak MiB (CUDA) | "
+                     + " | ".join(f"vs {impl}" for impl in impls) + " |")
+        lines.append("|---" * (5 + len(impls)) + "|")
+        for impl in impls:
+            spread = interleaved.Summary.of([t * 1e3 for t in times[impl]])
+            ratios = " | ".join(
+                "—" if other == impl else _ratio_text(interleaved.ratio_summary(times, other, impl)) for other in impls
+            )
+            peak = f"{group['peak_mem_bytes'][impl] / 2**20:.1f}" if group["device"] == "cuda" else "—"
+            lines.append(
+                f"| {impl} | {spread.median:.3f} | {spread.low:.3f}–{spread.high:.3f} | {group['calls'][impl]} "
+                f"| {peak} | {ratios} |"
+            )
         lines.append("")
     report = out_dir / "report.md"
     report.write_text("\n".join(lines))
@@ -164,19 +230,34 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<device>)")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--report-only", action="store_true",
+                        help="do not run the suites: rewrite report.md and results.csv from the JSON in the output folder")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
     device = _device_type()
     out_dir = args.out or BENCH_DIR / "results" / device
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_paths = [run_suite(name, out_dir, args.pytest_args) for name in args.suites]
-    rows = load_rows(json_paths)
-    target_results = evaluate_targets(load_targets(args.suites), rows, device)
-    report = write_report(out_dir, rows, target_results, _environment())
+    suite_failures = {}
+    if args.report_only:
+        json_paths = [out_dir / f"{name}.json" for name in args.suites]
+        env_path = out_dir / "environment.json"
+        env = json.loads(env_path.read_text()) if env_path.exists() else _environment()
+    else:
+        json_paths = []
+        for name in args.suites:
+            path, code = run_suite(name, out_dir, args.pytest_args)
+            json_paths.append(path)
+            if code != 0:
+                suite_failures[name] = code
+        env = _environment()
+    groups = load_groups(json_paths)
+    target_results = evaluate_targets(load_targets(args.suites), groups, device)
+    report = write_report(out_dir, groups, target_results, env, suite_failures)
     print(f"\nwrote {report}")
     for t in target_results:
-        speedup = "not measured" if t["speedup"] is None else f"{t['speedup']:.2f}x"
-        print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} {speedup} (target {t['min_speedup']}x)")
+        speedup = "not measured" if t["speedup"] is None else _ratio_text(t["speedup"])
+        print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} "
+              f"{speedup} (target {t['min_speedup']}x)")
     return 0
 
 

@@ -1,0 +1,139 @@
+"""Interleaved timing and ratio statistics, shared by every benchmark suite and the report.
+
+Sequential timings (all rounds of A, then all rounds of B) on a shared machine
+drift by 2x between runs, so a ratio of two medians taken minutes apart says
+little.  Here the compared implementations of one benchmark group run in
+rounds: after warm-up, each round times every implementation once, one after
+the other (the order rotates each round, so no implementation always runs
+first), and a ratio is computed per round from the two samples taken moments
+apart.  The report shows the median of those per-round ratios and its spread
+(``SPREAD`` quantiles); a target is met only when the spread's lower end is at
+or above it.
+
+A sample is ``calls`` back-to-back calls (``calls`` chosen from a timed warm-up
+call so that a sample lasts at least ``min_sample_s``), divided by ``calls``,
+with the device synchronized before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+# Lower and upper quantile of the per-round values shown as the spread.
+SPREAD = (0.1, 0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How many rounds a group gets: as many as fit in ``budget_s`` (after
+    warm-up), clamped to ``[min_rounds, max_rounds]``."""
+
+    min_rounds: int
+    max_rounds: int
+    budget_s: float
+    min_sample_s: float
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "Schedule":
+        if device.type == "cuda":
+            return cls(min_rounds=10, max_rounds=30, budget_s=1.5, min_sample_s=2e-3)
+        return cls(min_rounds=7, max_rounds=15, budget_s=4.0, min_sample_s=10e-3)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sample(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds per call over ``calls`` back-to-back calls."""
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated on ``device`` beyond what was live before, while ``fn`` runs once (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
+
+
+def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule: Schedule) -> dict:
+    """Times the implementations ``fns`` (name -> zero-argument callable) interleaved.
+
+    Returns ``{"rounds": R, "calls": {name: n}, "times_s": {name: [R seconds per call]},
+    "peak_mem_bytes": {name: bytes}}``; ``times_s[a][r]`` and ``times_s[b][r]``
+    were taken in the same round ``r``.
+    """
+    names = list(fns)
+    if not names:
+        return {"rounds": 0, "calls": {}, "times_s": {}, "peak_mem_bytes": {}}
+    for name in names:  # compilation, autotuning, allocator caches
+        _sample(fns[name], 1, device)
+    estimate = {name: _sample(fns[name], 1, device) for name in names}
+    calls = {name: max(1, math.ceil(schedule.min_sample_s / max(estimate[name], 1e-9))) for name in names}
+    round_s = sum(estimate[name] * calls[name] for name in names)
+    rounds = int(min(schedule.max_rounds, max(schedule.min_rounds, schedule.budget_s // max(round_s, 1e-9))))
+    peak = {name: peak_memory(fns[name], device) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(_sample(fns[name], calls[name], device))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {"rounds": rounds, "calls": calls, "times_s": times, "peak_mem_bytes": peak}
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q``-quantile of ``values``, interpolating linearly between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Median and spread (``SPREAD`` quantiles) of per-round values."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Summary":
+        return cls(quantile(values, 0.5), quantile(values, SPREAD[0]), quantile(values, SPREAD[1]))
+
+
+def ratio_summary(times_s: dict[str, list[float]], numerator: str, denominator: str) -> Optional[Summary]:
+    """Per-round ``times[numerator] / times[denominator]`` summarized; with the
+    baseline as numerator this is the speedup of ``denominator`` over it.
+    ``None`` when either implementation was not measured."""
+    if numerator not in times_s or denominator not in times_s:
+        return None
+    return Summary.of([a / b for a, b in zip(times_s[numerator], times_s[denominator])])
