@@ -1,22 +1,35 @@
 """GLU convolution composed of PyTorch ops: the CPU path and the fallback.
 
-The convolution is one GEMM on unfolded windows (im2col), using ``weight``
-in the layout ``nn.Conv1d`` holds it, so no call copies or reorders weights
-(that copy dominates small batches)::
+Two ways to run the convolution, chosen per call by :func:`uses_onednn`, a
+rule on dtype, device and the number of output positions ``B * L_out``:
+
+* **im2col GEMM** (small ``B * L_out``, any dtype or device): one GEMM on
+  unfolded windows, using ``weight`` in the layout ``nn.Conv1d`` holds it, so
+  nothing copies or reorders the weight::
 
     xpad = pad(x) as channel-last [B, Lp, C_in]                 (Lp = pad_left + L + pad_right)
     cols[b*L_out + s, ci*k + tap] = xpad[b, s + tap, ci]        [B*L_out, C_in*k]
     z = bias + cols @ weight.view(2C, C_in*k).T                   [B*L_out, 2C], channel-last
-    out = (glu(z) + residual) * residual_scale
 
-Backward transposes the same GEMM: ``grad_weight = (gz.T @ cols).view(2C, C_in, k)``
-and ``grad_cols = gz @ weight.view(2C, C_in*k)``, folded back onto
-``grad_xpad`` with ``k`` shifted adds (col2im).  On a CPU this runs faster
-than ``nn.Conv1d`` (oneDNN) for the seq2seq shapes, in both directions.
+  Backward transposes the same GEMM: ``grad_weight = (gz.T @ cols).view(2C, C_in, k)``
+  and ``grad_cols = gz @ weight.view(2C, C_in*k)``, folded back onto
+  ``grad_xpad`` with ``k`` shifted adds (col2im).
 
-``forward`` returns the pre-activation ``z`` ``[B, L_out, 2C]`` for backward:
-here the GEMMs are the whole cost, so recomputing them would make training
-slower than plain PyTorch.
+* **oneDNN convolution** (float32 on a CPU with oneDNN, larger ``B * L_out``):
+  ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
+  reorder the weight into oneDNN's blocked layout on every call.  That fixed
+  cost loses to the im2col GEMM for a few output positions (decoding steps,
+  short batches) and is repaid by oneDNN's faster GEMM kernels beyond them.
+
+``torch.conv_tbc`` (fairseq's per-tap GEMMs on ``[T, B, C]``) is no option:
+it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
+costs more than either path saves.
+
+Either way ``out = (glu(z) + residual) * residual_scale`` runs as in-place
+epilogues on one output tensor, and ``forward`` returns the pre-activation
+``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMM, a transposed
+``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
+so recomputing them would make training slower than plain PyTorch.
 """
 
 from __future__ import annotations
@@ -24,8 +37,28 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_output", "empty_saved", "is_channels_last"]
+__all__ = ["forward", "backward", "unsupported_reason", "empty_output", "empty_saved", "is_channels_last",
+           "uses_onednn"]
+
+# Up to these many output positions (B * L_out) the im2col GEMM beats oneDNN's
+# convolution (its per-call weight reorder dominates), forward and backward;
+# measured on a 2-core AVX-512 CPU, C = 512, k = 3, interleaved.
+_IM2COL_MAX_POSITIONS_FORWARD = 16
+_IM2COL_MAX_POSITIONS_BACKWARD = 64
+
+
+def uses_onednn(x: torch.Tensor, length_out: int, direction: str) -> bool:
+    """Whether ``direction`` (``"forward"`` or ``"backward"``) convolves through oneDNN
+    rather than the im2col GEMM, for ``x`` ``[B, C_in, L]`` giving ``L_out`` positions."""
+    limit = _IM2COL_MAX_POSITIONS_FORWARD if direction == "forward" else _IM2COL_MAX_POSITIONS_BACKWARD
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and x.shape[0] * length_out > limit
+    )
 
 
 def is_channels_last(x: torch.Tensor) -> bool:
@@ -45,9 +78,17 @@ def empty_output(x: torch.Tensor, channels: int, length: int) -> torch.Tensor:
     return x.new_empty(batch, channels, length)
 
 
+def _length_out(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int) -> int:
+    return pad_left + x.shape[2] + pad_right - kernel_size + 1
+
+
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, pad_left: int, pad_right: int) -> torch.Tensor:
-    """What ``forward`` returns for backward: the pre-activation ``[B, L_out, 2C]`` (for the fake kernel)."""
-    length_out = pad_left + x.shape[2] + pad_right - weight.shape[2] + 1
+    """What ``forward`` returns for backward (for the fake kernel): the pre-activation
+    ``[B, L_out, 2C]``, contiguous after the im2col GEMM, a transposed contiguous
+    ``[B, 2C, L_out]`` after oneDNN."""
+    length_out = _length_out(x, weight.shape[2], pad_left, pad_right)
+    if uses_onednn(x, length_out, "forward"):
+        return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     return x.new_empty(x.shape[0], length_out, weight.shape[0])
 
 
@@ -75,6 +116,14 @@ def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, p
     return padded.unfold(1, kernel_size, 1).reshape(batch * length_out, channels_in * kernel_size)
 
 
+def _conv_input(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> tuple[torch.Tensor, int]:
+    """``(input, padding)`` for ``F.conv1d``: ``x`` itself with its symmetric zero padding
+    left to oneDNN, else ``x`` padded explicitly (asymmetric or non-zero padding) and 0."""
+    if pad_left == pad_right and pad_value == 0.0:
+        return x, pad_left
+    return F.pad(x, (pad_left, pad_right), value=pad_value), 0
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -85,20 +134,51 @@ def forward(
     pad_value: float,
     residual_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` kept for backward."""
-    channels_z, _, kernel_size = weight.shape
-    cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
-    weight_rows = weight.reshape(channels_z, weight.shape[1] * kernel_size)
-    z = torch.mm(cols, weight_rows.t()) if bias is None else torch.addmm(bias, cols, weight_rows.t())
-    length_out = pad_left + x.shape[2] + pad_right - kernel_size + 1
-    z = z.view(x.shape[0], length_out, channels_z)
+    """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` (strides as
+    :func:`empty_saved` states) kept for backward."""
+    channels_z, channels_in, kernel_size = weight.shape
+    length_out = _length_out(x, kernel_size, pad_left, pad_right)
+    if uses_onednn(x, length_out, "forward"):
+        conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
+        z = F.conv1d(conv_input, weight, bias, padding=padding)  # [B, 2C, L_out], contiguous
+        z_dim = 1
+    else:
+        cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
+        weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
+        z = torch.mm(cols, weight_rows.t()) if bias is None else torch.addmm(bias, cols, weight_rows.t())
+        z = z.view(x.shape[0], length_out, channels_z)
+        z_dim = 2
     out = empty_output(x, channels_z // 2, length_out)
-    torch.ops.aten.glu.out(z, 2, out=out.transpose(1, 2))
+    # glu's kernel is vectorized only when its output has z's layout: write it into
+    # out when out has that layout, else compute it in z's layout and let the
+    # residual add (or a copy) transpose it, which costs less.
+    out_as_z = out if z_dim == 1 else out.transpose(1, 2)
+    if out_as_z.is_contiguous():
+        torch.ops.aten.glu.out(z, z_dim, out=out_as_z)
+        glu = out
+    else:
+        glu = F.glu(z, z_dim)
+        glu = glu if z_dim == 1 else glu.transpose(1, 2)
     if residual is not None:
-        out.add_(residual)
+        torch.add(glu, residual, out=out)
+    elif glu is not out:
+        out.copy_(glu)
     if residual_scale != 1.0:
         out.mul_(residual_scale)
-    return out, z
+    return out, (z.transpose(1, 2) if z_dim == 1 else z)
+
+
+def _scaled(grad_out: torch.Tensor, scale: float, channel_last: bool) -> torch.Tensor:
+    """``grad_out * scale`` ``[B, C, L]``, contiguous or channel-last as asked, in at most one pass."""
+    in_layout = grad_out.transpose(1, 2).is_contiguous() if channel_last else grad_out.is_contiguous()
+    if scale == 1.0 and in_layout:
+        return grad_out
+    batch, channels, length = grad_out.shape
+    if channel_last:
+        result = grad_out.new_empty(batch, length, channels).transpose(1, 2)
+    else:
+        result = grad_out.new_empty(batch, channels, length)
+    return torch.mul(grad_out, scale, out=result)
 
 
 def backward(
@@ -116,15 +196,49 @@ def backward(
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor."""
+    needs_grad_bias = needs_grad_bias and bias is not None
+    onednn = uses_onednn(x, z.shape[1], "backward")
+    # glu_backward is vectorized only when grad_out has z's layout (the layout
+    # of the GEMM's rows): scaling grad_out writes it in that layout.
+    grad_out = _scaled(grad_out, residual_scale, channel_last=not z.transpose(1, 2).is_contiguous())
+    if onednn:
+        grads = _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value,
+                                 needs_grad_x, needs_grad_weight, needs_grad_bias)
+    else:
+        grads = _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value,
+                                 needs_grad_x, needs_grad_weight, needs_grad_bias)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
+                     needs_grad_bias):
+    grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
+    conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
+    grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+        grad_z, conv_input, weight, [weight.shape[0]] if needs_grad_bias else None, [1], [padding], [1], False, [0],
+        1, [needs_grad_x, needs_grad_weight, needs_grad_bias],
+    )
+    grad_x = None
+    if needs_grad_x:
+        # grad_input is a contiguous [B, C_in, L(+padding)]: it is grad_x only for a
+        # contiguous x convolved without explicit padding.
+        if conv_input is x and not is_channels_last(x):
+            grad_x = grad_input
+        else:
+            grad_x = empty_output(x, x.shape[1], x.shape[2])
+            grad_x.copy_(grad_input[:, :, pad_left - padding : pad_left - padding + x.shape[2]])
+    return grad_x, grad_weight, grad_bias
+
+
+def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
+                     needs_grad_bias):
     batch, channels_in, length_in = x.shape
     channels_z, _, kernel_size = weight.shape
     length_out = z.shape[1]
-    if residual_scale != 1.0:
-        grad_out = grad_out * residual_scale
-    grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2).view(batch * length_out, channels_z)
-    weight_rows = weight.reshape(channels_z, weight.shape[1] * kernel_size)
+    grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2).reshape(batch * length_out, channels_z)
+    weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
 
-    grad_x = x.new_empty(0)
+    grad_x = None
     if needs_grad_x:
         grad_cols = torch.mm(grad_z, weight_rows).view(batch, length_out, channels_in, kernel_size)
         grad_padded = x.new_zeros(batch, length_out + kernel_size - 1, channels_in)
@@ -133,10 +247,10 @@ def backward(
         grad_x = empty_output(x, channels_in, length_in)
         grad_x.transpose(1, 2).copy_(grad_padded[:, pad_left : pad_left + length_in])
 
-    grad_weight = weight.new_empty(0)
+    grad_weight = None
     if needs_grad_weight:
         cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
         grad_weight = torch.mm(grad_z.t(), cols).view(weight.shape)
 
-    grad_bias = grad_z.sum(0) if needs_grad_bias and bias is not None else weight.new_empty(0)
+    grad_bias = grad_z.sum(0) if needs_grad_bias else None
     return grad_x, grad_weight, grad_bias
