@@ -4,7 +4,7 @@ A suite's test builds, for one benchmark group (op, case, direction), a dict of
 the implementations to compare (name -> zero-argument callable) and passes it
 to ``compare``; ``interleaved.measure`` times them round by round.  With
 ``--results-json PATH`` (what ``benchmarks/report.py`` passes) every group's
-per-round times are written there when the session ends, for the report.
+per-round times are written there, after each group, for the report.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture
-def compare():
+def compare(request):
     """``compare(factories, op=..., case=..., direction=..., ours=..., skipped={impl: reason})``.
 
     ``factories`` maps each implementation's name to a zero-argument function
@@ -100,12 +100,14 @@ def compare():
         result = interleaved.measure(fns, DEVICE, interleaved.Schedule.for_device(DEVICE))
         _RECORDS.append({"op": op, "case": case, "direction": direction, "device": DEVICE.type, "ours": ours,
                          "unavailable": unavailable, **result})
+        _write_records(request.config)
 
     return run
 
 
-def pytest_sessionfinish(session):
-    path = session.config.getoption("--results-json")
+def _write_records(config) -> None:
+    """Rewrites ``--results-json`` with every group so far, so a run cut short keeps what it measured."""
+    path = config.getoption("--results-json")
     if path is not None:
         path.write_text(json.dumps({"device": DEVICE.type, "groups": _RECORDS}, indent=1))
 

@@ -42,7 +42,7 @@ class Schedule:
     @classmethod
     def for_device(cls, device: torch.device) -> "Schedule":
         if device.type == "cuda":
-            return cls(min_rounds=10, max_rounds=30, budget_s=1.5, min_sample_s=2e-3)
+            return cls(min_rounds=10, max_rounds=30, budget_s=1.0, min_sample_s=2e-3)
         return cls(min_rounds=7, max_rounds=15, budget_s=4.0, min_sample_s=10e-3)
 
 

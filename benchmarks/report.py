@@ -20,7 +20,8 @@ per-round ratios, shown with its spread.  Written into the output folder:
   over every other implementation.  A target is met only when the spread's
   lower end is at or above it.
 
-Numbers in the report come only from the JSON the run wrote.
+Numbers in the report come only from the JSON the run wrote.  The exit code
+is 1 when a suite's pytest failed (the report then says which).
 """
 
 from __future__ import annotations
@@ -71,16 +72,14 @@ def _environment() -> dict:
     return env
 
 
-def run_suite(name: str, out_dir: Path, extra_args: list[str]) -> tuple[Path, int]:
-    """Runs one suite; returns its JSON path and pytest's exit code."""
-    json_path = out_dir / f"{name}.json"
-    json_path.unlink(missing_ok=True)  # never report a previous run's numbers
+def run_suite(name: str, out_dir: Path, extra_args: list[str]) -> int:
+    """Runs one suite into ``out_dir/<name>.json``; returns pytest's exit code."""
     command = [
         sys.executable, "-m", "pytest", str(BENCH_DIR / f"bench_{name}.py"),
-        "-q", "-p", "no:cacheprovider", f"--results-json={json_path}", *extra_args,
+        "-q", "-p", "no:cacheprovider", f"--results-json={out_dir / f'{name}.json'}", *extra_args,
     ]
     print("+", " ".join(command), flush=True)
-    return json_path, subprocess.run(command, check=False, cwd=BENCH_DIR.parent).returncode
+    return subprocess.run(command, check=False, cwd=BENCH_DIR.parent).returncode
 
 
 def load_groups(json_paths: list[Path]) -> list[dict]:
@@ -237,28 +236,34 @@ def main(argv=None) -> int:
     device = _device_type()
     out_dir = args.out or BENCH_DIR / "results" / device
     out_dir.mkdir(parents=True, exist_ok=True)
-    suite_failures = {}
+    targets = load_targets(args.suites)
+    json_paths = [out_dir / f"{name}.json" for name in args.suites]
+    suite_failures: dict[str, int] = {}
+
+    def report() -> tuple[Path, list[dict]]:
+        groups = load_groups(json_paths)
+        target_results = evaluate_targets(targets, groups, device)
+        return write_report(out_dir, groups, target_results, env, suite_failures), target_results
+
     if args.report_only:
-        json_paths = [out_dir / f"{name}.json" for name in args.suites]
         env_path = out_dir / "environment.json"
         env = json.loads(env_path.read_text()) if env_path.exists() else _environment()
     else:
-        json_paths = []
+        env = _environment()
+        for path in json_paths:  # never report a previous run's numbers
+            path.unlink(missing_ok=True)
         for name in args.suites:
-            path, code = run_suite(name, out_dir, args.pytest_args)
-            json_paths.append(path)
+            code = run_suite(name, out_dir, args.pytest_args)
             if code != 0:
                 suite_failures[name] = code
-        env = _environment()
-    groups = load_groups(json_paths)
-    target_results = evaluate_targets(load_targets(args.suites), groups, device)
-    report = write_report(out_dir, groups, target_results, env, suite_failures)
-    print(f"\nwrote {report}")
+            report()  # after every suite, so a run cut short still leaves a report of what it measured
+    report_path, target_results = report()
+    print(f"\nwrote {report_path}")
     for t in target_results:
         speedup = "not measured" if t["speedup"] is None else _ratio_text(t["speedup"])
         print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} "
               f"{speedup} (target {t['min_speedup']}x)")
-    return 0
+    return 1 if suite_failures else 0
 
 
 if __name__ == "__main__":
