@@ -58,6 +58,9 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # call with the padding as a bias beats a loop of small calls.
 _PER_SEQUENCE_MIN_SPREAD = 128
 _PER_SEQUENCE_MIN_SCORES = 64 * 1024
+# Rows per block when a causal triangle is cut into blocks (see _segment_tiles): each block
+# computes about half a block of hidden scores on its diagonal, and costs one kernel call.
+_CAUSAL_ROW_BLOCK = 128
 
 
 def unsupported_reason(
@@ -186,44 +189,72 @@ def _slice_bias_or_none(
     return None if bias is None else _slice_bias(bias, batch, rows, keys)
 
 
+def _causal_band(lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[_CAUSAL_ROW_BLOCK, Lk + _CAUSAL_ROW_BLOCK]``: ``-inf`` where column ``x > row + Lk``, else 0.
+
+    Every causal block's bias is a view of it (:func:`_causal_bias`), so no block allocates one.
+    """
+    band = torch.full((_CAUSAL_ROW_BLOCK, lk + _CAUSAL_ROW_BLOCK), float("-inf"), dtype=dtype, device=device)
+    return band.triu_(lk + 1)
+
+
+def _causal_bias(band: torch.Tensor, rows: slice, keys: slice, shift: int) -> torch.Tensor:
+    """``[rows, keys]`` bias hiding key ``j > i + shift`` from row ``i`` (``keys`` starts at 0, ``rows`` at
+    ``r0 >= -shift``): column ``j`` of the view is column ``j + Lk - r0 - shift`` of ``band``."""
+    offset = band.shape[1] - _CAUSAL_ROW_BLOCK - (rows.start + shift)
+    return band[: rows.stop - rows.start, offset : offset + keys.stop]
+
+
 def _segment_tiles(
     batch: slice,
     end: int,
     lq: int,
     shift: Optional[int],
     bias_for: Callable[[slice, slice, slice], Optional[torch.Tensor]],
+    causal_band: Optional[torch.Tensor],
 ) -> list[_Tile]:
     """Tiles for the sequences ``batch``, which attend to keys ``[0, end)``.
 
     Without causality that is one tile.  With it, row ``i`` sees keys
     ``[0, min(i + shift + 1, end))``: rows before ``first_row`` see none (no
-    tile), rows from ``full_row`` on see every key (a dense tile), and the rows
-    between see keys ``[0, first_row + shift)`` (a dense tile, when not empty)
-    plus a top-left causal square on the diagonal.  When the relation already
-    is top-left causal in tile coordinates (``first_row + shift == 0``), the
-    kernel's own causal mask covers all rows in one tile.
+    tile), rows from ``full_row`` on see every key (one dense tile), and the
+    rows between are cut into blocks of ``_CAUSAL_ROW_BLOCK`` rows, each
+    seeing the keys up to its last row's, with ``causal_bias`` (``-inf`` above
+    the diagonal, see :func:`_causal_band`) hiding the triangle inside the block; a block
+    that is top-left causal in tile coordinates uses the kernel's own causal
+    mask instead.  The kernel computes a block of up to 512 keys whole, so
+    without the cut a causal tile would cost as much as a dense one.
     """
     if end <= 0:
         return []
 
-    def tile(rows: slice, keys: slice, causal: bool) -> _Tile:
-        return _Tile(batch, rows, keys, causal, bias_for(batch, rows, keys))
+    def tile(rows: slice, keys: slice, causal: bool, extra_bias: Optional[torch.Tensor] = None) -> _Tile:
+        bias = bias_for(batch, rows, keys)
+        if extra_bias is not None:
+            bias = extra_bias if bias is None else bias + extra_bias
+        return _Tile(batch, rows, keys, causal, bias)
 
     if shift is None:
         return [tile(slice(0, lq), slice(0, end), False)]
     first_row = max(0, -shift)
     if first_row >= lq:
         return []
-    if first_row + shift == 0:
-        return [tile(slice(first_row, lq), slice(0, end), True)]
     full_row = max(first_row, min(lq, end - shift - 1))
+    if lq - full_row < _CAUSAL_ROW_BLOCK:
+        # Too few rows see every key to pay for their own tile: the last block takes them.
+        full_row = lq
     tiles = []
+    for start in range(first_row, full_row, _CAUSAL_ROW_BLOCK):
+        stop = min(start + _CAUSAL_ROW_BLOCK, full_row)
+        rows, keys = slice(start, stop), slice(0, min(stop + shift, end))
+        if start + shift == 0:
+            tiles.append(tile(rows, keys, True))
+        elif start + shift + 1 >= end:  # a last block whose rows all see every key
+            tiles.append(tile(rows, keys, False))
+        else:
+            tiles.append(tile(rows, keys, False, _causal_bias(causal_band, rows, keys, shift)))
     if full_row < lq:
         tiles.append(tile(slice(full_row, lq), slice(0, end), False))
-    if full_row > first_row:
-        rows = slice(first_row, full_row)
-        tiles.append(tile(rows, slice(0, first_row + shift), False))
-        tiles.append(tile(rows, slice(first_row + shift, full_row + shift), True))
     return tiles
 
 
@@ -246,6 +277,7 @@ def _plan(
     lk = key.shape[2]
     dtype, device = query.dtype, query.device
     shift = _causal_shift(causal, lq, lk)
+    causal_band = None if shift is None else _causal_band(lk, dtype, device)
 
     mask_bias = None
     if attn_mask is not None:
@@ -256,7 +288,7 @@ def _plan(
             )
     if key_padding_mask is None:
         bias_for = functools.partial(_slice_bias_or_none, mask_bias)
-        return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for)
+        return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for, causal_band)
 
     ends = [end for _, end in key_bounds.tolist()]
     padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
@@ -274,12 +306,12 @@ def _plan(
     spread = max(ends) - min(ends)
     if batch_size > 1 and spread >= _PER_SEQUENCE_MIN_SPREAD and lq * lk >= _PER_SEQUENCE_MIN_SCORES:
         return [
-            tile for b in range(batch_size) for tile in _segment_tiles(slice(b, b + 1), ends[b], lq, shift, bias_for)
+            tile for b in range(batch_size) for tile in _segment_tiles(slice(b, b + 1), ends[b], lq, shift, bias_for, causal_band)
         ]
     if spread > 0:
         # One cut at the longest end: the shorter sequences' tails become padding inside the tiles.
         padded_inside = [True] * batch_size
-    return _segment_tiles(slice(0, batch_size), max(ends), lq, shift, bias_for)
+    return _segment_tiles(slice(0, batch_size), max(ends), lq, shift, bias_for, causal_band)
 
 
 def _rows_without_keys(tile: _Tile) -> Optional[torch.Tensor]:
@@ -431,18 +463,18 @@ def _flash_backward(grad_out, query, key, value, out, lse, tiles: list[_Tile], s
 # ----------------------------------------------------------------------------
 
 
-def _math_probs(
+def _masked_scores(
     query: torch.Tensor,
     key: torch.Tensor,
     key_padding_mask: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
     causal: int,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
-    without keys, whose probabilities are 0), in float32 or wider.
+) -> torch.Tensor:
+    """Scaled scores ``[B, Hk, G, Lq, Lk]`` plus the float mask, ``-inf`` where a mask excludes the key,
+    in float32 or wider.
 
-    Grouped-query heads are handled as ``[B, Hk, G, ...]`` so keys and values are never copied.
+    Grouped-query heads are handled as ``[B, Hk, G, ...]`` so keys and values are never copied per head.
     """
     batch_size, num_heads, lq, _ = query.shape
     num_kv_heads, lk = key.shape[1], key.shape[2]
@@ -469,7 +501,20 @@ def _math_probs(
         excluded = padding if excluded is None else excluded | padding
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
+    return scores
 
+
+def _math_probs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    causal: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
+    without keys, whose probabilities are 0), in float32 or wider."""
+    scores = _masked_scores(query, key, key_padding_mask, attn_mask, causal, scale)
     # Softmax by hand: rows whose keys are all excluded have max -inf; shifting them by 0 instead
     # leaves exp(-inf) = 0 everywhere, so their probabilities are 0 and their sum is 0.
     row_max = scores.amax(-1, keepdim=True)
@@ -500,13 +545,15 @@ def _math_forward(query, key, value, key_padding_mask, attn_mask, causal, scale,
 
 
 def _math_backward(
-    grad_out, query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
+    grad_out, query, key, value, lse, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
     attn_mask_needs_grad,
 ):
-    """Softmax-attention backward on materialized probabilities: dS = P * (dP - rowsum(P * dP))."""
-    probs, _ = _math_probs(query, key, key_padding_mask, attn_mask, causal, scale)
+    """Softmax-attention backward on materialized probabilities, recomputed from the saved lse as
+    ``P = exp(S - lse)`` (0 on rows without keys, whose lse is +inf); ``dS = P * (dP - rowsum(P * dP))``."""
+    scores = _masked_scores(query, key, key_padding_mask, attn_mask, causal, scale)
+    group_shape = scores.shape[1:3]
+    probs = scores.sub_(lse.unflatten(1, group_shape).unsqueeze(-1)).exp_()
     compute_dtype = probs.dtype
-    group_shape = probs.shape[1:3]
     q = query.to(compute_dtype).unflatten(1, group_shape)
     k = key.to(compute_dtype).unsqueeze(2)
     v = value.to(compute_dtype).unsqueeze(2)
@@ -517,14 +564,19 @@ def _math_backward(
     if dropout_p > 0.0:
         factor = _dropout_scale(probs.shape, dropout_p, dropout_seed, query.device, compute_dtype)
         dropped = probs * factor
-        d_probs = d_probs * factor
-    grad_value = torch.matmul(dropped.transpose(-1, -2), d_out).sum(2)
-    d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
+        d_probs.mul_(factor)
+    grad_value = _sum_groups(torch.matmul(dropped.transpose(-1, -2), d_out))
+    d_scores = torch._softmax_backward_data(d_probs, probs, -1, compute_dtype)
     grad_query = torch.matmul(d_scores, k).mul_(scale).flatten(1, 2)
-    grad_key = torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale).sum(2)
+    grad_key = _sum_groups(torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale))
     dmask = d_scores.flatten(1, 2) if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
     grads = (_in_layout(g, torch.empty_like(t)) for g, t in ((grad_query, query), (grad_key, key), (grad_value, value)))
     return (*grads, dmask)
+
+
+def _sum_groups(grad: torch.Tensor) -> torch.Tensor:
+    """``[B, Hk, G, L, E]`` -> ``[B, Hk, L, E]``, summed over the query heads of each group (a view when G = 1)."""
+    return grad.squeeze(2) if grad.shape[2] == 1 else grad.sum(2)
 
 
 # ----------------------------------------------------------------------------
@@ -583,6 +635,6 @@ def backward(
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
 
     return _math_backward(
-        grad_out, query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
+        grad_out, query, key, value, lse, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
         attn_mask_needs_grad,
     )
