@@ -3,9 +3,9 @@
 Two ways to run the convolution, chosen per call by :func:`uses_onednn`, a
 rule on dtype, device and the number of output positions ``B * L_out``:
 
-* **im2col GEMM** (small ``B * L_out``, any dtype or device): one GEMM on
-  unfolded windows, using ``weight`` in the layout ``nn.Conv1d`` holds it, so
-  nothing copies or reorders the weight::
+* **im2col GEMM** (few output positions, and every dtype or device but
+  float32 on a CPU): one GEMM on unfolded windows, using ``weight`` in the
+  layout ``nn.Conv1d`` holds it, so nothing copies or reorders the weight::
 
     xpad = pad(x) as channel-last [B, Lp, C_in]                 (Lp = pad_left + L + pad_right)
     cols[b*L_out + s, ci*k + tap] = xpad[b, s + tap, ci]        [B*L_out, C_in*k]
@@ -25,8 +25,8 @@ rule on dtype, device and the number of output positions ``B * L_out``:
 it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
 costs more than either path saves.
 
-Either way ``out = (glu(z) + residual) * residual_scale`` runs as in-place
-epilogues on one output tensor, and ``forward`` returns the pre-activation
+Either way ``out = (glu(z) + residual) * residual_scale`` is written into one
+output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
 ``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMM, a transposed
 ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
 so recomputing them would make training slower than plain PyTorch.
