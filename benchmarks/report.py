@@ -59,6 +59,8 @@ def _environment() -> dict:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        # Other processes on the machine skew every timing; the report keeps how busy it was.
+        "load_average_1min_at_start": os.getloadavg()[0],
     }
     try:
         import triton
