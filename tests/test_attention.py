@@ -796,3 +796,23 @@ def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_di
     assert error(out, expected) <= 2 * error(torch_low, expected) + 1e-5
     for name, grad, expected_grad, torch_grad in zip(low, grads, expected_grads, torch_low_grads):
         assert error(grad, expected_grad) <= 2 * error(torch_grad, expected_grad) + 1e-5, name
+
+
+# ----------------------------------------------------------------------------
+# Eager: causal triangles cut into row blocks
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal_lower_right", "causal+pad_left", "causal_lower_right+pad_holes"])
+@pytest.mark.parametrize(("lq", "lk"), [(300, 300), (260, 400), (400, 260)])
+def test_eager_causal_row_blocks(kind, lq, lk):
+    """Row blocks on the diagonal see only the keys up to their last row's: fewer scores than one
+    tile over the whole causal relation, and the same result as the reference."""
+    case = make_case(kind, 2, 2, 2, lq, lk, 16)
+    q, k = case["leaves"]["query"], case["leaves"]["key"]
+    causal = 2 if "lower_right" in kind else 1
+    tiles = eager_attention._plan(q, k, None, None, None, causal)
+    scores = sum((t.rows.stop - t.rows.start) * (t.keys.stop - t.keys.start) for t in tiles)
+    assert len(tiles) > 1 and scores < lq * lk
+    assert all(t.rows.stop - t.rows.start <= eager_attention._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)
+    check_against_reference(case, "eager", 1e-9)

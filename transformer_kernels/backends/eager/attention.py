@@ -15,10 +15,13 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
     nothing; otherwise one set of tiles spans the batch, cut at the longest
     length, with the rest of the padding as an additive ``-inf`` bias
     ``[B, 1, 1, Lk]`` (never ``[B, H, Lq, Lk]``).
-  - Causal masks use the kernel's own top-left causal mask; a relation that
-    is not top-left in tile coordinates (bottom-right with ``Lk > Lq``) is cut
-    into a dense tile of the keys every row sees plus a causal square on the
-    diagonal.  Rows that see no key get no tile: output 0, log-sum-exp +inf.
+  - Causal masks: the kernel computes up to 512 keys as one block, so its own
+    causal mask saves nothing there.  The rows with a partial view of the keys
+    are cut into blocks of ``_CAUSAL_ROW_BLOCK`` rows, each seeing only the
+    keys up to its last row's, with an additive ``-inf`` bias (a view of one
+    small band) hiding the triangle inside the block; rows that see every key
+    form one dense tile.  Rows that see no key get no tile: output 0,
+    log-sum-exp +inf.
 
   The backward pass re-creates the same tiles and calls the kernel's backward
   with the *merged* output and log-sum-exp, which yields exact per-tile
@@ -30,7 +33,8 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
   backward pass whenever the float mask needs a gradient): materialized
   scores, masks as ``-inf``, a softmax that returns 0 on rows without any
   key, an explicit dropout keep-mask; the backward pass recomputes the
-  probabilities and applies the softmax-attention gradient formulas.
+  probabilities from the saved log-sum-exp and applies the softmax-attention
+  gradient formulas.
 
 The dropout keep-mask is drawn from a ``torch.Generator`` seeded from
 ``dropout_seed``, so the backward pass regenerates the identical mask.
