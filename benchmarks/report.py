@@ -87,8 +87,13 @@ def run_suite(name: str, out_dir: Path, extra_args: list[str]) -> int:
 def load_groups(json_paths: list[Path]) -> list[dict]:
     groups = []
     for path in json_paths:
-        if path.exists():
-            groups.extend(json.loads(path.read_text())["groups"])
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        if "groups" not in data:
+            print(f"skipping {path}: not written by this harness (no interleaved groups)", file=sys.stderr)
+            continue
+        groups.extend(data["groups"])
     return groups
 
 
