@@ -310,7 +310,9 @@ def _plan(
     spread = max(ends) - min(ends)
     if batch_size > 1 and spread >= _PER_SEQUENCE_MIN_SPREAD and lq * lk >= _PER_SEQUENCE_MIN_SCORES:
         return [
-            tile for b in range(batch_size) for tile in _segment_tiles(slice(b, b + 1), ends[b], lq, shift, bias_for, causal_band)
+            tile
+            for b in range(batch_size)
+            for tile in _segment_tiles(slice(b, b + 1), ends[b], lq, shift, bias_for, causal_band)
         ]
     if spread > 0:
         # One cut at the longest end: the shorter sequences' tails become padding inside the tiles.
