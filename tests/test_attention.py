@@ -373,6 +373,148 @@ def test_parity_with_torch_sdpa(kwargs):
     assert_close(out, expected, 1e-5, "out")
 
 
+# Batch broadcasting, as torch does it: every leading dimension (heads included) of query, key,
+# value and attn_mask may be 1 or missing.  Output [B=2, H=3, Lq=5, Ev=4] unless every input lacks B.
+BROADCAST_FORMS = {
+    "full": lambda b, h, *rest: (b, h, *rest),
+    "batch_1": lambda b, h, *rest: (1, h, *rest),
+    "heads_1": lambda b, h, *rest: (b, 1, *rest),
+    "no_batch": lambda b, h, *rest: (h, *rest),
+}
+MASK_FORMS = [None, "full", "batch_1", "heads_1", "no_batch", "2d"]
+BROADCAST_CASES = [
+    (q_form, k_form, v_form, MASK_FORMS[i % len(MASK_FORMS)])
+    for i, (q_form, k_form, v_form) in enumerate(
+        (q, k, v) for q in BROADCAST_FORMS for k in BROADCAST_FORMS for v in BROADCAST_FORMS
+    )
+]
+
+
+def _broadcasts_to(shape, target) -> bool:
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+
+
+def _broadcast_case(q_form, k_form, v_form, mask_form, dtype, device, float_mask):
+    batch, heads, lq, lk = 2, 3, 5, 7
+    shapes = [
+        BROADCAST_FORMS[q_form](batch, heads, lq, 8),
+        BROADCAST_FORMS[k_form](batch, heads, lk, 8),
+        BROADCAST_FORMS[v_form](batch, heads, lk, 4),
+    ]
+    inputs = [torch.randn(*shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes]
+    mask = None
+    if mask_form is not None:
+        shape = (lq, lk) if mask_form == "2d" else BROADCAST_FORMS[mask_form](batch, heads, lq, lk)
+        if float_mask:
+            mask = torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+        else:
+            mask = torch.rand(*shape, device=device) < 0.7
+            mask[..., 0] = True  # torch's math gives NaN on rows without a key
+    return inputs, mask
+
+
+@pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), BROADCAST_CASES)
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_batch_broadcasting_matches_torch(q_form, k_form, v_form, mask_form, float_mask):
+    """Same output shape, values and gradients as torch on the inputs expanded explicitly; accepted
+    wherever torch accepts the call, and an error where a mask would add batch dimensions to the
+    output.  (torch's math path also refuses a mask with more heads than ``query @ key^T`` has,
+    even when ``value`` has them; that call is served here.)"""
+    if mask_form is None and float_mask:
+        pytest.skip("no mask")
+    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float64, "cpu", float_mask)
+    leaves = inputs + ([mask] if float_mask else [])
+    batch_shape = torch.broadcast_shapes(*(t.shape[:-2] for t in inputs))
+    if mask is not None and not _broadcasts_to(mask.shape[:-2], batch_shape):
+        with pytest.raises(ValueError, match="attn_mask of shape"):
+            tk.scaled_dot_product_attention(*inputs, attn_mask=mask)
+        return
+    expanded = [t.expand(*batch_shape, *t.shape[-2:]) for t in inputs]
+    expected = F.scaled_dot_product_attention(*expanded, attn_mask=mask)
+    out = tk.scaled_dot_product_attention(*inputs, attn_mask=mask)
+    assert out.shape == expected.shape
+    assert_close(out, expected, 1e-9, "out")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
+        assert grad.shape == expected_grad.shape, name
+        assert_close(grad, expected_grad, 1e-9, f"grad {name}")
+
+
+def test_batch_broadcasting_5d_with_grouped_heads():
+    q = torch.randn(2, 1, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 1, 7, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(3, 1, 5, 7, dtype=torch.float64, requires_grad=True)
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.shape == expected.shape == (2, 3, 4, 5, 8)
+    assert_close(out, expected, 1e-9, "out")
+    grad_out = torch.randn_like(out)
+    leaves = (q, k, v, mask)
+    for name, grad, expected_grad in zip(
+        "qkvm", torch.autograd.grad(out, leaves, grad_out), torch.autograd.grad(expected, leaves, grad_out)
+    ):
+        assert_close(grad, expected_grad, 1e-9, f"grad {name}")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
+@pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), [
+    ("full", "batch_1", "heads_1", None),
+    ("no_batch", "full", "full", "heads_1"),
+    ("heads_1", "full", "batch_1", "batch_1"),
+    ("batch_1", "heads_1", "heads_1", "2d"),
+])
+def test_batch_broadcasting_triton(q_form, k_form, v_form, mask_form):
+    device = device_for("triton")
+    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float32, device, float_mask=True)
+    leaves = inputs + ([mask] if mask is not None else [])
+    out = tk.scaled_dot_product_attention(*inputs, attn_mask=mask, backend="triton")
+    expected = F.scaled_dot_product_attention(*inputs, attn_mask=mask)
+    assert_close(out, expected, 1e-4, "out")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
+        assert_close(grad, expected_grad, 1e-4, f"grad {name}")
+
+
+def test_broadcast_inputs_reach_the_backend_as_views(monkeypatch):
+    seen = []
+    forward = eager_attention.forward
+
+    def spy(query, key, value, *args):
+        seen.extend([query, key, value])
+        return forward(query, key, value, *args)
+
+    monkeypatch.setattr(eager_attention, "forward", spy)
+    q = torch.randn(1, 3, 5, 8)
+    k = torch.randn(2, 1, 7, 8)
+    v = torch.randn(7, 8)
+    out = tk.scaled_dot_product_attention(q, k, v, backend="eager")
+    assert out.shape == (2, 3, 5, 8)
+    # query's and value's batch dims are broadcast (stride 0); key's and value's single head
+    # stays a single key/value head, served as grouped-query attention.
+    expected_strides = [(0, 40, 8, 1), (56, 56, 8, 1), (0, 56, 8, 1)]
+    for given, received, strides in zip((q, k, v), seen, expected_strides):
+        assert received.data_ptr() == given.data_ptr()
+        assert received.stride() == strides
+
+
+@pytest.mark.parametrize(("padding_shape", "ok"), [((2, 7), True), ((1, 7), True), ((7,), True), ((3, 7), False)])
+def test_key_padding_mask_broadcasts_over_batch(padding_shape, ok):
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    k = v = torch.randn(1, 3, 7, 8, dtype=torch.float64)
+    padding = torch.zeros(padding_shape, dtype=torch.bool)
+    padding[..., 4:] = True
+    if not ok:
+        with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[\.\.\., Lk\] = \(2, 7\)"):
+            tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding)
+        return
+    out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~padding.expand(2, 7)[:, None, None, :])
+    assert_close(out, expected, 1e-9, "out")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "kind", ["causal_lower_right", "pad_one_all_padding", "bool_2d", "float_grad"]
@@ -550,7 +692,8 @@ def _bad_inputs():
         return dict(key=torch.randn(*shape), value=torch.randn(*shape))
 
     return [
-        ("batch", kv(3, 4, 10, 16), ValueError, "key must have query's batch dimensions"),
+        ("batch", kv(3, 4, 10, 16), ValueError, "query, key and value must have batch dimensions that broadcast"),
+        ("batch_rank", kv(3, 3, 4, 10, 16), ValueError, "query, key and value must have batch dimensions that broadcast"),
         ("heads", kv(2, 2, 10, 16), ValueError, "key must have as many heads as query"),
         ("gqa_divisible", dict(**kv(2, 3, 10, 16), enable_gqa=True), ValueError, "multiple of"),
         ("value_heads", dict(value=torch.randn(2, 2, 10, 16)), ValueError, "value must have as many heads as key"),
@@ -559,7 +702,7 @@ def _bad_inputs():
         ("head_dim_too_large", dict(query=torch.randn(2, 4, 8, 257), key=torch.randn(2, 4, 10, 257)),
          ValueError, "at most 256"),
         ("value_head_dim_too_large", dict(value=torch.randn(2, 4, 10, 300)), ValueError, "value head dim"),
-        ("ndim", dict(key=torch.randn(4, 10, 16)), ValueError, "key must have as many dimensions as query"),
+        ("ndim", dict(key=torch.randn(10)), ValueError, r"key must have at least 2 dimensions \[\.\.\., L, E\]"),
         ("dtype", dict(key=k.double()), TypeError, "key must have the same dtype as query"),
         ("integer", dict(query=torch.ones(2, 4, 8, 16, dtype=torch.int64)), TypeError,
          "query must have a floating-point dtype"),

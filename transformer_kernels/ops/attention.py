@@ -66,12 +66,17 @@ def scaled_dot_product_attention(
       torch's CPU SDPA, so ``out.transpose(-3, -2).reshape(..., Lq, Hq * Ev)``
       is free.
 
-    ``query``, ``key`` and ``value`` must have the same number of dimensions,
-    the same batch dimensions ``...``, one floating dtype and one device.
-    ``Hk == Hq`` unless ``enable_gqa``.  ``E`` and ``Ev`` are 1 to 256 and
-    may differ; ``Lq`` and ``Lk`` are any lengths >= 1 and may differ.
-    Inputs may have any strides (e.g. ``x.view(B, L, H, D).transpose(1, 2)``);
-    they are read in place, not copied.
+    ``query``, ``key`` and ``value`` have one floating dtype and one device,
+    and their batch dimensions ``...`` (heads included) broadcast against each
+    other as in torch: a dimension may be 1 or missing (query ``[4, 3, 8]``
+    with key/value ``[4, 4, 6, 8]`` gives ``[4, 4, 3, 8]``), and gradients
+    are summed over the dimensions an input was broadcast along.  ``Hk``
+    equals ``Hq`` or is 1, or divides ``Hq`` with ``enable_gqa``.  ``E`` and
+    ``Ev`` are 1 to 256 and may differ; ``Lq`` and ``Lk`` are any lengths
+    >= 1 and may differ.  Inputs may have any strides (e.g.
+    ``x.view(B, L, H, D).transpose(1, 2)``) and are read in place, broadcast
+    ones as stride-0 views; only inputs of more than 4 dimensions whose
+    broadcast leading dimensions cannot be flattened into one are copied.
 
     Args:
         query, key, value: the attention inputs, shapes above.
@@ -96,8 +101,10 @@ def scaled_dot_product_attention(
         scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
         enable_gqa: grouped-query attention: ``Hq`` must be a multiple of
             ``Hk``, and query head ``h`` uses key/value head ``h // (Hq // Hk)``.
-        key_padding_mask: optional bool tensor ``[..., Lk]`` (``[B, Lk]`` for
-            4-D inputs, ``[N, Lk]`` for 3-D ones): True marks a *padding* key
+        key_padding_mask: optional bool tensor ``[..., Lk]`` over the output's
+            batch dimensions without heads (``[B, Lk]`` for 4-D inputs,
+            ``[N, Lk]`` for 3-D ones, or any shape that broadcasts to it, e.g.
+            ``[Lk]``): True marks a *padding* key
             that no query attends to (the :class:`torch.nn.MultiheadAttention`
             convention, e.g. ``tokens.eq(pad_id)``).  Suffix padding, left
             padding and holes are all allowed.  It is never expanded to
@@ -157,37 +164,10 @@ def scaled_dot_product_attention(
     check_tensor("query", query, floating=True)
     check_tensor("key", key, floating=True)
     check_tensor("value", value, floating=True)
-    if query.dim() < 2:
-        raise ValueError(f"query must have at least 2 dimensions [..., L, E], got shape {tuple(query.shape)}")
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dim() != query.dim():
-            raise ValueError(
-                f"{name} must have as many dimensions as query ({query.dim()}), got shape {tuple(tensor.shape)}"
-            )
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(tensor.shape)}")
     check_same_dtype_device("query", query, key=key, value=value)
-
-    batch_shape = _batch_shape(query)
-    for name, tensor in (("key", key), ("value", value)):
-        if _batch_shape(tensor) != batch_shape:
-            raise ValueError(
-                f"{name} must have query's batch dimensions {tuple(batch_shape)}, got shape {tuple(tensor.shape)}"
-            )
-    num_heads, num_kv_heads = _num_heads(query), _num_heads(key)
-    if _num_heads(value) != num_kv_heads:
-        raise ValueError(
-            f"value must have as many heads as key ({num_kv_heads}), got shape {tuple(value.shape)}"
-        )
-    if enable_gqa:
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of "
-                f"the number of key/value heads ({num_kv_heads})"
-            )
-    elif num_kv_heads != num_heads:
-        raise ValueError(
-            f"key must have as many heads as query ({num_heads}), got shape {tuple(key.shape)}; "
-            "pass enable_gqa=True for grouped-query attention"
-        )
     lq, head_dim = query.shape[-2], query.shape[-1]
     lk, value_head_dim = key.shape[-2], value.shape[-1]
     if value.shape[-2] != lk:
@@ -201,6 +181,13 @@ def scaled_dot_product_attention(
             raise ValueError(
                 f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(tensor.shape)}"
             )
+
+    ndim = max(query.dim(), key.dim(), value.dim())
+    q, k, v, lead_shape = _broadcast_qkv(query, key, value, ndim, enable_gqa)
+    # The output's batch dimensions without heads (key_padding_mask's) and with them: [*lead] and
+    # [*lead, H] for 4-D and more, [N] for 3-D, none for 2-D.
+    sequence_shape = lead_shape if ndim >= 3 else ()
+    batch_shape = (*lead_shape, q.shape[-3]) if ndim >= 4 else sequence_shape
 
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -231,28 +218,27 @@ def scaled_dot_product_attention(
             raise TypeError(
                 f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}"
             )
-        scores_shape = (*query.shape[:-1], lk)
+        scores_shape = (*batch_shape, lq, lk)
         if not _broadcasts_to(attn_mask.shape, scores_shape):
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the scores' shape "
                 f"[..., Hq, Lq, Lk] = {scores_shape}"
             )
-        mask = _as_4d(attn_mask.expand(scores_shape))
+        mask = _merge_leading(_canonical(attn_mask.expand(scores_shape), ndim))
 
     padding, key_bounds = None, None
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
         check_same_device("query", query, key_padding_mask=key_padding_mask)
-        expected = (*batch_shape, lk)
-        if tuple(key_padding_mask.shape) != expected:
+        expected = (*sequence_shape, lk)
+        if not _broadcasts_to(key_padding_mask.shape, expected):
             raise ValueError(
-                f"key_padding_mask must have shape [..., Lk] = {expected} (query's batch dimensions, key's length), "
-                f"got {tuple(key_padding_mask.shape)}"
+                f"key_padding_mask must have shape [..., Lk] = {expected} (the output's batch dimensions without "
+                f"heads, key's length) or one that broadcasts to it, got {tuple(key_padding_mask.shape)}"
             )
-        padding = key_padding_mask.reshape(-1, lk).contiguous()
+        padding = key_padding_mask.expand(expected).reshape(-1, lk).contiguous()
         key_bounds = _key_bounds(padding)
 
-    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     dropout_p = float(dropout_p)
     dropout_seed = None
     if dropout_p > 0.0:
@@ -263,7 +249,7 @@ def scaled_dot_product_attention(
     out, _ = torch.ops.transformer_kernels.attention_forward(
         q, k, v, padding, key_bounds, mask, causal, float(scale), dropout_p, dropout_seed, chosen
     )
-    return out.view(*query.shape[:-1], value_head_dim)
+    return out.view(*batch_shape, lq, value_head_dim)
 
 
 # ----------------------------------------------------------------------------
@@ -271,24 +257,59 @@ def scaled_dot_product_attention(
 # ----------------------------------------------------------------------------
 
 
-def _batch_shape(tensor: Tensor) -> torch.Size:
-    """Dimensions before [H, L, E] (4-D and more) or before [L, E] (2-D and 3-D)."""
-    return tensor.shape[:-3] if tensor.dim() >= 4 else tensor.shape[:-2]
+def _canonical(tensor: Tensor, ndim: int) -> Tensor:
+    """A view of an input of the call's rank ``ndim`` (or lower: leading 1s are added, as torch
+    broadcasts) as ``[*lead, H, L, X]``; inputs of rank 2 and 3 have no head dim and get H = 1."""
+    tensor = tensor[(None,) * (max(ndim, 3) - tensor.dim())]
+    return tensor.unsqueeze(-3) if ndim <= 3 else tensor
 
 
-def _num_heads(tensor: Tensor) -> int:
-    return tensor.shape[-3] if tensor.dim() >= 4 else 1
+def _merge_leading(tensor: Tensor) -> Tensor:
+    """``[*lead, H, L, X]`` → ``[B, H, L, X]``: a view unless ``lead`` has several dimensions whose
+    strides cannot merge (e.g. one broadcast, one not), which only then costs a copy."""
+    return tensor.flatten(0, -4) if tensor.dim() > 4 else tensor
 
 
-def _as_4d(tensor: Tensor) -> Tensor:
-    """``[..., H, L, X]`` → ``[B, H, L, X]`` (a view whenever the leading dims allow); 2-D/3-D get H = 1."""
-    if tensor.dim() == 2:
-        return tensor.unsqueeze(0).unsqueeze(0)
-    if tensor.dim() == 3:
-        return tensor.unsqueeze(1)
-    if tensor.dim() > 4:
-        return tensor.flatten(0, -4)
-    return tensor
+def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_gqa: bool):
+    """``query``, ``key``, ``value`` broadcast against each other by torch's rules, as ``[B, H, L, X]``
+    views (stride 0 along broadcast dimensions, never a copy for inputs of up to 4 dimensions), and
+    the broadcast leading shape ``lead`` (the dimensions before heads) that ``B`` flattens.
+
+    The leading dimensions broadcast as usual.  Heads broadcast too (a size-1 side is expanded),
+    except that key/value heads that divide the query heads stay as they are: the backends serve
+    grouped heads natively (``enable_gqa``, or a single key/value head shared by every query head).
+    """
+    q, k, v = (_canonical(t, ndim) for t in (query, key, value))
+    try:
+        lead_shape = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except RuntimeError:
+        raise ValueError(
+            f"query, key and value must have batch dimensions that broadcast against each other, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
+        ) from None
+    num_heads, key_heads, value_heads = q.shape[-3], k.shape[-3], v.shape[-3]
+    if key_heads != value_heads and 1 not in (key_heads, value_heads):
+        raise ValueError(
+            f"value must have as many heads as key ({key_heads}), or one, got shape {tuple(value.shape)}"
+        )
+    kv_heads = max(key_heads, value_heads)
+    if num_heads == 1 and not enable_gqa:
+        num_heads = kv_heads
+    elif kv_heads != num_heads and kv_heads != 1:
+        if not enable_gqa:
+            raise ValueError(
+                f"key must have as many heads as query ({num_heads}), or one, got shape {tuple(key.shape)}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+        if num_heads % kv_heads != 0:
+            raise ValueError(
+                f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of "
+                f"the number of key/value heads ({kv_heads})"
+            )
+    q = q.expand(*lead_shape, num_heads, *q.shape[-2:])
+    k = k.expand(*lead_shape, kv_heads, *k.shape[-2:])
+    v = v.expand(*lead_shape, kv_heads, *v.shape[-2:])
+    return _merge_leading(q), _merge_leading(k), _merge_leading(v), lead_shape
 
 
 def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
