@@ -941,6 +941,35 @@ def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_di
         assert error(grad, expected_grad) <= 2 * error(torch_grad, expected_grad) + 1e-5, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_finfo_min_mask_rows_average_like_torch(backend, dtype):
+    """A float mask of finfo(dtype).min stays finite (it would overflow to -inf in base-2 units):
+    a row made of it averages uniformly, a partly finfo.min row ignores those keys, and -inf
+    still excludes a key — outputs and gradients as torch computes them in float32."""
+    device = device_for(backend)
+    q, k, v = (torch.randn(2, 2, 6, 16, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    mask = torch.randn(2, 1, 6, 6, dtype=dtype, device=device)
+    lowest = torch.finfo(dtype).min
+    mask[:, :, 1] = lowest
+    mask[:, :, 2, :4] = lowest
+    mask[:, :, 3, :2] = float("-inf")
+    mask.requires_grad_()
+    inputs = (q, k, v, mask)
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    expected = F.scaled_dot_product_attention(*reference_inputs[:3], attn_mask=reference_inputs[3])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close(out.float(), expected, tol, "out")
+    # The all-finfo.min row's scores are absorbed into finfo.min, so their gradient is rounding
+    # noise (torch's math and CPU flash backends disagree on it by O(1)); the other rows are compared.
+    grad_out = torch.randn_like(expected)
+    grad_out[:, :, 1] = 0
+    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, reference_inputs, grad_out)):
+        assert_close(grad.float(), expected_grad, tol, f"grad {name}")
+
+
 # ----------------------------------------------------------------------------
 # Eager: causal triangles cut into row blocks
 # ----------------------------------------------------------------------------

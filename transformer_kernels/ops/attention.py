@@ -130,7 +130,10 @@ def scaled_dot_product_attention(
         ``Lq > Lk``, an all-padding sequence, a mask row that is all False or
         ``-inf``) gets output 0 and contributes gradient 0 to every input —
         never NaN.  (The seeds' ``masked_fill(-1e9)`` instead averages all
-        values uniformly on such rows.)
+        values uniformly on such rows.)  Only ``-inf`` excludes a key: a
+        finite float mask value, even ``torch.finfo(dtype).min``, is added
+        like any other, so a row made entirely of ``finfo.min`` (the masks of
+        many Hugging Face models) averages its values uniformly, as in torch.
 
     Dropout:
         The keep-mask is generated inside the backend from a ``(seed, offset)``

@@ -55,6 +55,7 @@ _MAX_GRID_Y = 65535
 _DROPOUT_LEVELS = 1 << 16
 
 LOG2E = tl.constexpr(1.4426950408889634)
+FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -127,7 +128,11 @@ def _masked_scores(
         if MASK_IS_BOOL:
             keep = keep & (mask_tile != 0)
         else:
-            s += mask_tile.to(tl.float32) * LOG2E
+            # finfo(float32).min * log2(e) overflows to -inf, which would drop the key; torch keeps
+            # every finite mask value finite (a row all finfo.min averages uniformly), so clamp the
+            # finite ones to the lowest float32 and let only a real -inf exclude a key.
+            bias = mask_tile.to(tl.float32)
+            s += tl.where(bias == float("-inf"), bias, tl.maximum(bias * LOG2E, FP32_LOWEST))
     return tl.where(keep, s, float("-inf"))
 
 
