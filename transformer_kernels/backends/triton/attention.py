@@ -782,8 +782,8 @@ _MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("dkdv", 128): BlockConfig(16, 16, 8, 2),
     ("dkdv", 256): BlockConfig(16, 16, 8, 1),
     ("dq", 64): BlockConfig(32, 32, 4, 2),
-    ("dq", 128): BlockConfig(32, 32, 4, 2),
-    ("dq", 256): BlockConfig(32, 32, 8, 1),
+    ("dq", 128): BlockConfig(32, 32, 8, 2),
+    ("dq", 256): BlockConfig(16, 32, 8, 1),
 }
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
