@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     extras_require={
         "triton": [TRITON],
-        "test": [TRITON, "pytest>=8", "hypothesis>=6", "numpy", "pytest-benchmark>=4"],
-        "bench": [TRITON, "pytest>=8", "pytest-benchmark>=4", "numpy"],
+        "test": [TRITON, "pytest>=8", "hypothesis>=6", "numpy"],
+        "bench": [TRITON, "pytest>=8", "numpy"],
     },
 )

@@ -101,6 +101,8 @@ def _setup_context(ctx, inputs, output):
     # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
     ctx.save_for_backward(x, weight, bias, output[1])
     ctx.mark_non_differentiable(output[1])
+    # The saved pre-activation never has a gradient: do not allocate zeros for it on every backward.
+    ctx.set_materialize_grads(False)
     ctx.has_bias = bias is not None
     ctx.arguments = (pad_left, pad_right, pad_value, residual_scale)
     ctx.backend = backend
@@ -111,6 +113,8 @@ def _backward(ctx, grad_out, _grad_saved):
     pad_left, pad_right, pad_value, residual_scale = ctx.arguments
     needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
     grad_x = grad_weight = grad_bias = grad_residual = None
+    if grad_out is None:
+        return (None,) * 9
     if needs_x or needs_weight or needs_bias:
         grad_x, grad_weight, grad_bias = torch.ops.transformer_kernels.glu_conv1d_backward(
             grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
