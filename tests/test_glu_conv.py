@@ -97,6 +97,30 @@ def test_eager_matches_reference_fp64(k, length, channels_in, channels, padding,
     assert _has_layout(out, channels_last)
 
 
+@pytest.mark.parametrize("length", [20, 40], ids=["fwd_onednn", "fwd_bwd_onednn"])
+@pytest.mark.parametrize("padding,pad_value", [("same", 0.0), ("same", -0.5), ("causal", 0.0)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+@pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False)], ids=["res_bias", "plain"])
+def test_eager_fp32_onednn_paths_match_reference(length, padding, pad_value, channels_last, with_residual, with_bias):
+    """float32 on a CPU convolves through oneDNN past a few output positions (the fp64 tests above
+    always take the im2col GEMM): forward only at B * L = 40, forward and backward at 80."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    x, weight, bias, residual = _make_inputs(
+        2, 3, length, 24, 16, dtype=torch.float32, channels_last=channels_last, bias=with_bias,
+        residual=with_residual,
+    )
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    assert eager_glu_conv.uses_onednn(x, length, "forward")
+    assert eager_glu_conv.uses_onednn(x, length, "backward") == (length == 40)
+    out = _assert_matches_reference(
+        x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
+        padding=padding, pad_value=pad_value, residual_scale=SCALE,
+    )
+    assert _has_layout(out, channels_last)
+
+
 def test_eager_fp32_without_bias_mixed_layouts():
     x, weight, _, residual = _make_inputs(3, 3, 40, 24, 24, dtype=torch.float32, channels_last=True,
                                           residual_channels_last=False)

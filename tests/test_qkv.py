@@ -87,6 +87,29 @@ def test_eager_matches_references(shape, num_heads, num_proj, bias):
     _check_against_references("eager", shape, num_heads, num_proj, torch.float32, bias, dict(rtol=1e-5, atol=1e-5))
 
 
+@pytest.mark.parametrize("num_proj", [1, 3])
+@pytest.mark.parametrize("token_major_grads", [False, True])
+def test_eager_fp32_onednn_path_matches_references(num_proj, token_major_grads):
+    """float32 on a CPU runs the GEMMs through oneDNN from 512 tokens on (the shapes above stay
+    below): forward and backward against both references, with contiguous and token-major
+    ([*batch, L, H, Dh]) gradients."""
+    from transformer_kernels.backends.eager import qkv as eager_qkv
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    x, weight, b = _inputs((3, 200, 64), num_proj)
+    assert eager_qkv.uses_onednn(x)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=4, backend="eager")
+    grad_outputs = [torch.randn_like(o) for o in outputs]
+    if token_major_grads:
+        grad_outputs = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grad_outputs]
+    grads = _grads(outputs, (x, weight, b), grad_outputs)
+    for reference in (reference_qkv, _chunk_path):
+        expected = reference(x, weight, b, 4)
+        _assert_close_all(list(outputs), list(expected), rtol=1e-4, atol=1e-4)
+        _assert_close_all(list(grads), list(_grads(expected, (x, weight, b), grad_outputs)), rtol=1e-4, atol=1e-4)
+
+
 def test_eager_gradcheck_float64():
     x, weight, b = _inputs((2, 3, 6), 3, torch.float64)
     assert torch.autograd.gradcheck(lambda *a: tk.qkv_projection(*a, num_heads=3, backend="eager"), (x, weight, b))
