@@ -374,7 +374,8 @@ def test_parity_with_torch_sdpa(kwargs):
 
 
 # Batch broadcasting, as torch does it: every leading dimension (heads included) of query, key,
-# value and attn_mask may be 1 or missing.  Output [B=2, H=3, Lq=5, Ev=4] unless every input lacks B.
+# value and attn_mask may be 1 or missing.  torch's own SDPA is the oracle: a call is accepted
+# exactly when torch accepts it, with torch's output shape, values and gradients.
 BROADCAST_FORMS = {
     "full": lambda b, h, *rest: (b, h, *rest),
     "batch_1": lambda b, h, *rest: (1, h, *rest),
@@ -388,10 +389,22 @@ BROADCAST_CASES = [
         (q, k, v) for q in BROADCAST_FORMS for k in BROADCAST_FORMS for v in BROADCAST_FORMS
     )
 ]
+# Leading dimensions of 5-D inputs [X=2, Y=3, H, L, E]: which ones an input has.
+LEAD_FORMS = {"full": (2, 3), "outer_1": (1, 3), "inner_1": (2, 1), "no_outer": (3,), "none": ()}
+LEAD_CASES = [
+    (q_form, k_form, v_form, [*LEAD_FORMS, None][i % (len(LEAD_FORMS) + 1)])
+    for i, (q_form, k_form, v_form) in enumerate(
+        (q, k, v) for q in LEAD_FORMS for k in LEAD_FORMS for v in LEAD_FORMS
+    )
+]
 
 
-def _broadcasts_to(shape, target) -> bool:
-    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+def _random_mask(shape, dtype, device, float_mask: bool, requires_grad: bool = True) -> torch.Tensor:
+    if float_mask:
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    mask = torch.rand(*shape, device=device) < 0.7
+    mask[..., 0] = True  # every row sees a key
+    return mask
 
 
 def _broadcast_case(q_form, k_form, v_form, mask_form, dtype, device, float_mask):
@@ -405,57 +418,110 @@ def _broadcast_case(q_form, k_form, v_form, mask_form, dtype, device, float_mask
     mask = None
     if mask_form is not None:
         shape = (lq, lk) if mask_form == "2d" else BROADCAST_FORMS[mask_form](batch, heads, lq, lk)
-        if float_mask:
-            mask = torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
-        else:
-            mask = torch.rand(*shape, device=device) < 0.7
-            mask[..., 0] = True  # torch's math gives NaN on rows without a key
+        mask = _random_mask(shape, dtype, device, float_mask)
     return inputs, mask
+
+
+def _assert_same_values_and_grads(out, expected, leaves, tol) -> None:
+    assert out.shape == expected.shape
+    assert_close(out, expected, tol, "out")
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
+        assert grad.shape == expected_grad.shape, name
+        assert_close(grad, expected_grad, tol, f"grad {name}")
+
+
+def _assert_matches_torch(inputs, mask, tol, enable_gqa=False, backend="eager", error_match="attn_mask of shape"):
+    """``tk`` and torch on the same call: both refuse it (``tk`` with a ValueError matching
+    ``error_match``), or both accept it with the same output shape, values and gradients of
+    query, key, value and a float mask."""
+    try:
+        expected = F.scaled_dot_product_attention(*inputs, attn_mask=mask, enable_gqa=enable_gqa)
+    except (RuntimeError, IndexError):
+        with pytest.raises(ValueError, match=error_match):
+            tk.scaled_dot_product_attention(*inputs, attn_mask=mask, enable_gqa=enable_gqa, backend=backend)
+        return
+    out = tk.scaled_dot_product_attention(*inputs, attn_mask=mask, enable_gqa=enable_gqa, backend=backend)
+    leaves = [*inputs, *([mask] if mask is not None and mask.requires_grad else [])]
+    _assert_same_values_and_grads(out, expected, leaves, tol)
 
 
 @pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), BROADCAST_CASES)
 @pytest.mark.parametrize("float_mask", [False, True])
 def test_batch_broadcasting_matches_torch(q_form, k_form, v_form, mask_form, float_mask):
-    """Same output shape, values and gradients as torch on the inputs expanded explicitly; accepted
-    wherever torch accepts the call, and an error where a mask would add batch dimensions to the
-    output.  (torch's math path also refuses a mask with more heads than ``query @ key^T`` has,
-    even when ``value`` has them; that call is served here.)"""
+    """3-D and 4-D inputs, each of query, key and value with full, size-1 or missing batch and
+    head dimensions, in every combination (each with one of the mask forms)."""
     if mask_form is None and float_mask:
         pytest.skip("no mask")
     inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float64, "cpu", float_mask)
-    leaves = inputs + ([mask] if float_mask else [])
-    batch_shape = torch.broadcast_shapes(*(t.shape[:-2] for t in inputs))
-    if mask is not None and not _broadcasts_to(mask.shape[:-2], batch_shape):
-        with pytest.raises(ValueError, match="attn_mask of shape"):
-            tk.scaled_dot_product_attention(*inputs, attn_mask=mask)
-        return
-    expanded = [t.expand(*batch_shape, *t.shape[-2:]) for t in inputs]
-    expected = F.scaled_dot_product_attention(*expanded, attn_mask=mask)
-    out = tk.scaled_dot_product_attention(*inputs, attn_mask=mask)
-    assert out.shape == expected.shape
-    assert_close(out, expected, 1e-9, "out")
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
-        assert grad.shape == expected_grad.shape, name
-        assert_close(grad, expected_grad, 1e-9, f"grad {name}")
+    _assert_matches_torch(inputs, mask, 1e-9)
 
 
-def test_batch_broadcasting_5d_with_grouped_heads():
-    q = torch.randn(2, 1, 4, 5, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 3, 2, 7, 8, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 3, 1, 7, 8, dtype=torch.float64, requires_grad=True)
-    mask = torch.randn(3, 1, 5, 7, dtype=torch.float64, requires_grad=True)
-    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert out.shape == expected.shape == (2, 3, 4, 5, 8)
-    assert_close(out, expected, 1e-9, "out")
-    grad_out = torch.randn_like(out)
-    leaves = (q, k, v, mask)
-    for name, grad, expected_grad in zip(
-        "qkvm", torch.autograd.grad(out, leaves, grad_out), torch.autograd.grad(expected, leaves, grad_out)
-    ):
-        assert_close(grad, expected_grad, 1e-9, f"grad {name}")
+def _lead_case(q_form, k_form, v_form, mask_form, dtype, device, heads=4, kv_heads=4):
+    lq, lk = 5, 7
+    shapes = [
+        (*LEAD_FORMS[q_form], heads, lq, 8),
+        (*LEAD_FORMS[k_form], kv_heads, lk, 8),
+        (*LEAD_FORMS[v_form], kv_heads, lk, 4),
+    ]
+    inputs = [torch.randn(*shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes]
+    mask = None if mask_form is None else _random_mask((*LEAD_FORMS[mask_form], 1, lq, lk), dtype, device, True)
+    return inputs, mask
+
+
+@pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), LEAD_CASES)
+def test_batch_broadcasting_5d_matches_torch(q_form, k_form, v_form, mask_form):
+    """5-D inputs ``[X, Y, H, L, E]`` with full, size-1 or missing leading dimensions in every
+    combination for query, key and value; the mask ``[..., 1, Lq, Lk]`` is broadcast over heads.
+    Some of these are read as views folded into ``[B, H']``, the rest copied; all are exact."""
+    inputs, mask = _lead_case(q_form, k_form, v_form, mask_form, torch.float64, "cpu")
+    _assert_matches_torch(inputs, mask, 1e-9)
+
+
+def test_mask_must_broadcast_to_query_key_scores():
+    """As in torch, attn_mask broadcasts to ``query @ key^T``, not to the output: a mask with
+    heads that only ``value`` has is refused, naming attn_mask."""
+    q = torch.randn(2, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(2, 3, 5, 7, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(2, 3, 5, 7\) cannot be broadcast to the shape of "
+                       r"query @ key\^T, \[\.\.\., Lq, Lk\] = \(2, 1, 5, 7\)"):
+        tk.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(2, 3, 5, 7, dtype=torch.float64))
+    _assert_matches_torch((q, k, v), torch.randn(2, 1, 5, 7, dtype=torch.float64, requires_grad=True), 1e-9)
+
+
+# Grouped-query attention with broadcasting: (query, key, value, mask shapes, error if torch refuses).
+GQA_CASES = {
+    "4d": ((2, 6, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4), (2, 1, 5, 7), None),
+    "4d_batch_broadcast": ((2, 6, 5, 8), (1, 3, 7, 8), (3, 7, 4), (6, 5, 7), None),
+    "key_one_head": ((2, 6, 5, 8), (2, 1, 7, 8), (2, 3, 7, 4), None, None),
+    "key_value_heads_differ": ((2, 6, 5, 8), (2, 2, 7, 8), (2, 3, 7, 4), (2, 6, 5, 7), None),
+    "3d_groups_first_dim": ((6, 5, 8), (2, 7, 8), (3, 7, 4), (6, 5, 7), None),
+    "5d_folded_into_heads": ((2, 3, 4, 5, 8), (3, 2, 7, 8), (3, 2, 7, 4), (1, 1, 5, 7), None),
+    "5d_copied": ((2, 1, 4, 5, 8), (1, 3, 2, 7, 8), (2, 3, 1, 7, 8), (3, 1, 5, 7), None),
+    "query_fewer_heads": ((2, 2, 5, 8), (2, 4, 7, 8), (2, 4, 7, 4), None, "multiple of"),
+    "not_divisible": ((2, 6, 5, 8), (2, 4, 7, 8), (2, 4, 7, 4), None, "multiple of"),
+    "key_without_heads": ((2, 6, 5, 8), (7, 8), (2, 1, 7, 4), None, "key must have a heads dimension"),
+}
+
+
+def _gqa_case(name, dtype, device):
+    *shapes, mask_shape, error = GQA_CASES[name]
+    inputs = [torch.randn(*shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes]
+    mask = None if mask_shape is None else _random_mask(mask_shape, dtype, device, True)
+    return inputs, mask, error
+
+
+@pytest.mark.parametrize("name", GQA_CASES)
+def test_grouped_query_attention_broadcasting_matches_torch(name):
+    """enable_gqa groups dimension -3 as torch does: heads of 4-D and 5-D inputs (served natively,
+    also folded with leading dims), the first dimension of 3-D inputs, and key and value with
+    different head counts (both repeated); refused where torch refuses."""
+    inputs, mask, error = _gqa_case(name, torch.float64, "cpu")
+    _assert_matches_torch(inputs, mask, 1e-9, enable_gqa=True, error_match=error or "attn_mask of shape")
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
@@ -466,38 +532,98 @@ def test_batch_broadcasting_5d_with_grouped_heads():
     ("batch_1", "heads_1", "heads_1", "2d"),
 ])
 def test_batch_broadcasting_triton(q_form, k_form, v_form, mask_form):
-    device = device_for("triton")
-    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float32, device, float_mask=True)
-    leaves = inputs + ([mask] if mask is not None else [])
-    out = tk.scaled_dot_product_attention(*inputs, attn_mask=mask, backend="triton")
-    expected = F.scaled_dot_product_attention(*inputs, attn_mask=mask)
-    assert_close(out, expected, 1e-4, "out")
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
-        assert_close(grad, expected_grad, 1e-4, f"grad {name}")
+    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float32, device_for("triton"), True)
+    _assert_matches_torch(inputs, mask, 1e-4, backend="triton")
 
 
-def test_broadcast_inputs_reach_the_backend_as_views(monkeypatch):
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
+@pytest.mark.parametrize("name", ["5d_folded_into_heads", "key_value_heads_differ", "3d_groups_first_dim"])
+def test_grouped_query_attention_broadcasting_triton(name):
+    inputs, mask, _ = _gqa_case(name, torch.float32, device_for("triton"))
+    _assert_matches_torch(inputs, mask, 1e-4, enable_gqa=True, backend="triton")
+
+
+def _spy_on_forward(monkeypatch, backend: str) -> list:
+    """The query, key, value and attn_mask that the backend's forward receives, once called."""
+    if backend == "eager":
+        module = eager_attention
+    else:
+        from transformer_kernels.backends.triton import attention as module
     seen = []
-    forward = eager_attention.forward
+    forward = module.forward
 
-    def spy(query, key, value, *args):
-        seen.extend([query, key, value])
-        return forward(query, key, value, *args)
+    def spy(query, key, value, key_padding_mask, key_bounds, attn_mask, *args):
+        seen[:] = [query, key, value, attn_mask]
+        return forward(query, key, value, key_padding_mask, key_bounds, attn_mask, *args)
 
-    monkeypatch.setattr(eager_attention, "forward", spy)
-    q = torch.randn(1, 3, 5, 8)
-    k = torch.randn(2, 1, 7, 8)
-    v = torch.randn(7, 8)
-    out = tk.scaled_dot_product_attention(q, k, v, backend="eager")
-    assert out.shape == (2, 3, 5, 8)
+    monkeypatch.setattr(module, "forward", spy)
+    return seen
+
+
+def _assert_views(given, received, shapes_and_strides) -> None:
+    for name, tensor, view, (shape, strides) in zip("qkvm", given, received, shapes_and_strides):
+        assert view.data_ptr() == tensor.data_ptr(), f"{name} was copied"
+        assert (tuple(view.shape), view.stride()) == (shape, strides), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_inputs_reach_the_backend_as_views(monkeypatch, backend):
+    seen = _spy_on_forward(monkeypatch, backend)
+    device = device_for(backend)
+    q = torch.randn(1, 3, 5, 16, device=device)
+    k = torch.randn(2, 1, 7, 16, device=device)
+    v = torch.randn(7, 16, device=device)
+    mask = torch.randn(1, 1, 5, 7, device=device)
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    assert out.shape == (2, 3, 5, 16)
     # query's and value's batch dims are broadcast (stride 0); key's and value's single head
     # stays a single key/value head, served as grouped-query attention.
-    expected_strides = [(0, 40, 8, 1), (56, 56, 8, 1), (0, 56, 8, 1)]
-    for given, received, strides in zip((q, k, v), seen, expected_strides):
-        assert received.data_ptr() == given.data_ptr()
-        assert received.stride() == strides
+    _assert_views((q, k, v, mask), seen, [
+        ((2, 3, 5, 16), (0, 80, 16, 1)),
+        ((2, 1, 7, 16), (112, 112, 16, 1)),
+        ((2, 1, 7, 16), (0, 112, 16, 1)),
+        ((2, 3, 5, 7), (0, 0, 7, 1)),
+    ])
+
+
+def test_5d_inputs_fold_into_the_backends_batch_and_heads_as_views(monkeypatch):
+    """``[X, Y, H, ...]`` becomes ``[X * Y, H, ...]`` where every input allows it as a view, else
+    ``[X, Y * H, ...]``: key/value shared over X (a stride-0 X) and query's Y and heads merge."""
+    seen = _spy_on_forward(monkeypatch, "eager")
+    q = torch.randn(2, 3, 4, 5, 8)
+    k, v = torch.randn(4, 7, 8), torch.randn(4, 7, 8)
+    tk.scaled_dot_product_attention(q, k, v, backend="eager")
+    _assert_views((q, k, v), seen, [
+        ((6, 4, 5, 8), (160, 40, 8, 1)),
+        ((6, 4, 7, 8), (0, 56, 8, 1)),
+        ((6, 4, 7, 8), (0, 56, 8, 1)),
+    ])
+    k, v = torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)
+    mask = torch.zeros(5, 7, dtype=torch.bool)
+    tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, backend="eager")
+    _assert_views((q, k, v, mask), seen, [
+        ((2, 12, 5, 8), (480, 40, 8, 1)),
+        ((2, 6, 7, 8), (0, 56, 8, 1)),
+        ((2, 6, 7, 8), (0, 56, 8, 1)),
+        ((2, 12, 5, 7), (0, 0, 7, 1)),
+    ])
+
+
+@pytest.mark.parametrize(("padding_shape", "copies_key"), [((2, 1, 7), False), ((7,), False), ((2, 3, 7), True)])
+def test_key_padding_mask_of_5d_inputs(monkeypatch, padding_shape, copies_key):
+    """key_padding_mask ``[X, Y, Lk]`` (or broadcastable to it) with key/value shared over X: a
+    padding mask constant over Y lets Y fold into heads (key/value stay views); one that varies
+    over Y keeps Y in the batch, which copies key/value."""
+    seen = _spy_on_forward(monkeypatch, "eager")
+    q = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(3, 4, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 4, 7, 8, dtype=torch.float64, requires_grad=True)
+    padding = torch.rand(padding_shape) < 0.4
+    padding[..., 0] = False
+    out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding, backend="eager")
+    assert (seen[1].data_ptr() != k.data_ptr()) == copies_key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~padding[..., None, None, :])
+    _assert_same_values_and_grads(out, expected, (q, k, v), 1e-9)
 
 
 @pytest.mark.parametrize(("padding_shape", "ok"), [((2, 7), True), ((1, 7), True), ((7,), True), ((3, 7), False)])
@@ -693,8 +819,17 @@ def _bad_inputs():
 
     return [
         ("batch", kv(3, 4, 10, 16), ValueError, "query, key and value must have batch dimensions that broadcast"),
-        ("batch_rank", kv(3, 3, 4, 10, 16), ValueError, "query, key and value must have batch dimensions that broadcast"),
-        ("heads", kv(2, 2, 10, 16), ValueError, "key must have as many heads as query"),
+        ("batch_rank", kv(3, 3, 4, 10, 16), ValueError,
+         "query, key and value must have batch dimensions that broadcast"),
+        ("gqa_rank", dict(key=torch.randn(10, 16), enable_gqa=True), ValueError,
+         r"with enable_gqa=True, key must have a heads dimension \(dimension -3"),
+        ("gqa_value_divisible", dict(value=torch.randn(2, 3, 10, 16), enable_gqa=True), ValueError,
+         r"query heads \(4\) must be a multiple of the number of key heads \(4\) and of value heads \(3\)"),
+        ("mask_batch", dict(attn_mask=torch.ones(3, 4, 8, 10, dtype=torch.bool)), ValueError,
+         r"attn_mask of shape \(3, 4, 8, 10\) cannot be broadcast"),
+        ("heads", kv(2, 2, 10, 16), ValueError, r"key and value must have as many heads as query \(4\) or one"),
+        ("value_heads_vs_query", dict(key=torch.randn(2, 1, 10, 16), value=torch.randn(2, 2, 10, 16)), ValueError,
+         r"key and value must have as many heads as query \(4\) or one"),
         ("gqa_divisible", dict(**kv(2, 3, 10, 16), enable_gqa=True), ValueError, "multiple of"),
         ("value_heads", dict(value=torch.randn(2, 2, 10, 16)), ValueError, "value must have as many heads as key"),
         ("head_dim", dict(key=torch.randn(2, 4, 10, 8)), ValueError, "key must have query's head dim"),

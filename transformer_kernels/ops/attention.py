@@ -68,15 +68,26 @@ def scaled_dot_product_attention(
 
     ``query``, ``key`` and ``value`` have one floating dtype and one device,
     and their batch dimensions ``...`` (heads included) broadcast against each
-    other as in torch: a dimension may be 1 or missing (query ``[4, 3, 8]``
-    with key/value ``[4, 4, 6, 8]`` gives ``[4, 4, 3, 8]``), and gradients
-    are summed over the dimensions an input was broadcast along.  ``Hk``
-    equals ``Hq`` or is 1, or divides ``Hq`` with ``enable_gqa``.  ``E`` and
-    ``Ev`` are 1 to 256 and may differ; ``Lq`` and ``Lk`` are any lengths
-    >= 1 and may differ.  Inputs may have any strides (e.g.
-    ``x.view(B, L, H, D).transpose(1, 2)``) and are read in place, broadcast
-    ones as stride-0 views; only inputs of more than 4 dimensions whose
-    broadcast leading dimensions cannot be flattened into one are copied.
+    other exactly as torch broadcasts them: a dimension may be 1 or missing
+    (query ``[4, 3, 8]`` with key/value ``[4, 4, 6, 8]`` gives
+    ``[4, 4, 3, 8]``), and gradients are summed over the dimensions an input
+    was broadcast along.  Heads broadcast like any batch dimension (query's,
+    key's or value's count may be 1); with ``enable_gqa``, ``Hk`` divides
+    ``Hq`` instead.  ``E`` and ``Ev`` are 1 to 256 and may
+    differ; ``Lq`` and ``Lk`` are any lengths >= 1 and may differ.  What torch
+    refuses is refused with a ``ValueError`` that names the argument.
+
+    Inputs may have any strides (e.g. ``x.view(B, L, H, D).transpose(1, 2)``)
+    and are read in place, broadcast ones as stride-0 (``expand``-ed) views.
+    The backends take ``[B, H, L, X]``; inputs of more than 4 dimensions
+    ``[*lead, H, L, X]`` fold ``lead`` into ``B`` as views where every input's
+    strides allow it, else fold its inner dimensions into the heads
+    (``[X, Y, H]`` as ``[X, Y * H]``, e.g. for key/value shared over ``X``;
+    a ``key_padding_mask`` that varies along a leading dimension keeps it in
+    ``B``).  Only where neither is a view (an input broadcast along an inner
+    leading dimension but not an outer one, or inputs broadcast along
+    different ones) are the inputs that cannot fold copied, an attn_mask
+    included.
 
     Args:
         query, key, value: the attention inputs, shapes above.
@@ -91,7 +102,10 @@ def scaled_dot_product_attention(
               (``causal_upper_left(Lq, Lk)`` or ``causal_lower_right(Lq, Lk)``),
               applied structurally without materializing any mask.
 
-            A broadcast mask is never copied: it is ``expand``-ed.
+            As in torch (which adds it to ``query @ key^T`` in place), the
+            mask must broadcast to the shape of ``query @ key^T``, not only
+            to the output's: a mask may not add dimensions that only
+            ``value`` has.  It is read through ``expand``, not copied.
         dropout_p: probability in ``[0, 1)`` of dropping an attention weight
             (after the softmax; kept weights are scaled by ``1 / (1 - dropout_p)``).
             Like torch, dropout applies whenever ``dropout_p > 0``; pass
@@ -99,12 +113,19 @@ def scaled_dot_product_attention(
         is_causal: top-left causal mask: query ``i`` attends to keys ``j <= i``
             (torch's convention).  An error together with ``attn_mask``.
         scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
-        enable_gqa: grouped-query attention: ``Hq`` must be a multiple of
-            ``Hk``, and query head ``h`` uses key/value head ``h // (Hq // Hk)``.
+        enable_gqa: grouped-query attention, torch's rules: every input
+            needs a dimension -3 (heads), ``Hq`` must be a multiple of key's
+            and of value's heads, and query head ``h`` uses key head
+            ``h // (Hq // Hk)`` (value likewise).  Served without copies when
+            key and value have one head count (or one of them a single head).
+            Otherwise, and for 3-D inputs (whose dimension -3 is the batch),
+            a key or value whose count is neither 1 nor ``Hq`` is repeated to
+            ``Hq`` as torch does (a copy).
         key_padding_mask: optional bool tensor ``[..., Lk]`` over the output's
             batch dimensions without heads (``[B, Lk]`` for 4-D inputs,
-            ``[N, Lk]`` for 3-D ones, or any shape that broadcasts to it, e.g.
-            ``[Lk]``): True marks a *padding* key
+            ``[N, Lk]`` for 3-D ones, ``[Lk]`` for 2-D ones, or any shape that
+            broadcasts to it, e.g. ``[Lk]`` or ``[1, Lk]``; the same padding
+            for every head): True marks a *padding* key
             that no query attends to (the :class:`torch.nn.MultiheadAttention`
             convention, e.g. ``tokens.eq(pad_id)``).  Suffix padding, left
             padding and holes are all allowed.  It is never expanded to
@@ -186,7 +207,8 @@ def scaled_dot_product_attention(
             )
 
     ndim = max(query.dim(), key.dim(), value.dim())
-    q, k, v, lead_shape = _broadcast_qkv(query, key, value, ndim, enable_gqa)
+    grouped_key, grouped_value = _grouped_key_value(query, key, value, ndim) if enable_gqa else (key, value)
+    q, k, v, lead_shape = _broadcast_qkv(query, grouped_key, grouped_value, ndim, enable_gqa)
     # The output's batch dimensions without heads (key_padding_mask's) and with them: [*lead] and
     # [*lead, H] for 4-D and more, [N] for 3-D, none for 2-D.
     sequence_shape = lead_shape if ndim >= 3 else ()
@@ -221,15 +243,15 @@ def scaled_dot_product_attention(
             raise TypeError(
                 f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}"
             )
-        scores_shape = (*batch_shape, lq, lk)
+        scores_shape = (*_score_batch_shape(query, key, enable_gqa), lq, lk)
         if not _broadcasts_to(attn_mask.shape, scores_shape):
             raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the scores' shape "
-                f"[..., Hq, Lq, Lk] = {scores_shape}"
+                f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the shape of "
+                f"query @ key^T, [..., Lq, Lk] = {scores_shape}"
             )
-        mask = _merge_leading(_canonical(attn_mask.expand(scores_shape), ndim))
+        mask = _canonical(attn_mask.expand(*batch_shape, lq, lk), ndim)
 
-    padding, key_bounds = None, None
+    padding_lead_shape = None
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
         check_same_device("query", query, key_padding_mask=key_padding_mask)
@@ -239,7 +261,17 @@ def scaled_dot_product_attention(
                 f"key_padding_mask must have shape [..., Lk] = {expected} (the output's batch dimensions without "
                 f"heads, key's length) or one that broadcasts to it, got {tuple(key_padding_mask.shape)}"
             )
-        padding = key_padding_mask.expand(expected).reshape(-1, lk).contiguous()
+        padding_lead_shape = (1,) * (len(lead_shape) + 1 - key_padding_mask.dim()) + key_padding_mask.shape[:-1]
+
+    split = _batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
+    q, k, v = (_fold(t, split) for t in (q, k, v))
+    if mask is not None:
+        mask = _fold(mask, split)
+    padding, key_bounds = None, None
+    if key_padding_mask is not None:
+        # Constant along the dimensions folded into heads (_batch_split made sure): one row per batch element.
+        padding = key_padding_mask.expand(*lead_shape, lk)[(slice(None),) * split + (0,) * (len(lead_shape) - split)]
+        padding = padding.reshape(-1, lk).contiguous()
         key_bounds = _key_bounds(padding)
 
     dropout_p = float(dropout_p)
@@ -267,16 +299,45 @@ def _canonical(tensor: Tensor, ndim: int) -> Tensor:
     return tensor.unsqueeze(-3) if ndim <= 3 else tensor
 
 
-def _merge_leading(tensor: Tensor) -> Tensor:
-    """``[*lead, H, L, X]`` → ``[B, H, L, X]``: a view unless ``lead`` has several dimensions whose
-    strides cannot merge (e.g. one broadcast, one not), which only then costs a copy."""
-    return tensor.flatten(0, -4) if tensor.dim() > 4 else tensor
+def _score_batch_shape(query: Tensor, key: Tensor, enable_gqa: bool) -> torch.Size:
+    """The batch shape of torch's ``query @ key^T`` (key's heads repeated to query's with ``enable_gqa``),
+    which attn_mask must broadcast to: torch adds the mask to it in place.  ``query`` and ``key``
+    as the caller passed them, already checked to broadcast."""
+    key_batch = key.shape[:-2]
+    if enable_gqa:
+        key_batch = (*key_batch[:-1], query.shape[-3])
+    return torch.broadcast_shapes(query.shape[:-2], key_batch)
+
+
+def _grouped_key_value(query: Tensor, key: Tensor, value: Tensor, ndim: int) -> tuple[Tensor, Tensor]:
+    """torch's ``enable_gqa`` checks: every input has a dimension -3 (heads) and key's and value's
+    counts divide query's.  The backends group one key/value head count over the query heads
+    natively; where that cannot express torch's grouping (3-D inputs, whose dimension -3 is the
+    batch, or key and value with different counts, neither 1) the key/value is repeated to
+    query's count as torch does, which copies it."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() < 3:
+            raise ValueError(
+                f"with enable_gqa=True, {name} must have a heads dimension (dimension -3 of [..., H, L, E]), "
+                f"got shape {tuple(tensor.shape)}"
+            )
+    num_heads, key_heads, value_heads = query.shape[-3], key.shape[-3], value.shape[-3]
+    if num_heads % key_heads != 0 or num_heads % value_heads != 0:
+        raise ValueError(
+            f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of the number of "
+            f"key heads ({key_heads}) and of value heads ({value_heads}) (dimension -3)"
+        )
+    if ndim > 3 and (key_heads == value_heads or 1 in (key_heads, value_heads)):
+        return key, value
+    return tuple(
+        t if t.shape[-3] in (1, num_heads) else t.repeat_interleave(num_heads // t.shape[-3], dim=-3)
+        for t in (key, value)
+    )
 
 
 def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_gqa: bool):
-    """``query``, ``key``, ``value`` broadcast against each other by torch's rules, as ``[B, H, L, X]``
-    views (stride 0 along broadcast dimensions, never a copy for inputs of up to 4 dimensions), and
-    the broadcast leading shape ``lead`` (the dimensions before heads) that ``B`` flattens.
+    """``query``, ``key``, ``value`` broadcast against each other by torch's rules, as
+    ``[*lead, H, L, X]`` ``expand``-ed views, and the broadcast leading shape ``lead``.
 
     The leading dimensions broadcast as usual.  Heads broadcast too (a size-1 side is expanded),
     except that key/value heads that divide the query heads stay as they are: the backends serve
@@ -298,21 +359,52 @@ def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_
     kv_heads = max(key_heads, value_heads)
     if num_heads == 1 and not enable_gqa:
         num_heads = kv_heads
-    elif kv_heads != num_heads and kv_heads != 1:
-        if not enable_gqa:
-            raise ValueError(
-                f"key must have as many heads as query ({num_heads}), or one, got shape {tuple(key.shape)}; "
-                "pass enable_gqa=True for grouped-query attention"
-            )
-        if num_heads % kv_heads != 0:
-            raise ValueError(
-                f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of "
-                f"the number of key/value heads ({kv_heads})"
-            )
+    elif kv_heads != num_heads and kv_heads != 1 and not enable_gqa:
+        raise ValueError(
+            f"key and value must have as many heads as query ({num_heads}) or one, got shapes "
+            f"{tuple(key.shape)} and {tuple(value.shape)}; pass enable_gqa=True for grouped-query attention"
+        )
     q = q.expand(*lead_shape, num_heads, *q.shape[-2:])
     k = k.expand(*lead_shape, kv_heads, *k.shape[-2:])
     v = v.expand(*lead_shape, kv_heads, *v.shape[-2:])
-    return _merge_leading(q), _merge_leading(k), _merge_leading(v), lead_shape
+    return q, k, v, lead_shape
+
+
+def _mergeable(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether these adjacent dimensions can be viewed as one (size-1 dimensions have no stride)."""
+    kept = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
+    return all(outer[1] == inner[1] * inner[0] for outer, inner in zip(kept, kept[1:]))
+
+
+def _batch_split(lead_shape: tuple[int, ...], tensors: list[Optional[Tensor]], padding_lead_shape) -> int:
+    """How many of the leading dimensions the backends' batch dimension folds; the others fold into
+    the heads dimension (with the heads last), see :func:`_fold`.
+
+    All of them when every tensor (``[*lead, H, L, X]``) allows that as a view.  A tensor
+    broadcast along an outer leading dimension but not an inner one does not (a stride-0
+    dimension never merges with a strided one), so fewer are tried, down to none, keeping the
+    first split that leaves every tensor a view; the key padding mask, one row per batch element,
+    must then have size 1 along the dimensions folded into heads.  When no split does, all of
+    them, and :func:`_fold` copies the tensors that cannot merge.
+    """
+    for split in range(len(lead_shape), -1, -1):
+        if padding_lead_shape is not None and any(size != 1 for size in padding_lead_shape[split:]):
+            continue
+        if all(
+            t is None or (_mergeable(t.shape[:split], t.stride()[:split])
+                          and _mergeable(t.shape[split:-2], t.stride()[split:-2]))
+            for t in tensors
+        ):
+            return split
+    return len(lead_shape)
+
+
+def _fold(tensor: Tensor, split: int) -> Tensor:
+    """``[*lead, H, L, X]`` → ``[B, H', L, X]`` with ``B = prod(lead[:split])`` and
+    ``H' = prod(lead[split:]) * H``: a view where :func:`_batch_split` found one, else a copy.
+    Grouped heads stay grouped: query head ``(i, h)`` is ``i * Hq + h`` and its key/value head
+    ``i * Hk + h // (Hq / Hk)`` is the one the backends pick."""
+    return tensor.reshape(math.prod(tensor.shape[:split]), -1, *tensor.shape[-2:])
 
 
 def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
