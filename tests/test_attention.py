@@ -408,11 +408,13 @@ def _random_mask(shape, dtype, device, float_mask: bool, requires_grad: bool = T
 
 
 def _broadcast_case(q_form, k_form, v_form, mask_form, dtype, device, float_mask):
+    # Head dims of 16 keep the triton backend from padding (copying) its inputs, so its kernels
+    # read the stride-0 views themselves.
     batch, heads, lq, lk = 2, 3, 5, 7
     shapes = [
-        BROADCAST_FORMS[q_form](batch, heads, lq, 8),
-        BROADCAST_FORMS[k_form](batch, heads, lk, 8),
-        BROADCAST_FORMS[v_form](batch, heads, lk, 4),
+        BROADCAST_FORMS[q_form](batch, heads, lq, 16),
+        BROADCAST_FORMS[k_form](batch, heads, lk, 16),
+        BROADCAST_FORMS[v_form](batch, heads, lk, 16),
     ]
     inputs = [torch.randn(*shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes]
     mask = None
@@ -495,16 +497,16 @@ def test_mask_must_broadcast_to_query_key_scores():
 
 # Grouped-query attention with broadcasting: (query, key, value, mask shapes, error if torch refuses).
 GQA_CASES = {
-    "4d": ((2, 6, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4), (2, 1, 5, 7), None),
-    "4d_batch_broadcast": ((2, 6, 5, 8), (1, 3, 7, 8), (3, 7, 4), (6, 5, 7), None),
-    "key_one_head": ((2, 6, 5, 8), (2, 1, 7, 8), (2, 3, 7, 4), None, None),
-    "key_value_heads_differ": ((2, 6, 5, 8), (2, 2, 7, 8), (2, 3, 7, 4), (2, 6, 5, 7), None),
-    "3d_groups_first_dim": ((6, 5, 8), (2, 7, 8), (3, 7, 4), (6, 5, 7), None),
-    "5d_folded_into_heads": ((2, 3, 4, 5, 8), (3, 2, 7, 8), (3, 2, 7, 4), (1, 1, 5, 7), None),
-    "5d_copied": ((2, 1, 4, 5, 8), (1, 3, 2, 7, 8), (2, 3, 1, 7, 8), (3, 1, 5, 7), None),
-    "query_fewer_heads": ((2, 2, 5, 8), (2, 4, 7, 8), (2, 4, 7, 4), None, "multiple of"),
-    "not_divisible": ((2, 6, 5, 8), (2, 4, 7, 8), (2, 4, 7, 4), None, "multiple of"),
-    "key_without_heads": ((2, 6, 5, 8), (7, 8), (2, 1, 7, 4), None, "key must have a heads dimension"),
+    "4d": ((2, 6, 5, 16), (2, 2, 7, 16), (2, 2, 7, 8), (2, 1, 5, 7), None),
+    "4d_batch_broadcast": ((2, 6, 5, 16), (1, 3, 7, 16), (3, 7, 16), (6, 5, 7), None),
+    "key_one_head": ((2, 6, 5, 16), (2, 1, 7, 16), (2, 3, 7, 16), None, None),
+    "key_value_heads_differ": ((2, 6, 5, 16), (2, 2, 7, 16), (2, 3, 7, 16), (2, 6, 5, 7), None),
+    "3d_groups_first_dim": ((6, 5, 16), (2, 7, 16), (3, 7, 16), (6, 5, 7), None),
+    "5d_folded_into_heads": ((2, 3, 4, 5, 16), (3, 2, 7, 16), (3, 2, 7, 16), (1, 1, 5, 7), None),
+    "5d_copied": ((2, 1, 4, 5, 16), (1, 3, 2, 7, 16), (2, 3, 1, 7, 16), (3, 1, 5, 7), None),
+    "query_fewer_heads": ((2, 2, 5, 16), (2, 4, 7, 16), (2, 4, 7, 8), None, "multiple of"),
+    "not_divisible": ((2, 6, 5, 16), (2, 4, 7, 16), (2, 4, 7, 8), None, "multiple of"),
+    "key_without_heads": ((2, 6, 5, 16), (7, 16), (2, 1, 7, 8), None, "key must have a heads dimension"),
 }
 
 
@@ -568,14 +570,17 @@ def _assert_views(given, received, shapes_and_strides) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_broadcast_inputs_reach_the_backend_as_views(monkeypatch, backend):
+    """Broadcast inputs arrive as stride-0 views of the caller's storage, and the backend computes
+    torch's values and gradients from them."""
     seen = _spy_on_forward(monkeypatch, backend)
     device = device_for(backend)
-    q = torch.randn(1, 3, 5, 16, device=device)
-    k = torch.randn(2, 1, 7, 16, device=device)
-    v = torch.randn(7, 16, device=device)
-    mask = torch.randn(1, 1, 5, 7, device=device)
+    q, k, v, mask = (
+        torch.randn(*shape, device=device, requires_grad=True)
+        for shape in ((1, 3, 5, 16), (2, 1, 7, 16), (7, 16), (1, 1, 5, 7))
+    )
     out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
-    assert out.shape == (2, 3, 5, 16)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    _assert_same_values_and_grads(out, expected, (q, k, v, mask), 1e-5)
     # query's and value's batch dims are broadcast (stride 0); key's and value's single head
     # stays a single key/value head, served as grouped-query attention.
     _assert_views((q, k, v, mask), seen, [
