@@ -1,0 +1,122 @@
+"""Sweep the tile configurations of the Triton attention kernels on the present GPU.
+
+    python benchmarks/tune_attention.py [--out DIR] [--budget SECONDS]
+
+For each kernel (forward, dK/dV, dQ), head dim and causal switch, every candidate ``BlockConfig``
+is timed (``triton.testing.do_bench``, median) with the other two kernels at their table entries,
+next to torch SDPA.  A candidate that fails to compile (shared memory) is reported as such.  The
+fastest candidate is only a proposal: a table entry must also pass ``tests/test_triton_compile.py``
+(no spills, under every supported triton) before it lands.  Results go to stdout and, row by row,
+to ``DIR/tune_attention.csv`` so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+import transformer_kernels as tk
+from transformer_kernels.backends.triton import attention as triton_attention
+from transformer_kernels.backends.triton.attention import BlockConfig
+
+CANDIDATES = {
+    # (block_m, block_n, num_warps, num_stages); forward and dQ own block_m queries, dK/dV block_n keys.
+    "forward": [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+                (128, 32, 4, 3), (64, 128, 4, 3)],
+    "dkdv": [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 64, 4, 3),
+             (64, 128, 8, 3), (16, 128, 4, 4)],
+    "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
+}
+# (head dim, batch, heads, length): 16k tokens per batch, 2048 model width, as in bench_attention.
+SHAPES = [(64, 16, 32, 1024), (128, 8, 16, 2048)]
+
+
+def _inputs(head_dim: int, batch: int, heads: int, length: int, dtype: torch.dtype, grad: bool):
+    # [B, L, H, D] storage seen as [B, H, L, D], as a projection's output is.
+    return [
+        torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_(grad)
+        for _ in range(3)
+    ]
+
+
+def _timed(kernel: str, q, k, v, causal: bool) -> float:
+    if kernel == "forward":
+        with torch.no_grad():
+            return triton.testing.do_bench(
+                lambda: tk.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton"),
+                warmup=10, rep=60, return_mode="median",
+            )
+    out = tk.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton")
+    grad_out = torch.randn_like(out)
+    return triton.testing.do_bench(
+        lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
+        warmup=10, rep=60, return_mode="median",
+    )
+
+
+def _sdpa_ms(kernel: str, q, k, v, causal: bool) -> float:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if kernel == "forward":
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal), return_mode="median")
+    out = sdpa(q, k, v, is_causal=causal)
+    grad_out = torch.randn_like(out)
+    return triton.testing.do_bench(
+        lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True), return_mode="median"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--budget", type=float, default=300.0, help="stop starting new sweeps after this")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table_config = triton_attention.block_config
+    started = time.perf_counter()
+    with open(args.out / "tune_attention.csv", "w", newline="") as f:
+        rows = csv.writer(f)
+        rows.writerow(["kernel", "head_dim", "causal", "config", "ms", "sdpa_ms", "table_entry"])
+        for kernel in CANDIDATES:
+            for head_dim, batch, heads, length in SHAPES:
+                for causal in (False, True):
+                    if time.perf_counter() - started > args.budget:
+                        print("budget spent; stopping")
+                        return
+                    q, k, v = _inputs(head_dim, batch, heads, length, dtype, kernel != "forward")
+                    current = table_config(kernel, head_dim, head_dim, dtype, False)
+                    sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
+                    results = []
+                    for block in [tuple(vars(current).values())] + CANDIDATES[kernel]:
+                        candidate = BlockConfig(*block)
+
+                        def patched(name, *rest, _candidate=candidate, _kernel=kernel):
+                            return _candidate if name == _kernel else table_config(name, *rest)
+
+                        triton_attention.block_config = patched
+                        try:
+                            ms = _timed(kernel, q, k, v, causal)
+                        except Exception as error:  # out of shared memory, too many registers
+                            ms = float("nan")
+                            print(f"  {kernel} {block}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+                        finally:
+                            triton_attention.block_config = table_config
+                        results.append((ms, block))
+                        rows.writerow([kernel, head_dim, causal, block, f"{ms:.4f}", f"{sdpa_ms:.4f}",
+                                       candidate == current])
+                        f.flush()
+                    timed = sorted(r for r in results if r[0] == r[0])
+                    print(f"{kernel} d{head_dim} L{length} causal={causal}: sdpa {sdpa_ms:.3f} ms; table "
+                          f"{results[0][1]} {results[0][0]:.3f} ms; best {timed[0][1]} {timed[0][0]:.3f} ms; "
+                          + ", ".join(f"{b}:{m:.3f}" for m, b in timed[1:4]))
+
+
+if __name__ == "__main__":
+    main()
