@@ -27,7 +27,9 @@ step() {  # step NAME SECONDS COMMAND...
 
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
 step install 150 python3 -m pip install --no-build-isolation --no-deps -e .
-step tests 240 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider --junitxml="$out/tests.xml"
+# Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
+parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+step tests 240 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider $parallel -rf --junitxml="$out/tests.xml"
 step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
 # Every group's per-round times reach <suite>.json as soon as it is measured; should the
 # benchmarks run out of time, the report is rewritten from what the JSON holds.

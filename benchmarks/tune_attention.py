@@ -91,7 +91,7 @@ def main() -> None:
                         print("budget spent; stopping")
                         return
                     q, k, v = _inputs(head_dim, batch, heads, length, dtype, kernel != "forward")
-                    current = table_config(kernel, head_dim, head_dim, dtype, False)
+                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense")
                     sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
                     results = []
                     for block in [tuple(vars(current).values())] + CANDIDATES[kernel]:

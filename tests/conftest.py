@@ -21,6 +21,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    """Every test starts with TF32 off for float32 matmuls and convolutions:
+    on CUDA torch's own convolutions (the references) use TF32 by default,
+    and the tests hold float32 results to float32 tolerances.  Tests of the
+    TF32 behaviour switch it on themselves with ``tf32_setting``."""
+    with tf32_setting("matmul", False, "legacy"), tf32_setting("conv", False, "legacy"):
+        yield
+
+
 @contextlib.contextmanager
 def tf32_setting(kind: str, allowed: bool, api: str):
     """Let float32 matmuls (``kind`` "matmul") or convolutions ("conv") use

@@ -27,6 +27,9 @@ __all__ = ["qkv_projection"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch.autocast casts these to its dtype and leaves float64 alone.
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+# Device types with an autocast mode (torch.amp.is_autocast_available, which torch 2.11's
+# torch.compile cannot trace); asking torch.is_autocast_enabled about any other raises.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
 
 
 
@@ -117,7 +120,7 @@ def _autocast(x: torch.Tensor, weight: object, bias: object) -> tuple[torch.Tens
     """Cast like ``nn.Linear`` under ``torch.autocast``: float16/bfloat16/float32 tensors go to the
     autocast dtype, float64 stays (and then fails the dtype check, as ``F.linear`` would)."""
     device_type = x.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not (device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
 

@@ -142,20 +142,24 @@ def _dropout_keep(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Query-major keep-mask [BLOCK_Q, BLOCK_K] for queries `q_idx` and keys
-    # key_start + arange(BLOCK_K) (key_start % 8 == 0) of one (batch, head).
-    # One Philox call, counter (key // 8, query, batch*head, offset), yields
-    # 4 x 32 random bits: 16 bits for each of 8 consecutive keys.  Element
-    # (i, j) thus depends only on its coordinates, so forward and both backward
-    # kernels regenerate the same mask whatever their tile shapes, and a key is
-    # kept when its 16 bits are >= threshold = round(p * 2**16).
-    groups = key_start // 8 + tl.arange(0, BLOCK_K // 8)
-    zero = q_idx[:, None] * 0 + groups[None, :] * 0
+    # key_start + arange(BLOCK_K) of one (batch, head).  Philox with counter
+    # (key // 8, query, batch*head, offset) yields 4 x 32 random bits: 16 bits
+    # for each of 8 consecutive keys, key % 8 choosing the word and its half.
+    # Element (i, j) thus depends only on its coordinates, so forward and both
+    # backward kernels regenerate the same mask whatever their tile shapes, and
+    # a key is kept when its 16 bits are >= threshold = round(p * 2**16).
+    # Each element computes its group's Philox itself: gathering 8 keys' bits
+    # from one call needs a join + reshape, which triton 3.6 miscompiled on
+    # sm_90 for 16-key float32 tiles (masks shuffled against the scores).
+    keys = key_start + tl.arange(0, BLOCK_K)
+    zero = q_idx[:, None] * 0 + keys[None, :] * 0
+    lane = keys[None, :] % 8 + zero
     r0, r1, r2, r3 = tl.philox(
-        dropout_seed, groups[None, :] + zero, q_idx[:, None] + zero, zero + head_batch, zero + dropout_offset
+        dropout_seed, keys[None, :] // 8 + zero, q_idx[:, None] + zero, zero + head_batch, zero + dropout_offset
     )
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    halves = tl.join(words & 0xFFFF, words >> 16)
-    return tl.reshape(halves, [BLOCK_Q, BLOCK_K]) >= dropout_threshold
+    word = tl.where(lane < 4, tl.where(lane < 2, r0, r1), tl.where(lane < 6, r2, r3))
+    bits = tl.where(lane % 2 == 0, word & 0xFFFF, word >> 16)
+    return bits >= dropout_threshold
 
 
 @triton.jit
@@ -772,6 +776,19 @@ _FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("dq", 128): BlockConfig(32, 64, 8, 2),
     ("dq", 256): BlockConfig(16, 32, 8, 1),
 }
+# DENSE: FAST inputs with neither causal nor key padding.  Lighter switches
+# do not always mean fewer registers: under triton 3.6 the FAST d128 forward
+# and dK/dV tiles spill on sm_90 without them, so this table has its own
+# entries there.  benchmarks/tune_attention.py on an H100 (triton 3.6) found
+# faster tiles for every kernel; of those only the d64 forward compiles
+# without spills under both triton versions on both architectures, the others
+# wait for a backward whose loop body holds fewer registers.
+_DENSE_CONFIGS = {
+    **_FAST_CONFIGS,
+    ("forward", 64): BlockConfig(128, 64, 4, 3),
+    ("forward", 128): BlockConfig(64, 64, 4, 2),
+    ("dkdv", 128): BlockConfig(32, 32, 8, 2),
+}
 # MASKED: 16-bit inputs with a dense mask (a tile of mask pointers and values)
 # or dropout (Philox state); smaller tiles keep them within registers.
 _MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
@@ -793,16 +810,19 @@ _MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
 _FLOAT32_CONFIGS: dict[tuple[str, int], BlockConfig] = {
     ("forward", 64): BlockConfig(32, 16, 4, 1),
     ("dkdv", 64): BlockConfig(16, 16, 8, 1),
-    ("dq", 64): BlockConfig(16, 32, 4, 1),
+    ("dq", 64): BlockConfig(16, 16, 4, 1),
 }
 MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # Triton before 3.9 (checked with 3.6) allocates registers differently: no
 # single dK/dV tile serves head dim 256 under both without spilling, and with
 # a dense mask or dropout none does under 3.6 at all (every tile of 16 to 32
 # rows, 1 to 16 warps spills), so ``unsupported_reason`` refuses that case.
+# Nor does one float32 dQ tile (with dropout's per-element Philox) serve both.
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 if _OLD_TRITON:
     _FAST_CONFIGS[("dkdv", 256)] = BlockConfig(16, 16, 8, 1)
+    _DENSE_CONFIGS[("dkdv", 256)] = BlockConfig(16, 16, 8, 1)
+    _FLOAT32_CONFIGS[("dq", 64)] = BlockConfig(16, 32, 4, 1)
     del _MASKED_CONFIGS[("dkdv", 256)]
 MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
@@ -816,22 +836,18 @@ _DELTA_BLOCK_M = 32
 _DELTA_NUM_WARPS = 4
 
 
-def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, heavy_masks: bool) -> BlockConfig:
+# The tables by mask variant (``_Masks.variant``) for 16-bit inputs.
+_CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MASKED_CONFIGS}
+
+
+def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> BlockConfig:
     """The configuration ``kernel`` ("forward", "dkdv" or "dq") runs with;
-    ``heavy_masks``: a dense attn_mask or dropout is on."""
+    ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``)."""
     if triton_interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
-    if dtype == torch.float32:
-        table = _FLOAT32_CONFIGS
-    else:
-        table = _MASKED_CONFIGS if heavy_masks else _FAST_CONFIGS
+    table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
     return table[(kernel, bucket)]
-
-
-# ---------------------------------------------------------------------------
-# Launchers
-# ---------------------------------------------------------------------------
 
 
 def unsupported_reason(
@@ -946,7 +962,7 @@ def _config_arguments(config: BlockConfig, dtype: torch.dtype, head_dim: int, he
         BLOCK_DV=next_power_of_2(head_dim_v),
         # float32 inputs: three tf32 products recover ~fp32 accuracy on tensor
         # cores (plain tf32 errs near 3e-4, far from torch's float32 math).
-        DOT_PRECISION=dot_input_precision(dtype, allow_tf32=False, fp32_exact="tf32x3"),
+        DOT_PRECISION=dot_input_precision(dtype, allow_tf32=True),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -989,9 +1005,14 @@ class _Masks:
         return pointers, strides, kwargs
 
     @property
-    def heavy(self) -> bool:
-        """A dense mask or dropout is on (they select the MASKED configs)."""
-        return self.attn_mask is not None or self.dropout_p > 0.0
+    def variant(self) -> str:
+        """Which configuration table serves these masks: "masked" (a dense mask
+        or dropout), "fast" (causal or key padding) or "dense" (none)."""
+        if self.attn_mask is not None or self.dropout_p > 0.0:
+            return "masked"
+        if self.causal != 0 or self.key_padding_mask is not None:
+            return "fast"
+        return "dense"
 
 
 def _forward_launches(
@@ -1002,7 +1023,7 @@ def _forward_launches(
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("forward", head_dim, head_dim_v, query.dtype, masks.heavy)
+    config = block_config("forward", head_dim, head_dim_v, query.dtype, masks.variant)
     return _chunked_launches(
         _attention_forward_kernel,
         triton.cdiv(seq_len_q, config.block_m),
@@ -1038,7 +1059,7 @@ def _dkdv_launches(
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("dkdv", head_dim, head_dim_v, query.dtype, masks.heavy)
+    config = block_config("dkdv", head_dim, head_dim_v, query.dtype, masks.variant)
     return _chunked_launches(
         _attention_backward_dkdv_kernel,
         triton.cdiv(seq_len_k, config.block_n),
@@ -1059,7 +1080,7 @@ def _dq_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> 
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("dq", head_dim, head_dim_v, query.dtype, masks.heavy)
+    config = block_config("dq", head_dim, head_dim_v, query.dtype, masks.variant)
     return _chunked_launches(
         _attention_backward_dq_kernel,
         triton.cdiv(seq_len_q, config.block_m),
@@ -1159,23 +1180,34 @@ def backward(
 _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS, _TARGET_LENGTH = 2, 4, 2, 256
 
 
-def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, all_masks: bool) -> KernelLaunch:
-    """The launch the backend makes for the representative problem: with
-    bottom-right causal and key padding, and with ``all_masks`` also a float
-    mask whose gradient is stored, and dropout."""
+# Representative switches per compile target: which of causal (bottom-right),
+# key padding and "all" (also a float mask whose gradient is stored, and
+# dropout) are on.
+_TARGET_VARIANTS = {
+    "dense": (False, False, False),
+    "causal_padding": (True, True, False),
+    "all_masks": (True, True, True),
+}
+
+
+def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str) -> KernelLaunch:
+    """The launch the backend makes for the representative problem with the
+    switches of ``variant`` (a key of ``_TARGET_VARIANTS``)."""
+    causal, padded, all_masks = _TARGET_VARIANTS[variant]
     batch, heads, kv_heads, length = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS, _TARGET_LENGTH
     query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
     key, value, dk, dv = (torch.empty(batch, kv_heads, length, head_dim, dtype=dtype) for _ in range(4))
     lse, delta = (torch.empty(batch, heads, length) for _ in range(2))
-    key_padding_mask = torch.zeros(batch, length, dtype=torch.bool)
-    key_bounds = torch.tensor([[0, length]] * batch, dtype=torch.int32)
-    attn_mask = grad_scores = None
+    key_padding_mask = key_bounds = attn_mask = grad_scores = None
+    if padded:
+        key_padding_mask = torch.zeros(batch, length, dtype=torch.bool)
+        key_bounds = torch.tensor([[0, length]] * batch, dtype=torch.int32)
     dropout_p, dropout_seed = 0.0, None
     if all_masks:
         attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
         grad_scores = torch.empty(batch, heads, length, length)
         dropout_p, dropout_seed = 0.1, torch.tensor([1234567, 89], dtype=torch.int64)
-    masks = _Masks(key_padding_mask, key_bounds, attn_mask, 2, head_dim**-0.5, dropout_p, dropout_seed)
+    masks = _Masks(key_padding_mask, key_bounds, attn_mask, 2 if causal else 0, head_dim**-0.5, dropout_p, dropout_seed)
     if kernel_name == "forward":
         launches = _forward_launches(query, key, value, out, lse, masks)
     elif kernel_name == "dkdv":
@@ -1189,26 +1221,26 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, all_mask
 
 def compile_targets() -> list[CompileTarget]:
     """Every configuration the dispatcher can choose, with the heaviest
-    switches it can be chosen with (lighter switches only remove code): FAST
-    configs with bottom-right causal and key padding, MASKED and FLOAT32
-    configs with every switch on (bottom-right causal, key padding, float
-    mask, dropout, dS store).  FAST configs compile in bfloat16 and MASKED in
-    float16, so both 16-bit types are covered."""
+    switches it can be chosen with (lighter switches only remove code): DENSE
+    configs with none, FAST configs with bottom-right causal and key padding,
+    MASKED and FLOAT32 configs with every switch on (bottom-right causal, key
+    padding, float mask, dropout, dS store).  DENSE and FAST configs compile
+    in bfloat16 and MASKED in float16, so both 16-bit types are covered."""
     targets = []
-    for table, dtype, all_masks in (
-        (_FAST_CONFIGS, torch.bfloat16, False),
-        (_MASKED_CONFIGS, torch.float16, True),
-        (_FLOAT32_CONFIGS, torch.float32, True),
+    for table, dtype, variant in (
+        (_DENSE_CONFIGS, torch.bfloat16, "dense"),
+        (_FAST_CONFIGS, torch.bfloat16, "causal_padding"),
+        (_MASKED_CONFIGS, torch.float16, "all_masks"),
+        (_FLOAT32_CONFIGS, torch.float32, "all_masks"),
     ):
-        variant = "all_masks" if all_masks else "causal_padding"
         for kernel_name, bucket in table:
             targets.append(CompileTarget(
                 f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{variant}",
-                functools.partial(_target_launch, kernel_name, bucket, dtype, all_masks),
+                functools.partial(_target_launch, kernel_name, bucket, dtype, variant),
             ))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
-            functools.partial(_target_launch, "delta", head_dim, dtype, False),
+            functools.partial(_target_launch, "delta", head_dim, dtype, "dense"),
         ))
     return targets

@@ -34,8 +34,6 @@ from ._common import (
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
     KernelLaunch,
-    dot_input_precision,
-    fp32_matmul_allows_tf32,
     multiprocessor_count,
 )
 
@@ -115,7 +113,6 @@ def _qkv_forward_kernel(
     stride_ol,
     NUM_PROJ: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,7 +139,7 @@ def _qkv_forward_kernel(
         k_mask = offs_k < in_features - k0
         a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K * stride_xe
         w_ptrs += BLOCK_K * stride_we
 
@@ -180,7 +177,6 @@ def _accumulate_grad_input(
     stride_gh,
     stride_wf,
     stride_we,
-    INPUT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     offs_f = tl.arange(0, BLOCK_K)
@@ -197,7 +193,7 @@ def _accumulate_grad_input(
             mask=f_mask[:, None],
             other=0.0,
         )
-        acc = tl.dot(g, w, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(g, w, acc)
     return acc
 
 
@@ -220,7 +216,6 @@ def _qkv_grad_input_kernel(
     stride_we,
     stride_dxt,
     NUM_PROJ: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -238,17 +233,17 @@ def _qkv_grad_input_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _accumulate_grad_input(
         acc, grad_q_ptr, weight_ptr, 0, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
-        INPUT_PRECISION, BLOCK_K,
+        BLOCK_K,
     )
     if NUM_PROJ >= 2:
         acc = _accumulate_grad_input(
             acc, grad_k_ptr, weight_ptr, 1, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
-            INPUT_PRECISION, BLOCK_K,
+            BLOCK_K,
         )
     if NUM_PROJ >= 3:
         acc = _accumulate_grad_input(
             acc, grad_v_ptr, weight_ptr, 2, grad_rows, e_in, embed_dim, head_dim, stride_gh, stride_wf, stride_we,
-            INPUT_PRECISION, BLOCK_K,
+            BLOCK_K,
         )
 
     mask = (offs_t < num_tokens)[:, None] & (offs_e < in_features)[None, :]
@@ -296,7 +291,6 @@ def _qkv_grad_weight_kernel(
     stride_dbs,
     NUM_PROJ: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -340,7 +334,7 @@ def _qkv_grad_weight_kernel(
             mask=t_mask[:, None],
             other=0.0,
         )
-        acc = tl.dot(g, xt, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(g, xt, acc)
         if HAS_BIAS:
             if pid_n == 0:
                 bias_acc += tl.sum(g.to(tl.float32), axis=1)
@@ -373,7 +367,7 @@ class GemmConfig:
 # 128x128 tiles with 8 warps keep the fp32 accumulator at 64 registers per
 # thread (no spills on sm_80's mma.sync path) and map onto two warpgroups for
 # sm_90's wgmma.  Three stages of 16-bit 128x64 operand tiles are 96 KiB of
-# shared memory, fp32 (tf32) tiles halve BLOCK_K to stay at 96 KiB.  The
+# shared memory.  The
 # forward GEMM, measured against cuBLAS, uses 128x256 16-bit tiles (the
 # Triton matmul tutorial's best A100/H100 shape, 144 KiB, 238 registers on
 # sm_80); the backward kernels keep 128x128, where 128x256 reaches 255
@@ -381,21 +375,18 @@ class GemmConfig:
 # use 64x64 tiles.
 _WIDE_16BIT = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _LARGE_16BIT = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-_LARGE_TF32 = GemmConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
 _SMALL = GemmConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
 KERNELS = ("forward", "grad_input", "grad_weight")
 
 
-def _large_config(kernel: str, dtype: torch.dtype) -> GemmConfig:
-    if dtype == torch.float32:
-        return _LARGE_TF32
+def _large_config(kernel: str) -> GemmConfig:
     return _WIDE_16BIT if kernel == "forward" else _LARGE_16BIT
 
 
-def gemm_config(kernel: str, dtype: torch.dtype, m: int, n: int, num_sms: int) -> GemmConfig:
+def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> GemmConfig:
     """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]``
-    output (float32 inputs: TF32 dots)."""
-    large = _large_config(kernel, dtype)
+    output."""
+    large = _large_config(kernel)
     if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= num_sms:
         return large
     return _SMALL
@@ -414,10 +405,12 @@ def grad_weight_splits(output_tiles: int, num_tokens: int, block_k: int, num_sms
 
 
 def _uses_torch_matmul(dtype: torch.dtype) -> bool:
-    """float32 without TF32 runs as torch matmuls (the eager backend): a
-    Triton FMA loop would be slower than cuBLAS's float32 GEMM, and Triton's
-    dots need BLOCK_K >= 16, which such a loop cannot hold in registers."""
-    return dtype == torch.float32 and not fp32_matmul_allows_tf32()
+    """float32 runs as torch matmuls (the eager backend), which follow torch's
+    TF32 setting exactly.  Without TF32 a Triton FMA loop would be slower than
+    cuBLAS's float32 GEMM; with it, Triton's single-TF32 dots truncate their
+    operands (on an H100 their error measured more than twice cuBLAS's), and
+    the 3xTF32 dots that fix that spill at the 128x128 tiles on sm_80."""
+    return dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------
@@ -477,7 +470,7 @@ def _forward_launch(
             *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
         ),
         dict(
-            NUM_PROJ=num_proj, HAS_BIAS=bias is not None, INPUT_PRECISION=dot_input_precision(x3.dtype, True),
+            NUM_PROJ=num_proj, HAS_BIAS=bias is not None,
             **_meta(cfg),
         ),
     )
@@ -495,7 +488,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     num_tokens = x3.shape[0] * seq_len
     if num_tokens == 0:
         return outputs
-    cfg = gemm_config("forward", x.dtype, num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
+    cfg = gemm_config("forward", num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
     out3 = [o.view(-1, num_heads, seq_len, head_dim) for o in outputs]
     _forward_launch(x3, weight, bias, out3, cfg)()
     return outputs
@@ -537,7 +530,7 @@ def _grad_input_launch(
             num_tokens, seq_len, embed_dim, in_features, head_dim,
             stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
         ),
-        dict(NUM_PROJ=len(grads4), INPUT_PRECISION=dot_input_precision(grad_x.dtype, True), **_meta(cfg)),
+        dict(NUM_PROJ=len(grads4), **_meta(cfg)),
     )
 
 
@@ -565,7 +558,7 @@ def _grad_weight_launch(
             stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
         ),
         dict(
-            NUM_PROJ=num_proj, HAS_BIAS=has_bias, INPUT_PRECISION=dot_input_precision(x3.dtype, True),
+            NUM_PROJ=num_proj, HAS_BIAS=has_bias,
             **_meta(cfg),
         ),
     )
@@ -597,7 +590,7 @@ def backward(
     if needs_grad_x:
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         if num_tokens > 0:
-            cfg = gemm_config("grad_input", x.dtype, num_tokens, in_features, num_sms)
+            cfg = gemm_config("grad_input", num_tokens, in_features, num_sms)
             _grad_input_launch(grads4, weight, grad_x, cfg)()
 
     grad_weight, grad_bias = x.new_empty(0), x.new_empty(0)
@@ -608,7 +601,7 @@ def backward(
             grad_weight = torch.zeros_like(weight) if needs_grad_weight else x.new_empty(0)
             grad_bias = weight.new_zeros(features) if with_bias else x.new_empty(0)
             return grad_x, grad_weight, grad_bias
-        cfg = gemm_config("grad_weight", x.dtype, features, in_features, num_sms)
+        cfg = gemm_config("grad_weight", features, in_features, num_sms)
         tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
         splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
         tokens_per_split = triton.cdiv(triton.cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
@@ -660,11 +653,10 @@ def compile_targets() -> list[CompileTarget]:
     float32 partial sums)."""
     targets = []
     for kernel in KERNELS:
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for cfg in dict.fromkeys((_large_config(kernel, dtype), _SMALL)):
+        for dtype in (torch.float16, torch.bfloat16):
+            for cfg in dict.fromkeys((_large_config(kernel), _SMALL)):
                 label = f"qkv_{kernel}-{TORCH_TO_TRITON_DTYPE[dtype]}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                # float32 partial sums are a separate variant only for 16-bit weights.
-                splits = (False, True) if kernel == "grad_weight" and dtype != torch.float32 else (False,)
+                splits = (False, True) if kernel == "grad_weight" else (False,)
                 for split in splits:
                     suffix = ("-fp32partials" if split else "-direct") if kernel == "grad_weight" else ""
                     targets.append(
