@@ -6,11 +6,15 @@ why it cannot be used, and ``backend="auto"`` moves on to Triton.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Optional
 
 
+@functools.lru_cache(maxsize=None)
 def _load():
+    # Probed once: backend="auto" asks on every CUDA call, and a failed import
+    # searches the file system each time it is retried.
     try:
         return importlib.import_module("transformer_kernels._C")
     except ImportError:
