@@ -383,3 +383,27 @@ def test_gpu_low_precision_error_at_most_twice_torch(dtype, head_dim, mask):
         torch_error = (t - e).abs().max().item()
         our_error = (o - e).abs().max().item()
         assert our_error <= 2 * torch_error + 1e-5, f"{name}: {our_error:.3e} > 2 x torch's {torch_error:.3e}"
+
+
+def test_padding_an_odd_head_dim_keeps_broadcast_dims_broadcast():
+    # Head dim 8 is zero-padded to 16 by a copy; a key shared over a batch of 64 (stride 0)
+    # must cost one slice of that copy, not 64, and still give torch's values and gradients.
+    shared = torch.randn(1, 2, 7, 8, device=DEVICE)
+    padded = triton_attention._aligned(shared.expand(64, 2, 7, 8))
+    assert padded.shape == (64, 2, 7, 16) and padded.stride(0) == 0
+    assert torch.equal(padded[..., :8], shared.expand(64, 2, 7, 8)) and not padded[..., 8:].any()
+
+    query = torch.randn(64, 2, 5, 8, device=DEVICE, requires_grad=True)
+    key, value = (torch.randn(1, 2, 7, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    leaves = (query, key, value)
+    out = tk.scaled_dot_product_attention(query, key.expand(64, -1, -1, -1), value.expand(64, -1, -1, -1),
+                                          backend="triton")
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double().expand(64, -1, -1, -1), value.double().expand(64, -1, -1, -1)
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, leaves, grad_out.float())
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)

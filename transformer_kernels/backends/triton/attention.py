@@ -890,12 +890,18 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` [B, H, L, E] as the kernels require it: 16-byte aligned, unit
     stride along E, other strides and E multiples of 16 elements.  Anything
     else (an odd head dim, an odd view) is copied with E zero-padded: zero
-    columns change no dot product, and padded output columns are cut off."""
+    columns change no dot product, and padded output columns are cut off.
+    Broadcast (stride-0) dimensions stay broadcast: only one slice along
+    them is copied, then expanded again."""
     if _is_aligned(tensor):
         return tensor
-    padded = tensor.new_zeros((*tensor.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
-    padded[..., : tensor.shape[-1]] = tensor
-    return padded
+    broadcast = tuple(
+        slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride()[:-1]
+    )
+    source = tensor[broadcast]
+    padded = source.new_zeros((*source.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
+    padded[..., : tensor.shape[-1]] = source
+    return padded.expand(*tensor.shape[:-1], padded.shape[-1])
 
 
 def _unpadded(tensor: torch.Tensor, width: int) -> torch.Tensor:
