@@ -173,19 +173,6 @@ def test_triton_float32_runs_torch_matmuls(monkeypatch, api, allow_tf32):
     _assert_close_all(list(grads), list(expected_grads), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("api", ["legacy", "new"])
-@pytest.mark.parametrize("allow_tf32", [False, True])
-def test_fp32_matmul_allows_tf32_reads_either_api(api, allow_tf32):
-    from transformer_kernels.backends.triton._common import fp32_matmul_allows_tf32
-
-    with tf32_setting("matmul", allow_tf32, api):
-        assert fp32_matmul_allows_tf32() is allow_tf32
-        # Once the new API set "tf32", torch refuses to read the legacy flag.
-        if api == "new" and allow_tf32:
-            with pytest.raises(RuntimeError, match="legacy and new"):
-                torch.backends.cuda.matmul.allow_tf32
-
-
 @pytest.mark.skipif(CUDA, reason="interpreter-only: forces tile configurations through the SM count")
 @pytest.mark.parametrize("num_sms", [1, 1000], ids=["large_tiles", "small_tiles_split_tokens"])
 def test_triton_every_config_path(monkeypatch, num_sms):

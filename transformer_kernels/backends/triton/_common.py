@@ -6,8 +6,8 @@
   ``tests/test_triton_compile.py`` compiles exactly the variant a launch of
   that shape runs (``compile_source`` specializes it the way Triton's
   launcher does).
-* ``fp32_matmul_allows_tf32`` / ``fp32_conv_allows_tf32``: torch's float32
-  precision settings, whichever API set them.
+* ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
+  whichever API set it.
 * ``dot_input_precision``, ``multiprocessor_count``, ``next_power_of_2``.
 """
 
@@ -88,31 +88,6 @@ def multiprocessor_count(device: torch.device) -> int:
     return 4
 
 
-def _allows_tf32(fp32_precision: Callable[[], str], legacy_allow_tf32: Callable[[], bool]) -> bool:
-    precision = fp32_precision()
-    if precision in ("tf32", "ieee"):
-        return precision == "tf32"
-    return legacy_allow_tf32()
-
-
-def fp32_matmul_allows_tf32() -> bool:
-    """Whether torch lets float32 matmuls use TF32, set through either API.
-
-    ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9) reads the
-    effective setting of the new API and of the legacy one alike:
-    ``allow_tf32 = True`` and ``torch.set_float32_matmul_precision("high")``
-    read back "tf32", ``torch.backends.fp32_precision = "tf32"`` is inherited
-    ("tf32"), and "none" means nothing was set (the legacy default, no TF32).
-    It is read first because, once the new API set "tf32", reading
-    ``allow_tf32`` or ``torch.get_float32_matmul_precision()`` raises
-    RuntimeError ("mix of the legacy and new APIs"), while with "none" the
-    legacy flag is safe to read.  Values other than "tf32" and "ieee" defer to
-    the legacy flag.  (Measured with torch 2.13.)
-    """
-    matmul = torch.backends.cuda.matmul
-    return _allows_tf32(lambda: getattr(matmul, "fp32_precision", "none"), lambda: matmul.allow_tf32)
-
-
 def fp32_conv_allows_tf32() -> bool:
     """Whether torch lets float32 convolutions use TF32 (cuDNN's setting), set
     through either API.
@@ -125,8 +100,10 @@ def fp32_conv_allows_tf32() -> bool:
     defers to the legacy flag.  (Measured with torch 2.13.)
     """
     cudnn = torch.backends.cudnn
-    conv = getattr(cudnn, "conv", None)
-    return _allows_tf32(lambda: getattr(conv, "fp32_precision", "none"), lambda: cudnn.allow_tf32)
+    precision = getattr(getattr(cudnn, "conv", None), "fp32_precision", "none")
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return cudnn.allow_tf32
 
 
 def dot_input_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
