@@ -481,7 +481,7 @@ def _attention_backward_dkdv_kernel(
     stride_kpb: tl.int64, stride_kpn,
     stride_kbb: tl.int64, stride_kbe,
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
-    num_q_heads, num_kv_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
+    num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, num_kv_heads, head_batch_start,
     scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
@@ -886,6 +886,12 @@ def _is_aligned(tensor: torch.Tensor) -> bool:
     )
 
 
+def _one_broadcast_slice(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with each broadcast (stride-0) leading dimension cut to one
+    slice: all that a copy of it needs to hold before expanding again."""
+    return tensor[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride()[:-1])]
+
+
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` [B, H, L, E] as the kernels require it: 16-byte aligned, unit
     stride along E, other strides and E multiples of 16 elements.  Anything
@@ -895,10 +901,7 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     them is copied, then expanded again."""
     if _is_aligned(tensor):
         return tensor
-    broadcast = tuple(
-        slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride()[:-1]
-    )
-    source = tensor[broadcast]
+    source = _one_broadcast_slice(tensor)
     padded = source.new_zeros((*source.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
     padded[..., : tensor.shape[-1]] = source
     return padded.expand(*tensor.shape[:-1], padded.shape[-1])
@@ -916,8 +919,7 @@ def _unit_last_stride(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return tensor
     if tensor.shape[-1] == 1:
         return tensor.as_strided(tensor.shape, (*tensor.stride()[:-1], 1))
-    broadcast = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride()[:-1])
-    return tensor[broadcast].contiguous().expand(tensor.shape)
+    return _one_broadcast_slice(tensor).contiguous().expand(tensor.shape)
 
 
 def _mask_arguments(
@@ -1021,26 +1023,52 @@ class _Masks:
         return "dense"
 
 
+_KERNELS = {
+    "forward": _attention_forward_kernel,
+    "dkdv": _attention_backward_dkdv_kernel,
+    "dq": _attention_backward_dq_kernel,
+}
+
+
+def _masked_kernel_launches(
+    kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
+    pointers: list, strides: list[tuple[int, ...]], *extra_args, **extra_kwargs,
+) -> list[KernelLaunch]:
+    """Launches of the forward, dK/dV or dQ kernel, whose arguments run:
+    ``pointers``, the masks' pointers, ``strides`` (a tuple per tensor), the
+    masks' strides, the problem's sizes, ``extra_args``;
+    then the shared scalars and switches and ``extra_kwargs`` by name.
+    ``query``/``key``/``value`` as ``_aligned`` returns them."""
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant)
+    mask_pointers, mask_strides, kwargs = masks.arguments()
+    if kernel_name == "dkdv":  # a program per key block of a kv head
+        num_blocks, num_head_batches = triton.cdiv(seq_len_k, config.block_n), batch * num_kv_heads
+    else:  # a program per query block of a query head
+        num_blocks, num_head_batches = triton.cdiv(seq_len_q, config.block_m), batch * num_q_heads
+    return _chunked_launches(
+        _KERNELS[kernel_name],
+        num_blocks,
+        num_head_batches,
+        _config_arguments(config, query.dtype, head_dim, head_dim_v),
+        [
+            *pointers, *mask_pointers, *(stride for per_tensor in strides for stride in per_tensor), *mask_strides,
+            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v, *extra_args,
+        ],
+        dict(kwargs, **extra_kwargs),
+    )
+
+
 def _forward_launches(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, masks: _Masks
 ) -> list[KernelLaunch]:
-    """Launches of the forward kernel; ``query``/``key``/``value``/``out`` as
-    ``_aligned`` returns them, ``lse`` ``[B, Hq, Lq]`` float32."""
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("forward", head_dim, head_dim_v, query.dtype, masks.variant)
-    return _chunked_launches(
-        _attention_forward_kernel,
-        triton.cdiv(seq_len_q, config.block_m),
-        batch * num_q_heads,
-        _config_arguments(config, query.dtype, head_dim, head_dim_v),
-        [
-            query, key, value, out, lse, *mask_pointers,
-            *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(), *mask_strides,
-            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
-        ],
-        kwargs,
+    """Launches of the forward kernel; ``out`` as ``_aligned`` returns it,
+    ``lse`` ``[B, Hq, Lq]`` float32."""
+    return _masked_kernel_launches(
+        "forward", query, key, value, masks,
+        [query, key, value, out, lse],
+        [t.stride() for t in (query, key, value, out, lse)],
     )
 
 
@@ -1061,43 +1089,24 @@ def _dkdv_launches(
     query, key, value, grad_out, lse, delta, dk, dv, grad_scores: Optional[torch.Tensor], masks: _Masks
 ) -> list[KernelLaunch]:
     """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
-    float32 receives dS when given."""
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("dkdv", head_dim, head_dim_v, query.dtype, masks.variant)
-    return _chunked_launches(
-        _attention_backward_dkdv_kernel,
-        triton.cdiv(seq_len_k, config.block_n),
-        batch * num_kv_heads,
-        _config_arguments(config, query.dtype, head_dim, head_dim_v),
-        [
-            query, key, value, grad_out, lse, delta, dk, dv, grad_scores, *mask_pointers,
-            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-            *(grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)), *mask_strides,
-            num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
-        ],
-        dict(kwargs, scale=masks.scale, STORE_GRAD_SCORES=grad_scores is not None),
+    float32 receives dS when given (its strides are zeros otherwise)."""
+    scores_strides = grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)
+    return _masked_kernel_launches(
+        "dkdv", query, key, value, masks,
+        [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
+        [*(t.stride() for t in (query, key, value, grad_out, dk, dv)), scores_strides],
+        key.shape[1],
+        scale=masks.scale, STORE_GRAD_SCORES=grad_scores is not None,
     )
 
 
 def _dq_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
     """Launches of the dQ kernel."""
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    mask_pointers, mask_strides, kwargs = masks.arguments()
-    config = block_config("dq", head_dim, head_dim_v, query.dtype, masks.variant)
-    return _chunked_launches(
-        _attention_backward_dq_kernel,
-        triton.cdiv(seq_len_q, config.block_m),
-        batch * num_q_heads,
-        _config_arguments(config, query.dtype, head_dim, head_dim_v),
-        [
-            query, key, value, grad_out, lse, delta, dq, *mask_pointers,
-            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride(), *mask_strides,
-            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
-        ],
-        dict(kwargs, scale=masks.scale),
+    return _masked_kernel_launches(
+        "dq", query, key, value, masks,
+        [query, key, value, grad_out, lse, delta, dq],
+        [t.stride() for t in (query, key, value, grad_out, dq)],
+        scale=masks.scale,
     )
 
 
