@@ -1004,9 +1004,12 @@ class _Masks:
     dropout_p: float
     dropout_seed: Optional[torch.Tensor]
 
+    @functools.cached_property
     def arguments(self) -> tuple[list, list, dict]:
         """(mask pointers, mask strides, the scalar and constexpr keyword
-        arguments that forward, dK/dV and dQ share)."""
+        arguments that forward, dK/dV and dQ share).  Built once per call: a
+        mask without unit last stride is copied here, and the backward's two
+        kernels share that copy."""
         pointers, strides, switches = _mask_arguments(self.key_padding_mask, self.key_bounds, self.attn_mask)
         dropout = _dropout_arguments(self.dropout_p, self.dropout_seed)
         kwargs = dict(qk_scale=self.scale * math.log2(math.e), **dropout, CAUSAL=self.causal, **switches)
@@ -1042,7 +1045,7 @@ def _masked_kernel_launches(
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant)
-    mask_pointers, mask_strides, kwargs = masks.arguments()
+    mask_pointers, mask_strides, kwargs = masks.arguments
     if kernel_name == "dkdv":  # a program per key block of a kv head
         num_blocks, num_head_batches = triton.cdiv(seq_len_k, config.block_n), batch * num_kv_heads
     else:  # a program per query block of a query head
