@@ -212,7 +212,7 @@ def test_eager_per_sequence_tiles(kind, lq, lk):
     padding[2, 7:20] = True
     case["ours"]["key_padding_mask"] = case["ref"]["key_padding_mask"] = padding
     q, k = case["leaves"]["query"], case["leaves"]["key"]
-    from transformer_kernels.ops.attention import _key_bounds
+    from transformer_kernels.ops._attention_inputs import key_bounds as _key_bounds
 
     mask = case["ours"].get("attn_mask")
     dense_mask = mask.expand(4, 2, lq, lk) if isinstance(mask, torch.Tensor) else None
@@ -554,9 +554,9 @@ def _spy_on_forward(monkeypatch, backend: str) -> list:
     seen = []
     forward = module.forward
 
-    def spy(query, key, value, key_padding_mask, key_bounds, attn_mask, *args):
-        seen[:] = [query, key, value, attn_mask]
-        return forward(query, key, value, key_padding_mask, key_bounds, attn_mask, *args)
+    def spy(query, key, value, args):
+        seen[:] = [query, key, value, args.attn_mask]
+        return forward(query, key, value, args)
 
     monkeypatch.setattr(module, "forward", spy)
     return seen
@@ -896,7 +896,7 @@ def _op_arguments(backend: str, device: torch.device, dropout: bool, float_mask:
     k = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
     padding = make_padding("pad_holes", 2, 11).to(device)
-    from transformer_kernels.ops.attention import _key_bounds
+    from transformer_kernels.ops._attention_inputs import key_bounds as _key_bounds
 
     mask = None
     if float_mask:
@@ -922,7 +922,7 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask):
     q, k, v, padding, bounds, mask, causal, scale, dropout_p, seed, _ = args
     backward_args = (
         torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding, bounds,
-        None if mask is None else mask.detach(), causal, scale, dropout_p, seed, backend, float_mask,
+        None if mask is None else mask.detach(), causal, scale, dropout_p, seed, float_mask, backend,
     )
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
 

@@ -9,6 +9,7 @@ variable.
 from ._backend import BackendUnavailableError, check_torch_version, use_backend
 
 check_torch_version()
+from . import backends  # registers every backend
 from .ops.attention import scaled_dot_product_attention
 from .ops.glu_conv import glu_conv1d, glu_conv1d_step
 from .ops.qkv import qkv_projection

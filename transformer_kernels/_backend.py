@@ -1,11 +1,20 @@
-"""Choosing a backend for one call.
+"""The backend registry, and choosing a backend for one call.
+
+Each backend package under ``transformer_kernels/backends/`` registers itself
+on import with :func:`register_backend`: its name, its rank in ``"auto"``'s
+order, why it cannot run tensors of a device and dtype, and the ops it serves
+with a loader for each op's module.  An op module provides
+``forward(...)``, ``backward(...)`` and ``unsupported_reason(...)``, which takes
+``forward``'s arguments and says why the backend cannot serve them (head dim
+too large, ...) or returns None.  Adding a backend is adding a package.
 
 Precedence: the ``backend=`` argument, then the innermost :func:`use_backend`
 context, then the ``TRANSFORMER_KERNELS_BACKEND`` environment variable, then
 ``"auto"``.
 
-``"auto"`` sends CUDA tensors to the CUDA extension when it is built and able,
-else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
+``"auto"`` tries the backends in rank order, each only on the device types it
+is auto-chosen for: CUDA tensors go to the CUDA extension when it is built and
+able, else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
 backend over, the reason is logged once at DEBUG level on the
 ``transformer_kernels`` logger.  An explicitly requested backend that cannot
 serve a call raises :class:`BackendUnavailableError` carrying the reason.
@@ -14,19 +23,16 @@ serve a call raises :class:`BackendUnavailableError` carrying the reason.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.metadata
-import importlib.util
+import dataclasses
 import logging
 import os
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "use_backend", "select_backend"]
+__all__ = ["ENV_VAR", "BackendUnavailableError", "register_backend", "backend_names", "use_backend", "select_backend"]
 
-BACKENDS = ("auto", "cuda", "triton", "eager")
 ENV_VAR = "TRANSFORMER_KERNELS_BACKEND"
 
 _logger = logging.getLogger("transformer_kernels")
@@ -40,9 +46,59 @@ class BackendUnavailableError(RuntimeError):
     """Raised when an explicitly requested backend cannot serve a call."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered backend; see :func:`register_backend`."""
+
+    name: str
+    rank: int
+    auto_device_types: Optional[tuple[str, ...]]
+    device_reason: Callable[[torch.device, torch.dtype], Optional[str]]
+    ops: tuple[str, ...]
+    load: Callable[[str], ModuleType]
+
+
+_registry: dict[str, Backend] = {}
+
+
+def register_backend(
+    name: str,
+    *,
+    rank: int,
+    device_reason: Callable[[torch.device, torch.dtype], Optional[str]],
+    ops: tuple[str, ...],
+    load: Callable[[str], ModuleType],
+    auto_device_types: Optional[tuple[str, ...]] = None,
+) -> None:
+    """Register backend ``name``.
+
+    Args:
+        rank: ``"auto"`` tries backends in increasing rank.
+        device_reason: ``(device, dtype) -> reason or None``: why the backend
+            cannot run tensors of this device and dtype at all.  Called on
+            every call: keep it cheap and free of imports.
+        ops: the ops (``"attention"``, ``"glu_conv"``, ``"qkv"``) it serves;
+            for any other op the reason is that it has no kernel for it.
+        load: ``op -> module`` with the op's ``forward``, ``backward`` and
+            ``unsupported_reason``.  Use import statements, not importlib:
+            torch.compile traces those, and an op module may import heavy
+            dependencies only once the backend is chosen.
+        auto_device_types: the device types ``"auto"`` may choose it for;
+            ``None`` for every device.
+    """
+    if name == "auto" or name in _registry:
+        raise ValueError(f"backend name {name!r} is taken")
+    _registry[name] = Backend(name, rank, auto_device_types, device_reason, tuple(ops), load)
+
+
+def backend_names() -> tuple[str, ...]:
+    """``"auto"`` and the registered backends in ``"auto"``'s order."""
+    return ("auto", *(backend.name for backend in sorted(_registry.values(), key=lambda b: b.rank)))
+
+
 def _check_name(name: str, origin: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"{origin} must be one of {BACKENDS}, got {name!r}")
+    if name != "auto" and name not in _registry:
+        raise ValueError(f"{origin} must be one of {backend_names()}, got {name!r}")
     return name
 
 
@@ -76,13 +132,52 @@ def requested_backend(backend: Optional[str]) -> str:
     return "auto"
 
 
-def triton_interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def backend_module(op: str, name: str) -> ModuleType:
+    """The module holding ``op``'s ``forward``/``backward``/``unsupported_reason`` for backend ``name``."""
+    return _registry[name].load(op)
+
+
+def _reason(backend: Backend, op: str, public_name: str, reference: torch.Tensor, forward_args: tuple) -> Optional[str]:
+    why_not = backend.device_reason(reference.device, reference.dtype)
+    if why_not is not None:
+        return why_not
+    if op not in backend.ops:
+        return f"the {backend.name} backend has no {public_name} kernel"
+    return backend.load(op).unsupported_reason(*forward_args)
+
+
+def select_backend(op: str, public_name: str, backend: Optional[str], reference: torch.Tensor, *forward_args) -> str:
+    """Resolve ``backend`` to the registered backend that runs this call of ``op``.
+
+    ``reference`` gives the call's device and dtype; ``forward_args`` are the
+    arguments the op module's ``forward`` will get, passed to each candidate's
+    ``unsupported_reason``.
+    """
+    requested = requested_backend(backend)
+    if requested == "auto":
+        device_type = reference.device.type
+        candidates = [
+            candidate
+            for candidate in sorted(_registry.values(), key=lambda b: b.rank)
+            if candidate.auto_device_types is None or device_type in candidate.auto_device_types
+        ]
+    else:
+        candidates = [_registry[requested]]
+    for candidate in candidates:
+        why_not = _reason(candidate, op, public_name, reference, forward_args)
+        if why_not is None:
+            return candidate.name
+        if requested != "auto":
+            raise BackendUnavailableError(f"{public_name}: backend={candidate.name!r} cannot serve this call: {why_not}")
+        key = (public_name, candidate.name, why_not)
+        if key not in _logged_reasons and not torch.compiler.is_compiling():
+            _logged_reasons.add(key)
+            _logger.debug("%s: auto backend skipped %r: %s", public_name, candidate.name, why_not)
+    raise BackendUnavailableError(f"{public_name}: no registered backend can serve this call on {reference.device}")
 
 
 # Supported stacks: torch 2.11 (with triton 3.6) up to torch 2.13 (with triton 3.9).
 MIN_TORCH = (2, 11)
-MIN_TRITON = (3, 6)
 
 
 def version_reason(package: str, version: str, minimum: tuple[int, int]) -> Optional[str]:
@@ -99,83 +194,3 @@ def check_torch_version() -> None:
     reason = version_reason("torch", torch.__version__, MIN_TORCH)
     if reason is not None:
         raise ImportError(f"transformer_kernels cannot run: {reason}")
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_reason() -> Optional[str]:
-    """Why the installed triton cannot run our kernels, or None (looked up once: calls pay nothing)."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    return version_reason("triton", importlib.metadata.version("triton"), MIN_TRITON)
-
-
-def _generic_reason(name: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Optional[str]:
-    if name == "eager":
-        return None
-    if name == "cuda":
-        from .backends import cuda
-
-        if device.type != "cuda":
-            return f"the cuda backend needs CUDA tensors, got device {device}"
-        return cuda.unavailable_reason()
-    triton_reason = _triton_reason()
-    if triton_reason is not None:
-        return triton_reason
-    if device.type == "cuda":
-        if triton_interpreter_enabled():
-            return "TRITON_INTERPRET=1 is set, which only runs on CPU tensors"
-        return None
-    if device.type != "cpu" or not triton_interpreter_enabled():
-        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors), got device {device}"
-    if torch.bfloat16 in dtypes:
-        # The interpreter silently computes zeros for bfloat16.
-        return "the Triton interpreter does not support bfloat16"
-    return None
-
-
-def backend_module(op: str, name: str) -> ModuleType:
-    """The module holding ``op``'s ``forward``/``backward`` for backend ``name``.
-
-    Imported on first use so the package imports without triton; import
-    statements (unlike importlib calls) are traceable by torch.compile.
-    """
-    if name == "eager":
-        from .backends.eager import attention, glu_conv, qkv
-    elif name == "triton":
-        from .backends.triton import attention, glu_conv, qkv
-    else:
-        raise ValueError(f"{op} has no {name!r} backend module")
-    return {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}[op]
-
-
-def select_backend(op: str, public_name: str, backend: Optional[str], reference: torch.Tensor, *reason_args) -> str:
-    """Resolve ``backend`` to the concrete backend that runs this call of ``op``.
-
-    ``reference`` gives the call's device and dtype; ``reason_args`` go to
-    each candidate backend module's ``unsupported_reason``, which says why it
-    cannot serve these arguments (head dim too large, ...) or returns None.
-    """
-
-    def reason(name: str) -> Optional[str]:
-        generic = _generic_reason(name, reference.device, (reference.dtype,))
-        if generic is not None:
-            return generic
-        if name == "cuda":
-            return f"the CUDA extension has no {public_name} kernel"
-        return backend_module(op, name).unsupported_reason(*reason_args)
-
-    requested = requested_backend(backend)
-    candidates = (requested,) if requested != "auto" else (
-        ("cuda", "triton", "eager") if reference.device.type == "cuda" else ("eager",)
-    )
-    for name in candidates:
-        why_not = reason(name)
-        if why_not is None:
-            return name
-        if requested != "auto":
-            raise BackendUnavailableError(f"{public_name}: backend={name!r} cannot serve this call: {why_not}")
-        key = (public_name, name, why_not)
-        if key not in _logged_reasons and not torch.compiler.is_compiling():
-            _logged_reasons.add(key)
-            _logger.debug("%s: auto backend skipped %r: %s", public_name, name, why_not)
-    raise AssertionError("the eager backend serves every call")

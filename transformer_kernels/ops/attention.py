@@ -1,13 +1,18 @@
-"""Masked scaled-dot-product attention: public function, argument checks, registered ops.
+"""Masked scaled-dot-product attention: the op's contract, public function and registered ops.
 
-The public function checks and normalizes its arguments once (4-D views, key
-bounds, expanded mask, causal kind, dropout seed), picks a backend and calls
-``transformer_kernels::attention_forward``; autograd runs
-``transformer_kernels::attention_backward`` on the same backend.
+The public function checks and normalizes its arguments once into ``[B, H, L, X]``
+query, key and value and an :class:`AttentionArgs` (key padding rows and their
+bounds, the expanded mask, the causal kind, scale, dropout), picks a backend
+and calls ``transformer_kernels::attention_forward``; autograd runs
+``transformer_kernels::attention_backward`` on the same backend.  The layouts
+every backend returns are defined here: :func:`empty_output`,
+:func:`empty_lse`, :func:`empty_grads`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from typing import Optional, Union
 
@@ -17,16 +22,89 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from .._backend import backend_module, select_backend
 from .._checks import check_same_device, check_same_dtype_device, check_tensor
-from ..backends.eager import attention as eager_attention
+from . import _attention_inputs as inputs
+from ._library import RegisteredOp
 
-__all__ = ["scaled_dot_product_attention", "MAX_HEAD_DIM"]
+__all__ = ["scaled_dot_product_attention", "AttentionArgs", "Causal", "MAX_HEAD_DIM"]
 
 OP_NAME = "scaled_dot_product_attention"
 MAX_HEAD_DIM = 256
 
-# Causal kinds passed to the backends.
-NO_CAUSAL, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
+# ----------------------------------------------------------------------------
+# The op's contract: its arguments and the layouts every backend returns
+# ----------------------------------------------------------------------------
+
+
+class Causal(enum.IntEnum):
+    """Which causal mask applies: none, top-left (query ``i`` sees keys ``j <= i``) or
+    bottom-right (query ``i`` sees keys ``j <= i + Lk - Lq``)."""
+
+    NONE = 0
+    TOP_LEFT = 1
+    BOTTOM_RIGHT = 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionArgs:
+    """Everything about one attention call besides ``query [B, Hq, Lq, E]``, ``key [B, Hk, Lk, E]``
+    and ``value [B, Hk, Lk, Ev]`` (``Hk`` divides ``Hq``: query head ``h`` uses key/value head
+    ``h // (Hq // Hk)``), as the op layer normalized it.
+
+    - ``key_padding_mask``: bool ``[B, Lk]``, contiguous; True marks a padding key.
+    - ``key_bounds``: int32 ``[B, 2]``, given with ``key_padding_mask``: each row's first
+      non-padding key and its last one + 1 ((0, 0) when all are padding).
+    - ``attn_mask``: bool (True = attend) or float (added to the scaled scores)
+      ``[B, Hq, Lq, Lk]``, any strides (often an ``expand``-ed view).
+    - ``dropout_seed``: int64 ``[2]`` (seed, offset) on the CPU when ``dropout_p > 0``.
+    """
+
+    key_padding_mask: Optional[Tensor]
+    key_bounds: Optional[Tensor]
+    attn_mask: Optional[Tensor]
+    causal: Causal
+    scale: float
+    dropout_p: float
+    dropout_seed: Optional[Tensor]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, Causal):  # from the flat schema, as an int
+            object.__setattr__(self, "causal", Causal(self.causal))
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exps' dtype: float32, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def empty_output(query: Tensor, value: Tensor) -> Tensor:
+    """``out [B, Hq, Lq, Ev]`` with query's dtype over ``[B, Lq, Hq, Ev]`` memory, torch's CPU and
+    flash SDPA layout: ``out.transpose(1, 2).reshape(B, Lq, Hq * Ev)`` is free."""
+    batch, heads, lq, _ = query.shape
+    value_head_dim = value.shape[-1]
+    strides = (lq * heads * value_head_dim, value_head_dim, heads * value_head_dim, 1)
+    return query.new_empty_strided((batch, heads, lq, value_head_dim), strides)
+
+
+def empty_lse(query: Tensor) -> Tensor:
+    """``lse [B, Hq, Lq]``, contiguous, :func:`lse_dtype`: natural-log row log-sum-exps of the
+    scaled, masked scores; +inf on rows that see no key."""
+    return query.new_empty(query.shape[:3], dtype=lse_dtype(query.dtype))
+
+
+def empty_grads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` laid out like ``torch.empty_like`` of each input."""
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a float mask's gradient as backends return it: at least float32."""
+    return torch.promote_types(mask_dtype, torch.float32)
+
+
+# ----------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------
 
 
 def scaled_dot_product_attention(
@@ -61,10 +139,9 @@ def scaled_dot_product_attention(
     - ``query``: ``[..., Hq, Lq, E]``
     - ``key``:   ``[..., Hk, Lk, E]``
     - ``value``: ``[..., Hk, Lk, Ev]``
-    - returns:   ``[..., Hq, Lq, Ev]`` with ``query``'s dtype; contiguous, except
-      that the eager backend lays it out over ``[..., Lq, Hq, Ev]`` memory like
-      torch's CPU SDPA, so ``out.transpose(-3, -2).reshape(..., Lq, Hq * Ev)``
-      is free.
+    - returns:   ``[..., Hq, Lq, Ev]`` with ``query``'s dtype, laid out over
+      ``[..., Lq, Hq, Ev]`` memory on every backend, like torch's SDPA, so
+      ``out.transpose(-3, -2).reshape(..., Lq, Hq * Ev)`` is free.
 
     ``query``, ``key`` and ``value`` have one floating dtype and one device,
     and their batch dimensions ``...`` (heads included) broadcast against each
@@ -185,15 +262,26 @@ def scaled_dot_product_attention(
         >>> out.shape
         torch.Size([2, 8, 128, 64])
     """
-    check_tensor("query", query, floating=True)
-    check_tensor("key", key, floating=True)
-    check_tensor("value", value, floating=True)
+    q, k, v, args, output_shape = _normalize(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
+    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
+    out, _ = attention_forward(q, k, v, args, chosen)
+    return out.view(output_shape)
+
+
+# ----------------------------------------------------------------------------
+# Argument checks and normalization
+# ----------------------------------------------------------------------------
+
+
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
     for name, tensor in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, tensor, floating=True)
         if tensor.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(tensor.shape)}")
     check_same_dtype_device("query", query, key=key, value=value)
-    lq, head_dim = query.shape[-2], query.shape[-1]
-    lk, value_head_dim = key.shape[-2], value.shape[-1]
+    lk, head_dim = key.shape[-2], query.shape[-1]
     if value.shape[-2] != lk:
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value.shape)}")
     if key.shape[-1] != head_dim:
@@ -206,23 +294,22 @@ def scaled_dot_product_attention(
                 f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(tensor.shape)}"
             )
 
-    ndim = max(query.dim(), key.dim(), value.dim())
-    grouped_key, grouped_value = _grouped_key_value(query, key, value, ndim) if enable_gqa else (key, value)
-    q, k, v, lead_shape = _broadcast_qkv(query, grouped_key, grouped_value, ndim, enable_gqa)
-    # The output's batch dimensions without heads (key_padding_mask's) and with them: [*lead] and
-    # [*lead, H] for 4-D and more, [N] for 3-D, none for 2-D.
-    sequence_shape = lead_shape if ndim >= 3 else ()
-    batch_shape = (*lead_shape, q.shape[-3]) if ndim >= 4 else sequence_shape
 
+def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[float, float]:
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(dropout_p), float(scale)
 
-    causal = CAUSAL_TOP_LEFT if is_causal else NO_CAUSAL
-    mask = None
+
+def _causal_and_mask(
+    query: Tensor, key: Tensor, attn_mask: object, is_causal: bool, enable_gqa: bool
+) -> tuple[Causal, Optional[Tensor]]:
+    """The causal kind, and ``attn_mask`` when it is a tensor (checked to broadcast to the scores)."""
+    lq, lk = query.shape[-2], key.shape[-2]
     if isinstance(attn_mask, CausalBias):
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot both be set; a CausalBias already is a causal mask")
@@ -231,303 +318,146 @@ def scaled_dot_product_attention(
                 f"attn_mask is a CausalBias for Lq={attn_mask.seq_len_q}, Lk={attn_mask.seq_len_kv}, "
                 f"but query has Lq={lq} and key has Lk={lk}"
             )
-        causal = CAUSAL_TOP_LEFT if attn_mask.variant == CausalVariant.UPPER_LEFT else CAUSAL_BOTTOM_RIGHT
-    elif attn_mask is not None:
-        check_tensor("attn_mask", attn_mask)
-        if is_causal:
-            raise ValueError(
-                "attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask"
-            )
-        check_same_device("query", query, attn_mask=attn_mask)
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-            raise TypeError(
-                f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}"
-            )
-        scores_shape = (*_score_batch_shape(query, key, enable_gqa), lq, lk)
-        if not _broadcasts_to(attn_mask.shape, scores_shape):
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the shape of "
-                f"query @ key^T, [..., Lq, Lk] = {scores_shape}"
-            )
-        mask = _canonical(attn_mask.expand(*batch_shape, lq, lk), ndim)
+        return (Causal.TOP_LEFT if attn_mask.variant == CausalVariant.UPPER_LEFT else Causal.BOTTOM_RIGHT), None
+    causal = Causal.TOP_LEFT if is_causal else Causal.NONE
+    if attn_mask is None:
+        return causal, None
+    check_tensor("attn_mask", attn_mask)
+    if is_causal:
+        raise ValueError(
+            "attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask"
+        )
+    check_same_device("query", query, attn_mask=attn_mask)
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise TypeError(f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}")
+    scores_shape = (*inputs.score_batch_shape(query, key, enable_gqa), lq, lk)
+    if not inputs.broadcasts_to(attn_mask.shape, scores_shape):
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} cannot be broadcast to the shape of "
+            f"query @ key^T, [..., Lq, Lk] = {scores_shape}"
+        )
+    return causal, attn_mask
+
+
+def _check_key_padding_mask(query: Tensor, key_padding_mask: object, sequence_shape: tuple, lk: int) -> None:
+    check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
+    check_same_device("query", query, key_padding_mask=key_padding_mask)
+    expected = (*sequence_shape, lk)
+    if not inputs.broadcasts_to(key_padding_mask.shape, expected):
+        raise ValueError(
+            f"key_padding_mask must have shape [..., Lk] = {expected} (the output's batch dimensions without "
+            f"heads, key's length) or one that broadcasts to it, got {tuple(key_padding_mask.shape)}"
+        )
+
+
+def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask):
+    """The checked call as the backends take it: ``q [B, Hq, Lq, E]``, ``k [B, Hk, Lk, E]``,
+    ``v [B, Hk, Lk, Ev]``, its :class:`AttentionArgs`, and the shape of the result."""
+    _check_qkv(query, key, value)
+    lq, lk, head_dim, value_head_dim = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    ndim = max(query.dim(), key.dim(), value.dim())
+    grouped_key, grouped_value = inputs.grouped_key_value(query, key, value, ndim) if enable_gqa else (key, value)
+    q, k, v, lead_shape = inputs.broadcast_qkv(query, grouped_key, grouped_value, ndim, enable_gqa)
+    # The output's batch dimensions without heads (key_padding_mask's) and with them: [*lead] and
+    # [*lead, H] for 4-D and more, [N] for 3-D, none for 2-D.
+    sequence_shape = lead_shape if ndim >= 3 else ()
+    batch_shape = (*lead_shape, q.shape[-3]) if ndim >= 4 else sequence_shape
+    dropout_p, scale = _check_scalars(dropout_p, scale, head_dim)
+    causal, mask = _causal_and_mask(query, key, attn_mask, is_causal, enable_gqa)
+    if mask is not None:
+        mask = inputs.canonical(mask.expand(*batch_shape, lq, lk), ndim)
 
     padding_lead_shape = None
     if key_padding_mask is not None:
-        check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
-        check_same_device("query", query, key_padding_mask=key_padding_mask)
-        expected = (*sequence_shape, lk)
-        if not _broadcasts_to(key_padding_mask.shape, expected):
-            raise ValueError(
-                f"key_padding_mask must have shape [..., Lk] = {expected} (the output's batch dimensions without "
-                f"heads, key's length) or one that broadcasts to it, got {tuple(key_padding_mask.shape)}"
-            )
+        _check_key_padding_mask(query, key_padding_mask, sequence_shape, lk)
         padding_lead_shape = (1,) * (len(lead_shape) + 1 - key_padding_mask.dim()) + key_padding_mask.shape[:-1]
 
-    split = _batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
-    q, k, v = (_fold(t, split) for t in (q, k, v))
+    split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
+    q, k, v = (inputs.fold(t, split) for t in (q, k, v))
     if mask is not None:
-        mask = _fold(mask, split)
+        mask = inputs.fold(mask, split)
     padding, key_bounds = None, None
     if key_padding_mask is not None:
-        # Constant along the dimensions folded into heads (_batch_split made sure): one row per batch element.
+        # Constant along the dimensions folded into heads (batch_split made sure): one row per batch element.
         padding = key_padding_mask.expand(*lead_shape, lk)[(slice(None),) * split + (0,) * (len(lead_shape) - split)]
         padding = padding.reshape(-1, lk).contiguous()
-        key_bounds = _key_bounds(padding)
+        key_bounds = inputs.key_bounds(padding)
 
-    dropout_p = float(dropout_p)
     dropout_seed = None
     if dropout_p > 0.0:
         # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
         dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
-
-    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, mask, dropout_p)
-    out, _ = torch.ops.transformer_kernels.attention_forward(
-        q, k, v, padding, key_bounds, mask, causal, float(scale), dropout_p, dropout_seed, chosen
-    )
-    return out.view(*batch_shape, lq, value_head_dim)
-
-
-# ----------------------------------------------------------------------------
-# Normalization helpers
-# ----------------------------------------------------------------------------
-
-
-def _canonical(tensor: Tensor, ndim: int) -> Tensor:
-    """A view of an input of the call's rank ``ndim`` (or lower: leading 1s are added, as torch
-    broadcasts) as ``[*lead, H, L, X]``; inputs of rank 2 and 3 have no head dim and get H = 1."""
-    tensor = tensor[(None,) * (max(ndim, 3) - tensor.dim())]
-    return tensor.unsqueeze(-3) if ndim <= 3 else tensor
-
-
-def _score_batch_shape(query: Tensor, key: Tensor, enable_gqa: bool) -> torch.Size:
-    """The batch shape of torch's ``query @ key^T`` (key's heads repeated to query's with ``enable_gqa``),
-    which attn_mask must broadcast to: torch adds the mask to it in place.  ``query`` and ``key``
-    as the caller passed them, already checked to broadcast."""
-    key_batch = key.shape[:-2]
-    if enable_gqa:
-        key_batch = (*key_batch[:-1], query.shape[-3])
-    return torch.broadcast_shapes(query.shape[:-2], key_batch)
-
-
-def _grouped_key_value(query: Tensor, key: Tensor, value: Tensor, ndim: int) -> tuple[Tensor, Tensor]:
-    """torch's ``enable_gqa`` checks: every input has a dimension -3 (heads) and key's and value's
-    counts divide query's.  The backends group one key/value head count over the query heads
-    natively; where that cannot express torch's grouping (3-D inputs, whose dimension -3 is the
-    batch, or key and value with different counts, neither 1) the key/value is repeated to
-    query's count as torch does, which copies it."""
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dim() < 3:
-            raise ValueError(
-                f"with enable_gqa=True, {name} must have a heads dimension (dimension -3 of [..., H, L, E]), "
-                f"got shape {tuple(tensor.shape)}"
-            )
-    num_heads, key_heads, value_heads = query.shape[-3], key.shape[-3], value.shape[-3]
-    if num_heads % key_heads != 0 or num_heads % value_heads != 0:
-        raise ValueError(
-            f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of the number of "
-            f"key heads ({key_heads}) and of value heads ({value_heads}) (dimension -3)"
-        )
-    if ndim > 3 and (key_heads == value_heads or 1 in (key_heads, value_heads)):
-        return key, value
-    return tuple(
-        t if t.shape[-3] in (1, num_heads) else t.repeat_interleave(num_heads // t.shape[-3], dim=-3)
-        for t in (key, value)
-    )
-
-
-def _broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_gqa: bool):
-    """``query``, ``key``, ``value`` broadcast against each other by torch's rules, as
-    ``[*lead, H, L, X]`` ``expand``-ed views, and the broadcast leading shape ``lead``.
-
-    The leading dimensions broadcast as usual.  Heads broadcast too (a size-1 side is expanded),
-    except that key/value heads that divide the query heads stay as they are: the backends serve
-    grouped heads natively (``enable_gqa``, or a single key/value head shared by every query head).
-    """
-    q, k, v = (_canonical(t, ndim) for t in (query, key, value))
-    try:
-        lead_shape = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    except RuntimeError:
-        raise ValueError(
-            f"query, key and value must have batch dimensions that broadcast against each other, got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-        ) from None
-    num_heads, key_heads, value_heads = q.shape[-3], k.shape[-3], v.shape[-3]
-    if key_heads != value_heads and 1 not in (key_heads, value_heads):
-        raise ValueError(
-            f"value must have as many heads as key ({key_heads}), or one, got shape {tuple(value.shape)}"
-        )
-    kv_heads = max(key_heads, value_heads)
-    if num_heads == 1 and not enable_gqa:
-        num_heads = kv_heads
-    elif kv_heads != num_heads and kv_heads != 1 and not enable_gqa:
-        raise ValueError(
-            f"key and value must have as many heads as query ({num_heads}) or one, got shapes "
-            f"{tuple(key.shape)} and {tuple(value.shape)}; pass enable_gqa=True for grouped-query attention"
-        )
-    q = q.expand(*lead_shape, num_heads, *q.shape[-2:])
-    k = k.expand(*lead_shape, kv_heads, *k.shape[-2:])
-    v = v.expand(*lead_shape, kv_heads, *v.shape[-2:])
-    return q, k, v, lead_shape
-
-
-def _mergeable(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether these adjacent dimensions can be viewed as one (size-1 dimensions have no stride)."""
-    kept = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
-    return all(outer[1] == inner[1] * inner[0] for outer, inner in zip(kept, kept[1:]))
-
-
-def _batch_split(lead_shape: tuple[int, ...], tensors: list[Optional[Tensor]], padding_lead_shape) -> int:
-    """How many of the leading dimensions the backends' batch dimension folds; the others fold into
-    the heads dimension (with the heads last), see :func:`_fold`.
-
-    All of them when every tensor (``[*lead, H, L, X]``) allows that as a view.  A tensor
-    broadcast along an outer leading dimension but not an inner one does not (a stride-0
-    dimension never merges with a strided one), so fewer are tried, down to none, keeping the
-    first split that leaves every tensor a view; the key padding mask, one row per batch element,
-    must then have size 1 along the dimensions folded into heads.  When no split does, all of
-    them, and :func:`_fold` copies the tensors that cannot merge.
-    """
-    for split in range(len(lead_shape), -1, -1):
-        if padding_lead_shape is not None and any(size != 1 for size in padding_lead_shape[split:]):
-            continue
-        if all(
-            t is None or (_mergeable(t.shape[:split], t.stride()[:split])
-                          and _mergeable(t.shape[split:-2], t.stride()[split:-2]))
-            for t in tensors
-        ):
-            return split
-    return len(lead_shape)
-
-
-def _fold(tensor: Tensor, split: int) -> Tensor:
-    """``[*lead, H, L, X]`` → ``[B, H', L, X]`` with ``B = prod(lead[:split])`` and
-    ``H' = prod(lead[split:]) * H``: a view where :func:`_batch_split` found one, else a copy.
-    Grouped heads stay grouped: query head ``(i, h)`` is ``i * Hq + h`` and its key/value head
-    ``i * Hk + h // (Hq / Hk)`` is the one the backends pick."""
-    return tensor.reshape(math.prod(tensor.shape[:split]), -1, *tensor.shape[-2:])
-
-
-def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
-    if len(shape) > len(target):
-        return False
-    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
-
-
-def _key_bounds(padding: Tensor) -> Tensor:
-    """int32 ``[B, 2]``: (first non-padding key, last non-padding key + 1); (0, 0) for all-padding rows."""
-    lk = padding.shape[1]
-    index = torch.arange(lk, device=padding.device, dtype=torch.int32)
-    valid = ~padding
-    first = torch.where(valid, index, lk).amin(1)
-    end = torch.where(valid, index + 1, 0).amax(1)
-    first = torch.where(end > 0, first, 0)
-    return torch.stack([first, end], 1).to(torch.int32)
-
-
-
-
-def _dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(mask_dtype, torch.float32)
+    args = AttentionArgs(padding, key_bounds, mask, causal, scale, dropout_p, dropout_seed)
+    return q, k, v, args, (*batch_shape, lq, value_head_dim)
 
 
 # ----------------------------------------------------------------------------
 # Registered ops
 # ----------------------------------------------------------------------------
 
-
-@torch.library.custom_op("transformer_kernels::attention_forward", mutates_args=())
-def attention_forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Optional[Tensor],
-    key_bounds: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[Tensor],
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    """Normalized attention: ``out [B, Hq, Lq, Ev]`` and the row log-sum-exps ``lse [B, Hq, Lq]``."""
-    return backend_module("attention", backend).forward(
-        query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed
-    )
+attention_forward = RegisteredOp(
+    "attention_forward", ("Tensor query", "Tensor key", "Tensor value"), AttentionArgs, "(Tensor, Tensor)"
+)
+attention_backward = RegisteredOp(
+    "attention_backward",
+    ("Tensor grad_out", "Tensor query", "Tensor key", "Tensor value", "Tensor out", "Tensor lse"),
+    AttentionArgs,
+    "(Tensor, Tensor, Tensor, Tensor)",
+    flags=("bool attn_mask_needs_grad",),
+)
 
 
-@attention_forward.register_fake
-def _attention_forward_fake(
-    query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed, backend
-):
-    batch_size, num_heads, lq, _ = query.shape
-    if backend == "eager":
-        out = eager_attention.empty_output(batch_size, num_heads, lq, value.shape[-1], query.dtype, query.device)
-        lse = eager_attention.empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
-    else:
-        out = query.new_empty(batch_size, num_heads, lq, value.shape[-1])
-        lse = query.new_empty(batch_size, num_heads, lq, dtype=torch.float32)
-    return out, lse
+@attention_forward.implement
+def _attention_forward(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs, backend: str):
+    """``out`` (:func:`empty_output`'s layout) and ``lse`` (:func:`empty_lse`'s)."""
+    return backend_module("attention", backend).forward(query, key, value, args)
 
 
-@torch.library.custom_op("transformer_kernels::attention_backward", mutates_args=())
-def attention_backward(
-    grad_out: Tensor,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    key_padding_mask: Optional[Tensor],
-    key_bounds: Optional[Tensor],
-    attn_mask: Optional[Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[Tensor],
-    backend: str,
-    attn_mask_needs_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`attention_forward`: ``dq, dk, dv`` and ``dmask`` (``[B, Hq, Lq, Lk]`` when
-    ``attn_mask_needs_grad``, else empty)."""
+@attention_forward.fake
+def _attention_forward_fake(query, key, value, args, backend):
+    return empty_output(query, value), empty_lse(query)
+
+
+@attention_backward.implement
+def _attention_backward(grad_out, query, key, value, out, lse, args: AttentionArgs, attn_mask_needs_grad, backend):
+    """``dq, dk, dv`` (:func:`empty_grads`'s layout) and ``dmask``: the attn_mask's gradient
+    ``[B, Hq, Lq, Lk]`` in :func:`dmask_dtype` when ``attn_mask_needs_grad``, else empty."""
     dq, dk, dv, dmask = backend_module("attention", backend).backward(
-        grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
-        causal, scale, dropout_p, dropout_seed, attn_mask_needs_grad,
+        grad_out, query, key, value, out, lse, args, attn_mask_needs_grad
     )
     if attn_mask_needs_grad:
-        dmask = dmask.to(_dmask_dtype(attn_mask.dtype)).contiguous()
+        dmask = dmask.to(dmask_dtype(args.attn_mask.dtype)).contiguous()
     return dq, dk, dv, dmask
 
 
-@attention_backward.register_fake
-def _attention_backward_fake(
-    grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
-    causal, scale, dropout_p, dropout_seed, backend, attn_mask_needs_grad,
-):
+@attention_backward.fake
+def _attention_backward_fake(grad_out, query, key, value, out, lse, args, attn_mask_needs_grad, backend):
     if attn_mask_needs_grad:
-        dmask = attn_mask.new_empty(attn_mask.shape, dtype=_dmask_dtype(attn_mask.dtype))
+        dmask = args.attn_mask.new_empty(args.attn_mask.shape, dtype=dmask_dtype(args.attn_mask.dtype))
     else:
         dmask = query.new_empty(0, dtype=torch.float32)
-    if backend == "eager":
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+    return (*empty_grads(query, key, value), dmask)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    query, key, value, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed, backend = inputs
+def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed)
-    ctx.causal, ctx.scale, ctx.dropout_p, ctx.backend = causal, scale, dropout_p, backend
-    ctx.attn_mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[5]
+    ctx.save_for_backward(*tensors, out, lse, args.key_padding_mask, args.key_bounds, args.attn_mask, args.dropout_seed)
+    # Tensors travel through save_for_backward only (autograd checks them for in-place changes).
+    ctx.args = dataclasses.replace(args, key_padding_mask=None, key_bounds=None, attn_mask=None, dropout_seed=None)
+    ctx.attn_mask_needs_grad = args.attn_mask is not None and attention_forward.needs_grad(ctx, "attn_mask")
 
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
-    dq, dk, dv, dmask = torch.ops.transformer_kernels.attention_backward(
-        grad_out, query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask,
-        ctx.causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.backend, ctx.attn_mask_needs_grad,
+    args = dataclasses.replace(
+        ctx.args, key_padding_mask=key_padding_mask, key_bounds=key_bounds, attn_mask=attn_mask,
+        dropout_seed=dropout_seed,
+    )
+    dq, dk, dv, dmask = attention_backward(
+        grad_out, query, key, value, out, lse, args, ctx.attn_mask_needs_grad, ctx.backend
     )
     grad_mask = dmask.to(attn_mask.dtype) if ctx.attn_mask_needs_grad else None
-    return dq, dk, dv, None, None, grad_mask, None, None, None, None, None
+    return (dq, dk, dv), {"attn_mask": grad_mask}
 
 
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+attention_forward.register_autograd(_backward, _setup_context)

@@ -48,7 +48,9 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["unsupported_reason", "forward", "backward", "lse_dtype", "empty_output", "empty_lse"]
+from ...ops.attention import AttentionArgs, Causal, empty_grads, empty_lse, empty_output
+
+__all__ = ["unsupported_reason", "forward", "backward"]
 
 _ATEN = torch.ops.aten
 _HAS_CPU_FLASH = hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
@@ -67,20 +69,9 @@ _PER_SEQUENCE_MIN_SCORES = 64 * 1024
 _CAUSAL_ROW_BLOCK = 128
 
 
-def unsupported_reason(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    dropout_p: float,
-) -> Optional[str]:
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
     """The eager backend serves every call the public function accepts."""
     return None
-
-
-def lse_dtype(query_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the log-sum-exp this backend returns: float64 for float64 queries, else float32."""
-    return torch.float64 if query_dtype == torch.float64 else torch.float32
 
 
 # ----------------------------------------------------------------------------
@@ -88,11 +79,11 @@ def lse_dtype(query_dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-def _causal_shift(causal: int, lq: int, lk: int) -> Optional[int]:
+def _causal_shift(causal: Causal, lq: int, lk: int) -> Optional[int]:
     """``shift`` such that query ``i`` sees key ``j`` iff ``j <= i + shift``; None without causality."""
-    if causal == 0:
+    if causal == Causal.NONE:
         return None
-    return 0 if causal == 1 else lk - lq
+    return 0 if causal == Causal.TOP_LEFT else lk - lq
 
 
 def _undo_broadcast(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,18 +112,6 @@ def _repeat_kv_heads(tensor: torch.Tensor, num_query_heads: int) -> torch.Tensor
 def _sum_kv_heads(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     group = grad.shape[1] // num_kv_heads
     return grad if group == 1 else grad.unflatten(1, (num_kv_heads, group)).sum(2)
-
-
-def empty_output(batch: int, heads: int, lq: int, value_head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialized output in this backend's layout: ``[B, Hq, Lq, Dv]`` over ``[B, Lq, Hq, Dv]``
-    memory, the layout torch's CPU SDPA returns (``out.transpose(1, 2).reshape(B, Lq, Hq * Dv)`` is free)."""
-    strides = (lq * heads * value_head_dim, value_head_dim, heads * value_head_dim, 1)
-    return torch.empty_strided((batch, heads, lq, value_head_dim), strides, dtype=dtype, device=device)
-
-
-def empty_lse(batch: int, heads: int, lq: int, query_dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialized log-sum-exp ``[B, Hq, Lq]`` over ``[B, Lq, Hq]`` memory, as the CPU kernel returns it."""
-    return torch.empty_strided((batch, heads, lq), (lq * heads, 1, heads), dtype=lse_dtype(query_dtype), device=device)
 
 
 def _in_layout(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -268,7 +247,7 @@ def _plan(
     key_padding_mask: Optional[torch.Tensor],
     key_bounds: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
-    causal: int,
+    causal: Causal,
 ) -> list[_Tile]:
     """Cut the attention into tiles that skip padded keys and rows without keys.
 
@@ -345,8 +324,7 @@ def _flash_forward(query, key, value, tiles: list[_Tile], scale):
     query = _kernel_layout(query)
     key_x = _kernel_layout(_repeat_kv_heads(key, num_heads))
     value_x = _kernel_layout(_repeat_kv_heads(value, num_heads))
-    out_target = empty_output(batch_size, num_heads, lq, value_head_dim, query.dtype, query.device)
-    lse_target = empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
+    out_target, lse_target = empty_output(query, value), empty_lse(query)
 
     def run(tile: _Tile) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         tile_out, tile_lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
@@ -392,7 +370,7 @@ def _flash_forward(query, key, value, tiles: list[_Tile], scale):
         return _in_layout(torch.cat(outs), out_target), _in_layout(torch.cat(lses), lse_target)
 
     accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
-    out = empty_output(batch_size, num_heads, lq, value_head_dim, accumulate_dtype, query.device)
+    out = empty_output(query, value).to(accumulate_dtype)
     lse = torch.full_like(lse_target, float("-inf"))
     # Tiles either cover the same (batch, rows) region or disjoint ones; the first tile of a region is
     # written, later ones are merged in by their log-sum-exps.
@@ -425,7 +403,7 @@ def _flash_forward(query, key, value, tiles: list[_Tile], scale):
 
 def _flash_backward(grad_out, query, key, value, out, lse, tiles: list[_Tile], scale):
     batch_size, num_heads, lq, _ = query.shape
-    targets = [torch.empty_like(t) for t in (query, key, value)]
+    targets = empty_grads(query, key, value)
     query_k = _kernel_layout(query)
     key_x = _kernel_layout(_repeat_kv_heads(key, num_heads))
     value_x = _kernel_layout(_repeat_kv_heads(value, num_heads))
@@ -474,7 +452,7 @@ def _masked_scores(
     key: torch.Tensor,
     key_padding_mask: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
-    causal: int,
+    causal: Causal,
     scale: float,
 ) -> torch.Tensor:
     """Scaled scores ``[B, Hk, G, Lq, Lk]`` plus the float mask, ``-inf`` where a mask excludes the key,
@@ -515,7 +493,7 @@ def _math_probs(
     key: torch.Tensor,
     key_padding_mask: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
-    causal: int,
+    causal: Causal,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
@@ -539,24 +517,19 @@ def _dropout_scale(probs_shape, dropout_p, dropout_seed, device, dtype) -> torch
     return (keep.to(dtype) * (1.0 / (1.0 - dropout_p))).unflatten(1, (num_kv_heads, group))
 
 
-def _math_forward(query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed):
-    probs, lse = _math_probs(query, key, key_padding_mask, attn_mask, causal, scale)
-    if dropout_p > 0.0:
-        probs = probs * _dropout_scale(probs.shape, dropout_p, dropout_seed, query.device, probs.dtype)
+def _math_forward(query, key, value, args: AttentionArgs):
+    probs, lse = _math_probs(query, key, args.key_padding_mask, args.attn_mask, args.causal, args.scale)
+    if args.dropout_p > 0.0:
+        probs = probs * _dropout_scale(probs.shape, args.dropout_p, args.dropout_seed, query.device, probs.dtype)
     out = torch.matmul(probs, value.to(probs.dtype).unsqueeze(2)).flatten(1, 2)
-    batch_size, num_heads, lq, _ = query.shape
-    out_target = empty_output(batch_size, num_heads, lq, value.shape[-1], query.dtype, query.device)
-    lse_target = empty_lse(batch_size, num_heads, lq, query.dtype, query.device)
-    return _in_layout(out, out_target), _in_layout(lse, lse_target)
+    return _in_layout(out, empty_output(query, value)), _in_layout(lse, empty_lse(query))
 
 
-def _math_backward(
-    grad_out, query, key, value, lse, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
-    attn_mask_needs_grad,
-):
+def _math_backward(grad_out, query, key, value, lse, args: AttentionArgs, attn_mask_needs_grad):
     """Softmax-attention backward on materialized probabilities, recomputed from the saved lse as
     ``P = exp(S - lse)`` (0 on rows without keys, whose lse is +inf); ``dS = P * (dP - rowsum(P * dP))``."""
-    scores = _masked_scores(query, key, key_padding_mask, attn_mask, causal, scale)
+    scale, dropout_p = args.scale, args.dropout_p
+    scores = _masked_scores(query, key, args.key_padding_mask, args.attn_mask, args.causal, scale)
     group_shape = scores.shape[1:3]
     probs = scores.sub_(lse.unflatten(1, group_shape).unsqueeze(-1)).exp_()
     compute_dtype = probs.dtype
@@ -568,7 +541,7 @@ def _math_backward(
     dropped = probs
     d_probs = torch.matmul(d_out, v.transpose(-1, -2))
     if dropout_p > 0.0:
-        factor = _dropout_scale(probs.shape, dropout_p, dropout_seed, query.device, compute_dtype)
+        factor = _dropout_scale(probs.shape, dropout_p, args.dropout_seed, query.device, compute_dtype)
         dropped = probs * factor
         d_probs.mul_(factor)
     grad_value = _sum_groups(torch.matmul(dropped.transpose(-1, -2), d_out))
@@ -576,7 +549,7 @@ def _math_backward(
     grad_query = torch.matmul(d_scores, k).mul_(scale).flatten(1, 2)
     grad_key = _sum_groups(torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale))
     dmask = d_scores.flatten(1, 2) if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
-    grads = (_in_layout(g, torch.empty_like(t)) for g, t in ((grad_query, query), (grad_key, key), (grad_value, value)))
+    grads = (_in_layout(g, t) for g, t in zip((grad_query, grad_key, grad_value), empty_grads(query, key, value)))
     return (*grads, dmask)
 
 
@@ -591,29 +564,14 @@ def _sum_groups(grad: torch.Tensor) -> torch.Tensor:
 
 
 def forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    key_bounds: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out`` ``[B, Hq, Lq, Dv]`` (query's dtype, in the :func:`empty_output` layout) and
-    ``lse`` ``[B, Hq, Lq]`` (in the :func:`empty_lse` layout; float32, float64 for float64 queries;
-    natural log; +inf on rows that see no key).
-    """
-    if _uses_flash_tiles(query, value, dropout_p):
-        tiles = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
-        out, lse = _flash_forward(query, key, value, tiles, scale)
-    else:
-        out, lse = _math_forward(
-            query, key, value, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed
-        )
-    return out, lse
+    """``out`` and ``lse`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_output`
+    and :func:`~transformer_kernels.ops.attention.empty_lse`."""
+    if _uses_flash_tiles(query, value, args.dropout_p):
+        tiles = _plan(query, key, args.key_padding_mask, args.key_bounds, args.attn_mask, args.causal)
+        return _flash_forward(query, key, value, tiles, args.scale)
+    return _math_forward(query, key, value, args)
 
 
 def backward(
@@ -623,24 +581,13 @@ def backward(
     value: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    key_bounds: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
+    args: AttentionArgs,
     attn_mask_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``dq, dk, dv`` (dtypes of the inputs, strides of ``torch.empty_like`` of each) and
-    ``dmask`` (``[B, Hq, Lq, Lk]`` in the float mask's dtype promoted to at least float32 when
-    ``attn_mask_needs_grad``, else an empty tensor)."""
-    if not attn_mask_needs_grad and _uses_flash_tiles(query, value, dropout_p):
-        tiles = _plan(query, key, key_padding_mask, key_bounds, attn_mask, causal)
-        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, scale)
+    """``dq, dk, dv`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_grads` and
+    ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``, else empty)."""
+    if not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
+        tiles = _plan(query, key, args.key_padding_mask, args.key_bounds, args.attn_mask, args.causal)
+        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
-
-    return _math_backward(
-        grad_out, query, key, value, lse, key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed,
-        attn_mask_needs_grad,
-    )
+    return _math_backward(grad_out, query, key, value, lse, args, attn_mask_needs_grad)

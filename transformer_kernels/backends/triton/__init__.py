@@ -1,5 +1,63 @@
 """Triton kernels, one module per op; ``_common`` holds what they share.
 
-Modules here import triton at import time, so only import them once the
-triton backend was chosen.
+The op modules import triton, so they are loaded only once the triton backend
+was chosen; this package itself only registers the backend.  It runs CUDA
+tensors, and CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter).
 """
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ..._backend import register_backend, version_reason
+
+# The triton that torch 2.11, the oldest supported torch, ships with.
+MIN_TRITON = (3, 6)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_reason() -> Optional[str]:
+    """Why the installed triton cannot run our kernels, or None (looked up once: calls pay nothing)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return version_reason("triton", importlib.metadata.version("triton"), MIN_TRITON)
+
+
+def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    reason = triton_reason()
+    if reason is not None:
+        return reason
+    if device.type == "cuda":
+        if interpreter_enabled():
+            return "TRITON_INTERPRET=1 is set, which only runs on CPU tensors"
+        return None
+    if device.type != "cpu" or not interpreter_enabled():
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors), got device {device}"
+    if dtype == torch.bfloat16:
+        # The interpreter silently computes zeros for bfloat16.
+        return "the Triton interpreter does not support bfloat16"
+    return None
+
+
+def _load(op: str) -> ModuleType:
+    # An import statement, not importlib: torch.compile traces it.
+    from . import attention, glu_conv, qkv
+
+    return {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}[op]
+
+
+register_backend(
+    "triton", rank=1, auto_device_types=("cuda",), device_reason=_device_reason,
+    ops=("attention", "glu_conv", "qkv"), load=_load,
+)

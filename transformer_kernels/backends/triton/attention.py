@@ -7,8 +7,9 @@ any strides, ``Hq % Hk == 0`` (grouped-query attention: query head ``h`` reads
 kv head ``h // (Hq // Hk)``).  Every mask kind is a constexpr switch of one
 kernel family:
 
-* ``CAUSAL``: 0 none, 1 top-left (query ``i`` sees keys ``j <= i``),
-  2 bottom-right (``j <= i + Lk - Lq``).  Key blocks wholly above the diagonal
+* ``CAUSAL``: a :class:`~transformer_kernels.ops.attention.Causal`: none,
+  top-left (query ``i`` sees keys ``j <= i``) or bottom-right
+  (``j <= i + Lk - Lq``).  Key blocks wholly above the diagonal
   are never visited; only the blocks the diagonal crosses pay for the mask.
 * ``HAS_KEY_PADDING``: bool ``[B, Lk]`` (True = padding) read one key block at
   a time; ``key_bounds`` ``[B, 2]`` int32 (first kept key, last kept key + 1)
@@ -43,12 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._backend import triton_interpreter_enabled
+from ...ops.attention import MAX_HEAD_DIM, AttentionArgs, Causal, empty_grads, empty_lse, empty_output
+from . import interpreter_enabled
 from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelLaunch, dot_input_precision, next_power_of_2
 
 __all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
 
-MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
 _MAX_GRID_Y = 65535
@@ -57,6 +58,8 @@ _DROPOUT_LEVELS = 1 << 16
 LOG2E = tl.constexpr(1.4426950408889634)
 FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 LN2 = tl.constexpr(0.6931471805599453)
+NO_CAUSAL = tl.constexpr(int(Causal.NONE))
+BOTTOM_RIGHT = tl.constexpr(int(Causal.BOTTOM_RIGHT))
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +183,7 @@ def _key_range(
     # the keys this adds are padding, or get the causal test.
     lo = lo // 8 * 8
     full_hi = hi
-    if CAUSAL != 0:
+    if CAUSAL != NO_CAUSAL:
         row_end = tl.minimum(row_start + BLOCK_M, seq_len_q)
         hi = tl.minimum(hi, row_end + causal_shift)
         full_hi = tl.maximum(tl.minimum(hi, row_start + causal_shift + 1) // 8 * 8, lo)
@@ -194,13 +197,13 @@ def _query_block_program(head_batch_start, num_q_heads, group_size, seq_len_q, s
     # (query blocks, batch*heads) grid.  Causal rows near the end do the most
     # work, so their blocks are launched first.
     block_m = tl.program_id(0)
-    if CAUSAL != 0:
+    if CAUSAL != NO_CAUSAL:
         block_m = tl.num_programs(0) - 1 - block_m
     head_batch = tl.program_id(1) + head_batch_start
     batch = head_batch // num_q_heads
     head = head_batch % num_q_heads
     causal_shift = 0
-    if CAUSAL == 2:
+    if CAUSAL == BOTTOM_RIGHT:
         causal_shift = seq_len_k - seq_len_q
     return block_m, head_batch, batch, head, head // group_size, causal_shift
 
@@ -339,7 +342,7 @@ def _attention_forward_kernel(
         key_lo, key_full_hi,
         False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
-    if CAUSAL != 0:
+    if CAUSAL != NO_CAUSAL:
         acc, l_i, m_i = _forward_inner(
             acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
@@ -492,7 +495,7 @@ def _attention_backward_dkdv_kernel(
     batch = kv_head_batch // num_kv_heads
     kv_head = kv_head_batch % num_kv_heads
     causal_shift = 0
-    if CAUSAL == 2:
+    if CAUSAL == BOTTOM_RIGHT:
         causal_shift = seq_len_k - seq_len_q
 
     head_dim = head_dim // 16 * 16
@@ -529,7 +532,7 @@ def _attention_backward_dkdv_kernel(
     row_lo = 0
     row_full = 0
     key_keep = key_in
-    if CAUSAL != 0:
+    if CAUSAL != NO_CAUSAL:
         row_lo = tl.minimum(tl.maximum(key_start - causal_shift, 0), seq_len_q)
         row_full = tl.minimum(tl.maximum(key_start + BLOCK_N - 1 - causal_shift, row_lo), seq_len_q)
     if HAS_KEY_PADDING:
@@ -557,7 +560,7 @@ def _attention_backward_dkdv_kernel(
         grad_scores_base = grad_scores_ptr
         if STORE_GRAD_SCORES:
             grad_scores_base = _head_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh)
-        if CAUSAL != 0:
+        if CAUSAL != NO_CAUSAL:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, offs_n[:, None], key_keep[:, None],
                 q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
@@ -718,7 +721,7 @@ def _attention_backward_dq_kernel(
         key_lo, key_full_hi,
         False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
-    if CAUSAL != 0:
+    if CAUSAL != NO_CAUSAL:
         dq = _dq_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
@@ -843,20 +846,14 @@ _CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MAS
 def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> BlockConfig:
     """The configuration ``kernel`` ("forward", "dkdv" or "dq") runs with;
     ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``)."""
-    if triton_interpreter_enabled():
+    if interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
     table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
     return table[(kernel, bucket)]
 
 
-def unsupported_reason(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    dropout_p: float,
-) -> Optional[str]:
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
     """Why the Triton kernels cannot serve these arguments, or ``None``."""
     if query.dtype not in SUPPORTED_DTYPES:
         return f"the triton backend supports float16, bfloat16 and float32, got {query.dtype}"
@@ -868,7 +865,7 @@ def unsupported_reason(
             f"the triton backend supports float32 on the GPU up to head dim {MAX_FLOAT32_HEAD_DIM_ON_GPU} "
             f"(its float32 kernels would spill registers), got {head_dim}; use float16/bfloat16 or backend='eager'"
         )
-    if (attn_mask is not None or dropout_p > 0.0) and query.is_cuda and head_dim > MAX_MASKED_HEAD_DIM_ON_GPU:
+    if (args.attn_mask is not None or args.dropout_p > 0.0) and query.is_cuda and head_dim > MAX_MASKED_HEAD_DIM_ON_GPU:
         return (
             f"the triton backend supports a dense attn_mask or dropout on the GPU up to head dim "
             f"{MAX_MASKED_HEAD_DIM_ON_GPU} with triton {triton.__version__} (its dK/dV kernel would spill "
@@ -905,10 +902,6 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     padded = source.new_zeros((*source.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
     padded[..., : tensor.shape[-1]] = source
     return padded.expand(*tensor.shape[:-1], padded.shape[-1])
-
-
-def _unpadded(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    return tensor if tensor.shape[-1] == width else tensor[..., :width].contiguous()
 
 
 def _unit_last_stride(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -994,15 +987,9 @@ def _chunked_launches(
 
 @dataclasses.dataclass(frozen=True)
 class _Masks:
-    """The masking and dropout arguments, as the op layer passes them."""
+    """A call's :class:`AttentionArgs` and the kernel arguments built from them."""
 
-    key_padding_mask: Optional[torch.Tensor]
-    key_bounds: Optional[torch.Tensor]
-    attn_mask: Optional[torch.Tensor]
-    causal: int
-    scale: float
-    dropout_p: float
-    dropout_seed: Optional[torch.Tensor]
+    args: AttentionArgs
 
     @functools.cached_property
     def arguments(self) -> tuple[list, list, dict]:
@@ -1010,18 +997,20 @@ class _Masks:
         arguments that forward, dK/dV and dQ share).  Built once per call: a
         mask without unit last stride is copied here, and the backward's two
         kernels share that copy."""
-        pointers, strides, switches = _mask_arguments(self.key_padding_mask, self.key_bounds, self.attn_mask)
-        dropout = _dropout_arguments(self.dropout_p, self.dropout_seed)
-        kwargs = dict(qk_scale=self.scale * math.log2(math.e), **dropout, CAUSAL=self.causal, **switches)
+        args = self.args
+        pointers, strides, switches = _mask_arguments(args.key_padding_mask, args.key_bounds, args.attn_mask)
+        dropout = _dropout_arguments(args.dropout_p, args.dropout_seed)
+        kwargs = dict(qk_scale=args.scale * math.log2(math.e), **dropout, CAUSAL=int(args.causal), **switches)
         return pointers, strides, kwargs
 
     @property
     def variant(self) -> str:
         """Which configuration table serves these masks: "masked" (a dense mask
         or dropout), "fast" (causal or key padding) or "dense" (none)."""
-        if self.attn_mask is not None or self.dropout_p > 0.0:
+        args = self.args
+        if args.attn_mask is not None or args.dropout_p > 0.0:
             return "masked"
-        if self.causal != 0 or self.key_padding_mask is not None:
+        if args.causal != Causal.NONE or args.key_padding_mask is not None:
             return "fast"
         return "dense"
 
@@ -1099,7 +1088,7 @@ def _dkdv_launches(
         [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
         [*(t.stride() for t in (query, key, value, grad_out, dk, dv)), scores_strides],
         key.shape[1],
-        scale=masks.scale, STORE_GRAD_SCORES=grad_scores is not None,
+        scale=masks.args.scale, STORE_GRAD_SCORES=grad_scores is not None,
     )
 
 
@@ -1109,34 +1098,36 @@ def _dq_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> 
         "dq", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         [t.stride() for t in (query, key, value, grad_out, dq)],
-        scale=masks.scale,
+        scale=masks.args.scale,
     )
 
 
+def _into(target: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``target`` holding ``result``, which a kernel wrote with its last dim possibly zero-padded
+    (see ``_aligned``): ``result`` itself when it is ``target``."""
+    return target if result is target else target.copy_(result[..., : target.shape[-1]])
+
+
+def _writable(target: torch.Tensor, width: int) -> torch.Tensor:
+    """What a kernel writes for ``target``, whose input ``_aligned`` gave head dim ``width``:
+    ``target`` itself when it has that width and is aligned, else a contiguous buffer."""
+    if target.shape[-1] == width and _is_aligned(target):
+        return target
+    return target.new_empty((*target.shape[:-1], width))
+
+
 def forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    key_bounds: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash-attention forward; returns ``out [B, Hq, Lq, Dv]`` (query's dtype,
-    contiguous) and ``lse [B, Hq, Lq]`` float32 (+inf on fully-masked rows)."""
-    value_head_dim = value.shape[-1]
+    """Flash-attention forward: ``out`` and ``lse`` (+inf on rows that see no key) in the layouts
+    of :func:`~transformer_kernels.ops.attention.empty_output` and ``empty_lse``."""
+    out, lse = empty_output(query, value), empty_lse(query)
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
-    batch, num_q_heads, seq_len_q, _ = query.shape
-    out = query.new_empty((batch, num_q_heads, seq_len_q, value.shape[3]))
-    lse = torch.empty((batch, num_q_heads, seq_len_q), dtype=torch.float32, device=query.device)
-    masks = _Masks(key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed)
+    padded_out = _writable(out, value.shape[-1])
     with torch.cuda.device_of(query):
-        for launch in _forward_launches(query, key, value, out, lse, masks):
+        for launch in _forward_launches(query, key, value, padded_out, lse, _Masks(args)):
             launch()
-    return _unpadded(out, value_head_dim), lse
+    return _into(out, padded_out), lse
 
 
 def backward(
@@ -1146,33 +1137,23 @@ def backward(
     value: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    key_bounds: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: int,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
+    args: AttentionArgs,
     attn_mask_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash-attention backward; returns ``dq, dk, dv`` (contiguous, dtypes of
-    the inputs, GQA heads summed into their kv head) and ``dmask``, the float32
-    ``[B, Hq, Lq, Lk]`` gradient of the scaled, masked scores when
+    """Flash-attention backward: ``dq, dk, dv`` in the layouts of
+    :func:`~transformer_kernels.ops.attention.empty_grads` (GQA heads summed into their kv head)
+    and ``dmask``, the float32 ``[B, Hq, Lq, Lk]`` gradient of the scaled, masked scores when
     ``attn_mask_needs_grad`` (else an empty tensor)."""
-    query_head_dim, value_head_dim = query.shape[-1], value.shape[-1]
+    grads = empty_grads(query, key, value)
     grad_out, query, key, value, out = (_aligned(t) for t in (grad_out, query, key, value, out))
+    dq, dk, dv = (_writable(grad, aligned.shape[-1]) for grad, aligned in zip(grads, (query, key, value)))
     batch, num_q_heads, seq_len_q, _ = query.shape
-    seq_len_k = key.shape[2]
-    lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     grad_scores = None
     if attn_mask_needs_grad:
         # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
-        grad_scores = torch.zeros((batch, num_q_heads, seq_len_q, seq_len_k), dtype=torch.float32, device=query.device)
-    masks = _Masks(key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_p, dropout_seed)
+        grad_scores = query.new_zeros((batch, num_q_heads, seq_len_q, key.shape[2]), dtype=torch.float32)
+    masks = _Masks(args)
     with torch.cuda.device_of(query):
         for launch in (
             *_delta_launches(grad_out, out, delta),
@@ -1181,10 +1162,8 @@ def backward(
         ):
             launch()
     if grad_scores is None:
-        grad_scores = torch.empty(0, dtype=torch.float32, device=query.device)
-    return (
-        _unpadded(dq, query_head_dim), _unpadded(dk, query_head_dim), _unpadded(dv, value_head_dim), grad_scores,
-    )
+        grad_scores = query.new_empty(0, dtype=torch.float32)
+    return (*(_into(grad, result) for grad, result in zip(grads, (dq, dk, dv))), grad_scores)
 
 
 # ---------------------------------------------------------------------------
@@ -1225,7 +1204,10 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant:
         attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
         grad_scores = torch.empty(batch, heads, length, length)
         dropout_p, dropout_seed = 0.1, torch.tensor([1234567, 89], dtype=torch.int64)
-    masks = _Masks(key_padding_mask, key_bounds, attn_mask, 2 if causal else 0, head_dim**-0.5, dropout_p, dropout_seed)
+    masks = _Masks(AttentionArgs(
+        key_padding_mask, key_bounds, attn_mask, Causal.BOTTOM_RIGHT if causal else Causal.NONE, head_dim**-0.5,
+        dropout_p, dropout_seed,
+    ))
     if kernel_name == "forward":
         launches = _forward_launches(query, key, value, out, lse, masks)
     elif kernel_name == "dkdv":
