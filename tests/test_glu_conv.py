@@ -348,7 +348,7 @@ def _opcheck(backend, device, channels_last):
     x, weight, bias, residual = _make_inputs(2, 3, 7, 4, 6, dtype=torch.float32, device=device,
                                              channels_last=channels_last)
     x, weight, bias, residual = _leaves(x, weight, bias, residual)
-    op = torch.ops.transformer_kernels.glu_conv1d.default
+    op = torch.ops.transformer_kernels.glu_conv1d_forward.default
     torch.library.opcheck(op, (x, weight, bias, residual, 1, 1, 0.5, SCALE, backend))
     torch.library.opcheck(op, (x, weight, None, None, 2, 0, 0.0, 1.0, backend))
     saved = op(x, weight, bias, residual, 2, 0, 1.0, SCALE, backend)[1].detach()

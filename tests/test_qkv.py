@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError
+from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference import qkv_projection as reference_qkv
 
 from conftest import CUDA, TRITON_DEVICE, requires_cuda, tf32_setting
@@ -166,7 +167,7 @@ def test_triton_float32_runs_torch_matmuls(monkeypatch, api, allow_tf32):
         outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
         grads = torch.autograd.grad(sum(o.sum() for o in outputs), (x, weight, b))
         with torch.no_grad():
-            expected = eager_qkv.forward(x, weight, b, 2)
+            expected = eager_qkv.forward(x, weight, b, QkvProjectionArgs(2))
         expected_grads = torch.autograd.grad(sum(o.sum() for o in reference_qkv(x, weight, b, 2)), (x, weight, b))
     assert launched == []
     _assert_close_all(list(outputs), list(expected), rtol=1e-6, atol=1e-6)

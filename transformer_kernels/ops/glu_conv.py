@@ -2,12 +2,16 @@
 
 One call computes ``conv1d`` + bias + ``F.glu`` + residual and scale, forward
 and backward, plus :func:`glu_conv1d_step` for one-position-at-a-time
-decoding.  Registered as ``torch.ops.transformer_kernels.glu_conv1d`` (with a
-fake kernel and autograd) so it works under ``torch.compile``.
+decoding.  Registered as ``torch.ops.transformer_kernels.glu_conv1d_forward``
+(with a fake kernel and autograd through ``glu_conv1d_backward``) so it works
+under ``torch.compile``.  The op's contract (:class:`GluConvArgs`, the output
+layout :func:`empty_output`) comes first, then the public functions, their
+checks and the registered ops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Optional
 
@@ -15,168 +19,45 @@ import torch
 
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
+from ._library import RegisteredOp
 
-__all__ = ["glu_conv1d", "glu_conv1d_step"]
+__all__ = ["glu_conv1d", "glu_conv1d_step", "GluConvArgs"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PADDINGS = ("same", "causal")
 
 
-
-def _output_length(length_in: int, kernel_size: int, pad_left: int, pad_right: int) -> int:
-    return length_in + pad_left + pad_right - kernel_size + 1
+# --------------------------------------------------------------------------- the op's contract
 
 
-# --------------------------------------------------------------------------- registered ops
-#
-# pad_left / pad_right are explicit so one op serves "same", "causal" and the
-# unpadded window of glu_conv1d_step.  The second output is what the backend
-# keeps for backward besides the inputs: the eager backend returns its
-# pre-activation [B, L_out, 2C], the Triton backend an empty tensor (its
-# backward recomputes the pre-activation from x).  It is not differentiable.
+@dataclasses.dataclass(frozen=True)
+class GluConvArgs:
+    """A GLU convolution's arguments besides its tensors: ``pad_left``/``pad_right`` positions of
+    ``pad_value`` around ``x`` (explicit, so one op serves "same", "causal" and the unpadded
+    window of :func:`glu_conv1d_step`), and ``residual_scale``."""
+
+    pad_left: int
+    pad_right: int
+    pad_value: float
+    residual_scale: float
+
+    def output_length(self, length_in: int, kernel_size: int) -> int:
+        return self.pad_left + length_in + self.pad_right - kernel_size + 1
 
 
-@torch.library.custom_op("transformer_kernels::glu_conv1d", mutates_args=())
-def _glu_conv1d_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    residual: Optional[torch.Tensor],
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return backend_module("glu_conv", backend).forward(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale)
+def is_channels_last(x: torch.Tensor) -> bool:
+    """``x`` ``[B, C, L]`` is a contiguous ``[B, L, C]`` transposed (and not also contiguous)."""
+    return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
 
 
-@_glu_conv1d_op.register_fake
-def _glu_conv1d_fake(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, backend):
-    from ..backends.eager.glu_conv import empty_output
-
-    length_out = _output_length(x.shape[2], weight.shape[2], pad_left, pad_right)
-    out = empty_output(x, weight.shape[0] // 2, length_out)
-    return out, backend_module("glu_conv", backend).empty_saved(x, weight, pad_left, pad_right)
-
-
-@torch.library.custom_op("transformer_kernels::glu_conv1d_backward", mutates_args=())
-def _glu_conv1d_backward_op(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    z: torch.Tensor,
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
-    needs_grad_x: bool,
-    needs_grad_weight: bool,
-    needs_grad_bias: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backend_module("glu_conv", backend).backward(
-        grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
-        needs_grad_x, needs_grad_weight, needs_grad_bias,
-    )
-
-
-@_glu_conv1d_backward_op.register_fake
-def _glu_conv1d_backward_fake(
-    grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
-    needs_grad_x, needs_grad_weight, needs_grad_bias, backend,
-):
-    from ..backends.eager.glu_conv import empty_output
-
-    grad_x = empty_output(x, x.shape[1], x.shape[2]) if needs_grad_x else x.new_empty(0)
-    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
-    grad_bias = weight.new_empty(weight.shape[0]) if needs_grad_bias and bias is not None else weight.new_empty(0)
-    return grad_x, grad_weight, grad_bias
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, backend = inputs
-    # Saved: the inputs x, weight, bias (alive anyway) and the backend's second
-    # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
-    ctx.save_for_backward(x, weight, bias, output[1])
-    ctx.mark_non_differentiable(output[1])
-    # The saved pre-activation never has a gradient: do not allocate zeros for it on every backward.
-    ctx.set_materialize_grads(False)
-    ctx.has_bias = bias is not None
-    ctx.arguments = (pad_left, pad_right, pad_value, residual_scale)
-    ctx.backend = backend
-
-
-def _backward(ctx, grad_out, _grad_saved):
-    x, weight, bias, z = ctx.saved_tensors
-    pad_left, pad_right, pad_value, residual_scale = ctx.arguments
-    needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
-    grad_x = grad_weight = grad_bias = grad_residual = None
-    if grad_out is None:
-        return (None,) * 9
-    if needs_x or needs_weight or needs_bias:
-        grad_x, grad_weight, grad_bias = torch.ops.transformer_kernels.glu_conv1d_backward(
-            grad_out, x, weight, bias, z, pad_left, pad_right, pad_value, residual_scale,
-            needs_x, needs_weight, needs_bias and ctx.has_bias, ctx.backend,
-        )
-    if needs_residual:
-        grad_residual = grad_out if residual_scale == 1.0 else grad_out * residual_scale
-    return (
-        grad_x if needs_x else None,
-        grad_weight if needs_weight else None,
-        grad_bias if needs_bias else None,
-        grad_residual,
-        None, None, None, None, None,
-    )
-
-
-_glu_conv1d_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-    return float(value)
-
-
-def _check_weight_and_bias(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], x_name: str
-) -> tuple[int, int]:
-    """Returns ``(C, k)``: GLU output channels and kernel size."""
-    check_tensor("weight", weight, ndim=3)
-    channels_in = x.shape[1]
-    if weight.shape[1] != channels_in or weight.shape[2] < 1:
-        raise ValueError(
-            f"weight must have shape [2*C, C_in, k] with C_in = {x_name}.shape[1] = {channels_in} and k >= 1, "
-            f"got weight of shape {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0 or weight.shape[0] % 2 != 0:
-        raise ValueError(
-            f"weight.shape[0] (the convolution's output channels, 2*C) must be even and positive so the GLU "
-            f"can split it into two halves, got weight of shape {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"bias must have shape [2*C] = [{weight.shape[0]}] to match weight.shape[0], "
-                f"got bias of shape {tuple(bias.shape)}"
-            )
-    check_same_dtype_device(x_name, x, weight=weight, bias=bias)
-    return weight.shape[0] // 2, weight.shape[2]
-
-
-def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...], x_name: str, x: torch.Tensor) -> None:
-    if residual is None:
-        return
-    check_tensor("residual", residual, ndim=len(expected))
-    if tuple(residual.shape) != expected:
-        raise ValueError(f"residual must have the output's shape {list(expected)}, got {tuple(residual.shape)}")
-    check_same_dtype_device(x_name, x, residual=residual)
+def empty_output(x: torch.Tensor, channels: int, length: int) -> torch.Tensor:
+    """An uninitialized ``[B, channels, length]`` tensor in ``x``'s memory layout: channel-last
+    when ``x`` is channel-last, else contiguous.  Every backend returns its output and ``grad_x``
+    in this layout."""
+    batch = x.shape[0]
+    if is_channels_last(x):
+        return x.new_empty(batch, length, channels).transpose(1, 2)
+    return x.new_empty(batch, channels, length)
 
 
 
@@ -263,11 +144,11 @@ def glu_conv1d(
     residual_scale = _check_number("residual_scale", residual_scale)
     _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
     if padding == "same":
-        pad_left, pad_right = (kernel_size - 1) // 2, kernel_size // 2
+        args = GluConvArgs((kernel_size - 1) // 2, kernel_size // 2, pad_value, residual_scale)
     else:
-        pad_left, pad_right = kernel_size - 1, 0
-    name = select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual)
-    out, _ = _glu_conv1d_op(x, weight, bias, residual, pad_left, pad_right, pad_value, residual_scale, name)
+        args = GluConvArgs(kernel_size - 1, 0, pad_value, residual_scale)
+    name = select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
+    out, _ = glu_conv1d_forward(x, weight, bias, residual, args, name)
     return out
 
 
@@ -326,9 +207,135 @@ def glu_conv1d_step(
         check_same_dtype_device("x_t", x_t, state=state)
     _check_residual(residual, (batch, channels_out), "x_t", x_t)
     window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
-    name = select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias, residual)
-    out, _ = _glu_conv1d_op(
-        window, weight, bias, None if residual is None else residual.unsqueeze(2),
-        0, 0, pad_value, residual_scale, name,
-    )
+    residual = None if residual is None else residual.unsqueeze(2)
+    args = GluConvArgs(0, 0, pad_value, residual_scale)
+    name = select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias, residual, args)
+    out, _ = glu_conv1d_forward(window, weight, bias, residual, args, name)
     return out.squeeze(2), window[:, :, 1:]
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_weight_and_bias(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], x_name: str
+) -> tuple[int, int]:
+    """Returns ``(C, k)``: GLU output channels and kernel size."""
+    check_tensor("weight", weight, ndim=3)
+    channels_in = x.shape[1]
+    if weight.shape[1] != channels_in or weight.shape[2] < 1:
+        raise ValueError(
+            f"weight must have shape [2*C, C_in, k] with C_in = {x_name}.shape[1] = {channels_in} and k >= 1, "
+            f"got weight of shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0 or weight.shape[0] % 2 != 0:
+        raise ValueError(
+            f"weight.shape[0] (the convolution's output channels, 2*C) must be even and positive so the GLU "
+            f"can split it into two halves, got weight of shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"bias must have shape [2*C] = [{weight.shape[0]}] to match weight.shape[0], "
+                f"got bias of shape {tuple(bias.shape)}"
+            )
+    check_same_dtype_device(x_name, x, weight=weight, bias=bias)
+    return weight.shape[0] // 2, weight.shape[2]
+
+
+def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...], x_name: str, x: torch.Tensor) -> None:
+    if residual is None:
+        return
+    check_tensor("residual", residual, ndim=len(expected))
+    if tuple(residual.shape) != expected:
+        raise ValueError(f"residual must have the output's shape {list(expected)}, got {tuple(residual.shape)}")
+    check_same_dtype_device(x_name, x, residual=residual)
+
+
+# --------------------------------------------------------------------------- registered ops
+#
+# The forward's second output is what the backend keeps for backward besides the inputs: the
+# eager backend's pre-activation [B, L_out, 2C], the Triton backend's empty tensor (its backward
+# recomputes the pre-activation from x).  It is not differentiable, and its layout is the
+# backend's own: the fake asks the backend (``empty_saved``) for it.
+
+glu_conv1d_forward = RegisteredOp(
+    "glu_conv1d_forward", ("Tensor x", "Tensor weight", "Tensor? bias", "Tensor? residual"), GluConvArgs,
+    "(Tensor, Tensor)",
+)
+glu_conv1d_backward = RegisteredOp(
+    "glu_conv1d_backward", ("Tensor grad_out", "Tensor x", "Tensor weight", "Tensor? bias", "Tensor saved"),
+    GluConvArgs, "(Tensor, Tensor, Tensor)",
+    flags=("bool needs_grad_x", "bool needs_grad_weight", "bool needs_grad_bias"),
+)
+
+
+@glu_conv1d_forward.implement
+def _glu_conv1d_forward(x, weight, bias, residual, args: GluConvArgs, backend: str):
+    return backend_module("glu_conv", backend).forward(x, weight, bias, residual, args)
+
+
+@glu_conv1d_forward.fake
+def _glu_conv1d_forward_fake(x, weight, bias, residual, args: GluConvArgs, backend: str):
+    out = empty_output(x, weight.shape[0] // 2, args.output_length(x.shape[2], weight.shape[2]))
+    return out, backend_module("glu_conv", backend).empty_saved(x, weight, args)
+
+
+@glu_conv1d_backward.implement
+def _glu_conv1d_backward(
+    grad_out, x, weight, bias, saved, args: GluConvArgs, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
+):
+    """``(grad_x, grad_weight, grad_bias)``; a gradient not asked for is an empty tensor."""
+    return backend_module("glu_conv", backend).backward(
+        grad_out, x, weight, bias, saved, args, needs_grad_x, needs_grad_weight, needs_grad_bias
+    )
+
+
+@glu_conv1d_backward.fake
+def _glu_conv1d_backward_fake(
+    grad_out, x, weight, bias, saved, args, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
+):
+    grad_x = empty_output(x, x.shape[1], x.shape[2]) if needs_grad_x else x.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
+    grad_bias = weight.new_empty(weight.shape[0]) if needs_grad_bias and bias is not None else weight.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def _setup_context(ctx, tensors, args: GluConvArgs, output) -> None:
+    x, weight, bias, _ = tensors
+    # Saved: the inputs x, weight, bias (alive anyway) and the backend's second
+    # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.mark_non_differentiable(output[1])
+    # The saved pre-activation never has a gradient: do not allocate zeros for it on every backward.
+    ctx.set_materialize_grads(False)
+    ctx.has_bias = bias is not None
+    ctx.args = args
+
+
+def _backward(ctx, grad_out, _grad_saved):
+    x, weight, bias, saved = ctx.saved_tensors
+    needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
+    grad_x = grad_weight = grad_bias = grad_residual = None
+    if grad_out is None:
+        return (None, None, None, None), {}
+    if needs_x or needs_weight or needs_bias:
+        grad_x, grad_weight, grad_bias = glu_conv1d_backward(
+            grad_out, x, weight, bias, saved, ctx.args, needs_x, needs_weight, needs_bias and ctx.has_bias,
+            ctx.backend,
+        )
+    if needs_residual:
+        scale = ctx.args.residual_scale
+        grad_residual = grad_out if scale == 1.0 else grad_out * scale
+    grads = (grad_x if needs_x else None, grad_weight if needs_weight else None, grad_bias if needs_bias else None)
+    return (*grads, grad_residual), {}
+
+
+glu_conv1d_forward.register_autograd(_backward, _setup_context)

@@ -3,7 +3,9 @@ head-split queries, keys and values.
 
 Registered as ``torch.ops.transformer_kernels.qkv_projection_forward`` (with a
 fake kernel and autograd through ``qkv_projection_backward``) so it works
-under ``torch.compile``.
+under ``torch.compile``.  The op's contract (:class:`QkvProjectionArgs`, the
+output shape) comes first, then the public function, its checks and the
+registered ops.
 
 Output layout.  Every output is its own contiguous ``[*batch, H, L, Dh]``
 tensor on every backend.  That is the layout the attention kernels read with
@@ -15,14 +17,16 @@ would make autograd re-pack their gradients into that buffer first).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
+from ._library import RegisteredOp
 
-__all__ = ["qkv_projection"]
+__all__ = ["qkv_projection", "QkvProjectionArgs"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch.autocast casts these to its dtype and leaves float64 alone.
@@ -32,134 +36,20 @@ _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
 
 
-
-def _output_shape(x: torch.Tensor, num_heads: int) -> tuple[int, ...]:
-    *batch, seq_len, embed_dim = x.shape
-    return (*batch, num_heads, seq_len, embed_dim // num_heads)
+# --------------------------------------------------------------------------- the op's contract
 
 
-# --------------------------------------------------------------------------- registered ops
+@dataclasses.dataclass(frozen=True)
+class QkvProjectionArgs:
+    """The projection's arguments besides ``x``, ``weight`` and ``bias``."""
 
+    num_heads: int
 
-@torch.library.custom_op("transformer_kernels::qkv_projection_forward", mutates_args=())
-def _qkv_projection_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int, backend: str
-) -> list[torch.Tensor]:
-    return backend_module("qkv", backend).forward(x, weight, bias, num_heads)
-
-
-@_qkv_projection_op.register_fake
-def _qkv_projection_fake(x, weight, bias, num_heads, backend):
-    num_proj = weight.shape[0] // x.shape[-1]
-    return [x.new_empty(_output_shape(x, num_heads)) for _ in range(num_proj)]
-
-
-@torch.library.custom_op("transformer_kernels::qkv_projection_backward", mutates_args=())
-def _qkv_projection_backward_op(
-    grads: list[torch.Tensor],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    has_bias: bool,
-    num_heads: int,
-    needs_grad_x: bool,
-    needs_grad_weight: bool,
-    needs_grad_bias: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backend_module("qkv", backend).backward(
-        grads, x, weight, has_bias, num_heads, needs_grad_x, needs_grad_weight, needs_grad_bias
-    )
-
-
-@_qkv_projection_backward_op.register_fake
-def _qkv_projection_backward_fake(
-    grads, x, weight, has_bias, num_heads, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
-):
-    grad_x = x.new_empty(x.shape) if needs_grad_x else x.new_empty(0)
-    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
-    grad_bias = weight.new_empty(weight.shape[0]) if has_bias and needs_grad_bias else weight.new_empty(0)
-    return grad_x, grad_weight, grad_bias
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, num_heads, backend = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-    ctx.num_heads = num_heads
-    ctx.backend = backend
-    ctx.output_shape = _output_shape(x, num_heads)
-
-
-def _backward(ctx, grads):
-    x, weight = ctx.saved_tensors
-    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-    if not (needs_x or needs_weight or needs_bias):
-        return None, None, None, None, None
-    # An output that took no part in the loss has no gradient.
-    grads = [x.new_zeros(ctx.output_shape) if g is None else g for g in grads]
-    grad_x, grad_weight, grad_bias = torch.ops.transformer_kernels.qkv_projection_backward(
-        grads, x, weight, ctx.has_bias, ctx.num_heads, needs_x, needs_weight, needs_bias and ctx.has_bias,
-        ctx.backend,
-    )
-    return (
-        grad_x if needs_x else None,
-        grad_weight if needs_weight else None,
-        grad_bias if needs_bias and ctx.has_bias else None,
-        None,
-        None,
-    )
-
-
-_qkv_projection_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _autocast(x: torch.Tensor, weight: object, bias: object) -> tuple[torch.Tensor, object, object]:
-    """Cast like ``nn.Linear`` under ``torch.autocast``: float16/bfloat16/float32 tensors go to the
-    autocast dtype, float64 stays (and then fails the dtype check, as ``F.linear`` would)."""
-    device_type = x.device.type
-    if not (device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-
-    def cast(t: object) -> object:
-        if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE and t.device.type == device_type:
-            return t.to(dtype)
-        return t
-
-    return cast(x), cast(weight), cast(bias)
-
-
-def _check_arguments(x: torch.Tensor, weight: object, bias: object, num_heads: object) -> None:
-    embed_dim = x.shape[-1]
-    if embed_dim < 1:
-        raise ValueError(f"x must have a non-empty last dimension (the embedding dim E), got shape {tuple(x.shape)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be positive, got {num_heads}")
-    if embed_dim % num_heads != 0:
-        raise ValueError(
-            f"embed dim E = x.shape[-1] = {embed_dim} must be divisible by num_heads = {num_heads}"
-        )
-    check_tensor("weight", weight, ndim=2)
-    rows, cols = weight.shape
-    if cols != embed_dim or rows % embed_dim != 0 or rows // embed_dim not in (1, 2, 3):
-        raise ValueError(
-            f"weight must have shape [n*E, E] with E = x.shape[-1] = {embed_dim} and n in (1, 2, 3) "
-            f"(packed q | k | v rows, like nn.MultiheadAttention.in_proj_weight), "
-            f"got weight of shape {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != rows:
-            raise ValueError(
-                f"bias must have shape [n*E] = [{rows}] to match weight.shape[0], got bias of shape {tuple(bias.shape)}"
-            )
-    check_same_dtype_device("x", x, weight=weight, bias=bias)
-
+    def output_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """``[*batch, H, L, Dh]`` of each output: every backend returns them as separate
+        contiguous tensors."""
+        *batch, seq_len, embed_dim = x.shape
+        return (*batch, self.num_heads, seq_len, embed_dim // self.num_heads)
 
 
 # --------------------------------------------------------------------------- public function
@@ -262,5 +152,125 @@ def qkv_projection(
     x, weight, bias = _autocast(x, weight, bias)
     check_tensor("x", x, dtypes=_DTYPES)
     _check_arguments(x, weight, bias, num_heads)
-    name = select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, num_heads)
-    return tuple(_qkv_projection_op(x, weight, bias, num_heads, name))
+    args = QkvProjectionArgs(num_heads)
+    name = select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, args)
+    return tuple(qkv_projection_forward(x, weight, bias, args, name))
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _autocast(x: torch.Tensor, weight: object, bias: object) -> tuple[torch.Tensor, object, object]:
+    """Cast like ``nn.Linear`` under ``torch.autocast``: float16/bfloat16/float32 tensors go to the
+    autocast dtype, float64 stays (and then fails the dtype check, as ``F.linear`` would)."""
+    device_type = x.device.type
+    if not (device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE and t.device.type == device_type:
+            return t.to(dtype)
+        return t
+
+    return cast(x), cast(weight), cast(bias)
+
+
+def _check_arguments(x: torch.Tensor, weight: object, bias: object, num_heads: object) -> None:
+    embed_dim = x.shape[-1]
+    if embed_dim < 1:
+        raise ValueError(f"x must have a non-empty last dimension (the embedding dim E), got shape {tuple(x.shape)}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"embed dim E = x.shape[-1] = {embed_dim} must be divisible by num_heads = {num_heads}"
+        )
+    check_tensor("weight", weight, ndim=2)
+    rows, cols = weight.shape
+    if cols != embed_dim or rows % embed_dim != 0 or rows // embed_dim not in (1, 2, 3):
+        raise ValueError(
+            f"weight must have shape [n*E, E] with E = x.shape[-1] = {embed_dim} and n in (1, 2, 3) "
+            f"(packed q | k | v rows, like nn.MultiheadAttention.in_proj_weight), "
+            f"got weight of shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != rows:
+            raise ValueError(
+                f"bias must have shape [n*E] = [{rows}] to match weight.shape[0], got bias of shape {tuple(bias.shape)}"
+            )
+    check_same_dtype_device("x", x, weight=weight, bias=bias)
+
+
+# --------------------------------------------------------------------------- registered ops
+
+qkv_projection_forward = RegisteredOp(
+    "qkv_projection_forward", ("Tensor x", "Tensor weight", "Tensor? bias"), QkvProjectionArgs, "Tensor[]"
+)
+qkv_projection_backward = RegisteredOp(
+    "qkv_projection_backward", ("Tensor[] grads", "Tensor x", "Tensor weight"), QkvProjectionArgs,
+    "(Tensor, Tensor, Tensor)",
+    flags=("bool has_bias", "bool needs_grad_x", "bool needs_grad_weight", "bool needs_grad_bias"),
+)
+
+
+@qkv_projection_forward.implement
+def _qkv_projection_forward(x, weight, bias, args: QkvProjectionArgs, backend: str) -> list[torch.Tensor]:
+    return backend_module("qkv", backend).forward(x, weight, bias, args)
+
+
+@qkv_projection_forward.fake
+def _qkv_projection_forward_fake(x, weight, bias, args: QkvProjectionArgs, backend: str):
+    num_proj = weight.shape[0] // x.shape[-1]
+    return [x.new_empty(args.output_shape(x)) for _ in range(num_proj)]
+
+
+@qkv_projection_backward.implement
+def _qkv_projection_backward(
+    grads, x, weight, args: QkvProjectionArgs, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
+):
+    """``(grad_x, grad_weight, grad_bias)``; a gradient not asked for is an empty tensor."""
+    return backend_module("qkv", backend).backward(
+        grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias
+    )
+
+
+@qkv_projection_backward.fake
+def _qkv_projection_backward_fake(
+    grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
+):
+    grad_x = x.new_empty(x.shape) if needs_grad_x else x.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
+    grad_bias = weight.new_empty(weight.shape[0]) if has_bias and needs_grad_bias else weight.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+def _setup_context(ctx, tensors, args: QkvProjectionArgs, output) -> None:
+    x, weight, bias = tensors
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    ctx.args = args
+    ctx.output_shape = args.output_shape(x)
+
+
+def _backward(ctx, grads):
+    x, weight = ctx.saved_tensors
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    if not (needs_x or needs_weight or needs_bias):
+        return (None, None, None), {}
+    # An output that took no part in the loss has no gradient.
+    grads = [x.new_zeros(ctx.output_shape) if g is None else g for g in grads]
+    grad_x, grad_weight, grad_bias = qkv_projection_backward(
+        grads, x, weight, ctx.args, ctx.has_bias, needs_x, needs_weight, needs_bias and ctx.has_bias, ctx.backend
+    )
+    return (
+        grad_x if needs_x else None,
+        grad_weight if needs_weight else None,
+        grad_bias if needs_bias and ctx.has_bias else None,
+    ), {}
+
+
+qkv_projection_forward.register_autograd(_backward, _setup_context)

@@ -39,8 +39,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_output", "empty_saved", "is_channels_last",
-           "uses_onednn"]
+from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
+
+__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "uses_onednn"]
 
 # Up to these many output positions (B * L_out) the im2col GEMM beats oneDNN's
 # convolution (its per-call weight reorder dominates), forward and backward;
@@ -61,39 +62,19 @@ def uses_onednn(x: torch.Tensor, length_out: int, direction: str) -> bool:
     )
 
 
-def is_channels_last(x: torch.Tensor) -> bool:
-    """``x`` ``[B, C, L]`` is a contiguous ``[B, L, C]`` transposed (and not also contiguous)."""
-    return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
-
-
-def empty_output(x: torch.Tensor, channels: int, length: int) -> torch.Tensor:
-    """An uninitialized ``[B, channels, length]`` tensor in ``x``'s memory layout.
-
-    Channel-last when ``x`` is channel-last, else contiguous; every backend and
-    the fake kernel allocate through this, so their strides agree.
-    """
-    batch = x.shape[0]
-    if is_channels_last(x):
-        return x.new_empty(batch, length, channels).transpose(1, 2)
-    return x.new_empty(batch, channels, length)
-
-
-def _length_out(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int) -> int:
-    return pad_left + x.shape[2] + pad_right - kernel_size + 1
-
-
-def empty_saved(x: torch.Tensor, weight: torch.Tensor, pad_left: int, pad_right: int) -> torch.Tensor:
+def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward (for the fake kernel): the pre-activation
     ``[B, L_out, 2C]``, contiguous after the im2col GEMM, a transposed contiguous
     ``[B, 2C, L_out]`` after oneDNN."""
-    length_out = _length_out(x, weight.shape[2], pad_left, pad_right)
+    length_out = args.output_length(x.shape[2], weight.shape[2])
     if uses_onednn(x, length_out, "forward"):
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     return x.new_empty(x.shape[0], length_out, weight.shape[0])
 
 
 def unsupported_reason(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+    args: GluConvArgs,
 ) -> Optional[str]:
     return None
 
@@ -129,15 +110,13 @@ def forward(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     residual: Optional[torch.Tensor],
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
+    args: GluConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` (strides as
     :func:`empty_saved` states) kept for backward."""
     channels_z, channels_in, kernel_size = weight.shape
-    length_out = _length_out(x, kernel_size, pad_left, pad_right)
+    pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
+    length_out = args.output_length(x.shape[2], kernel_size)
     if uses_onednn(x, length_out, "forward"):
         conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
         z = F.conv1d(conv_input, weight, bias, padding=padding)  # [B, 2C, L_out], contiguous
@@ -163,8 +142,8 @@ def forward(
         torch.add(glu, residual, out=out)
     elif glu is not out:
         out.copy_(glu)
-    if residual_scale != 1.0:
-        out.mul_(residual_scale)
+    if args.residual_scale != 1.0:
+        out.mul_(args.residual_scale)
     return out, (z.transpose(1, 2) if z_dim == 1 else z)
 
 
@@ -187,10 +166,7 @@ def backward(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     z: torch.Tensor,
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
+    args: GluConvArgs,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,
@@ -200,7 +176,8 @@ def backward(
     onednn = uses_onednn(x, z.shape[1], "backward")
     # glu_backward is vectorized only when grad_out has z's layout (the layout
     # of the GEMM's rows): scaling grad_out writes it in that layout.
-    grad_out = _scaled(grad_out, residual_scale, channel_last=not z.transpose(1, 2).is_contiguous())
+    grad_out = _scaled(grad_out, args.residual_scale, channel_last=not z.transpose(1, 2).is_contiguous())
+    pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
     if onednn:
         grads = _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value,
                                  needs_grad_x, needs_grad_weight, needs_grad_bias)

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...ops.qkv import QkvProjectionArgs
+
 __all__ = ["unsupported_reason", "forward", "backward", "uses_onednn"]
 
 # From this many tokens on, oneDNN's 1x1 convolution beats the BLAS GEMM
@@ -58,14 +60,17 @@ def _as_rows(image: torch.Tensor) -> torch.Tensor:
 
 
 def unsupported_reason(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: QkvProjectionArgs
 ) -> Optional[str]:
     return None
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int) -> list[torch.Tensor]:
+def forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: QkvProjectionArgs
+) -> list[torch.Tensor]:
     *batch, seq_len, embed_dim = x.shape
     num_proj = weight.shape[0] // embed_dim
+    num_heads = args.num_heads
     head_dim = embed_dim // num_heads
     if uses_onednn(x):
         x_rows = x.reshape(-1, embed_dim).contiguous()
@@ -120,8 +125,8 @@ def backward(
     grads: list[torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
+    args: QkvProjectionArgs,
     has_bias: bool,
-    num_heads: int,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..eager.glu_conv import empty_output
+from ...ops.glu_conv import GluConvArgs, empty_output
 from ._common import (
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
@@ -386,14 +386,15 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def unsupported_reason(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+    args: GluConvArgs,
 ) -> Optional[str]:
     if x.dtype not in _SUPPORTED_DTYPES:
         return f"the Triton kernels support float16, bfloat16 and float32, got {x.dtype}"
     return None
 
 
-def empty_saved(x: torch.Tensor, weight: torch.Tensor, pad_left: int, pad_right: int) -> torch.Tensor:
+def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward: nothing (backward recomputes the pre-activation)."""
     return x.new_empty(0)
 
@@ -408,19 +409,16 @@ def forward(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     residual: Optional[torch.Tensor],
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
+    args: GluConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, empty)``: nothing beyond the inputs is kept, backward recomputes the pre-activation."""
     channels_z, _, kernel_size = weight.shape
-    length_out = x.shape[2] + pad_left + pad_right - kernel_size + 1
+    length_out = args.output_length(x.shape[2], kernel_size)
     out = empty_output(x, channels_z // 2, length_out)
     if x.shape[0] > 0:
         _preactivation_launch(
-            x, _packed_weight(weight), bias, residual, None, out, pad_left, length_out, pad_value, residual_scale,
-            _input_precision(x.dtype),
+            x, _packed_weight(weight), bias, residual, None, out, args.pad_left, length_out, args.pad_value,
+            args.residual_scale, _input_precision(x.dtype),
         )()
     return out, x.new_empty(0)
 
@@ -494,10 +492,7 @@ def backward(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     z: torch.Tensor,
-    pad_left: int,
-    pad_right: int,
-    pad_value: float,
-    residual_scale: float,
+    args: GluConvArgs,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,
@@ -511,13 +506,14 @@ def backward(
     length_out = grad_out.shape[2]
     rows_out = batch * length_out
     precision = _input_precision(x.dtype)
+    pad_left, pad_value = args.pad_left, args.pad_value
 
     packed = _packed_weight(weight)
     # grad_z [B, 2C, L_out] stored channel-last: both GEMMs below read it along channels.
     grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
     if batch > 0:
         _preactivation_launch(
-            x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, residual_scale, precision
+            x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, args.residual_scale, precision
         )()
 
     grad_x = empty_output(x, channels_in, length_in) if needs_grad_x else x.new_empty(0)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.qkv import QkvProjectionArgs
 from ..eager import qkv as eager_qkv
 from ._common import (
     INT32_MAX,
@@ -426,7 +427,7 @@ def _max_offset(t: torch.Tensor) -> int:
 
 
 def unsupported_reason(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: QkvProjectionArgs
 ) -> Optional[str]:
     if x.dtype not in TORCH_TO_TRITON_DTYPE:
         return f"the triton backend supports float16, bfloat16 and float32, got {x.dtype}"
@@ -476,20 +477,20 @@ def _forward_launch(
     )
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], num_heads: int) -> list[torch.Tensor]:
+def forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: QkvProjectionArgs
+) -> list[torch.Tensor]:
     if _uses_torch_matmul(x.dtype):
-        return eager_qkv.forward(x, weight, bias, num_heads)
-    *batch, seq_len, in_features = x.shape
-    embed_dim = in_features
+        return eager_qkv.forward(x, weight, bias, args)
+    *batch, seq_len, embed_dim = x.shape
     num_proj = weight.shape[0] // embed_dim
-    head_dim = embed_dim // num_heads
-    outputs = [x.new_empty(*batch, num_heads, seq_len, head_dim) for _ in range(num_proj)]
+    outputs = [x.new_empty(args.output_shape(x)) for _ in range(num_proj)]
     x3 = _as_3d(x)
     num_tokens = x3.shape[0] * seq_len
     if num_tokens == 0:
         return outputs
     cfg = gemm_config("forward", num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
-    out3 = [o.view(-1, num_heads, seq_len, head_dim) for o in outputs]
+    out3 = [o.view(-1, *o.shape[-3:]) for o in outputs]
     _forward_launch(x3, weight, bias, out3, cfg)()
     return outputs
 
@@ -568,15 +569,15 @@ def backward(
     grads: list[torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
+    args: QkvProjectionArgs,
     has_bias: bool,
-    num_heads: int,
     needs_grad_x: bool,
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _uses_torch_matmul(x.dtype):
         return eager_qkv.backward(
-            grads, x, weight, has_bias, num_heads, needs_grad_x, needs_grad_weight, needs_grad_bias
+            grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias
         )
     *_, seq_len, in_features = x.shape
     embed_dim = in_features
