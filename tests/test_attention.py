@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 import transformer_kernels as tk
 from transformer_kernels import BackendUnavailableError, use_backend
 from transformer_kernels.backends.eager import attention as eager_attention
+from transformer_kernels.ops.attention import AttentionArgs
 from transformer_kernels.reference import attention as reference_attention
 
 HAS_TRITON_ATTENTION = (
@@ -217,7 +218,7 @@ def test_eager_per_sequence_tiles(kind, lq, lk):
     mask = case["ours"].get("attn_mask")
     dense_mask = mask.expand(4, 2, lq, lk) if isinstance(mask, torch.Tensor) else None
     causal = {"causal": 1, "causal_lower_right": 2}.get(kind, 0)
-    tiles = eager_attention._plan(q, k, padding, _key_bounds(padding), dense_mask, causal)
+    tiles = eager_attention._plan(q, k, AttentionArgs(padding, _key_bounds(padding), dense_mask, causal, 1.0, 0.0, None))
     assert tiles and all(tile.batch.stop - tile.batch.start == 1 for tile in tiles)
     assert any(tile.keys.stop < lk for tile in tiles)
     check_against_reference(case, "eager", 1e-9)
@@ -1124,7 +1125,7 @@ def test_eager_causal_row_blocks(kind, lq, lk):
     case = make_case(kind, 2, 2, 2, lq, lk, 16)
     q, k = case["leaves"]["query"], case["leaves"]["key"]
     causal = 2 if "lower_right" in kind else 1
-    tiles = eager_attention._plan(q, k, None, None, None, causal)
+    tiles = eager_attention._plan(q, k, AttentionArgs(None, None, None, causal, 1.0, 0.0, None))
     scores = sum((t.rows.stop - t.rows.start) * (t.keys.stop - t.keys.start) for t in tiles)
     assert len(tiles) > 1 and scores < lq * lk
     assert all(t.rows.stop - t.rows.start <= eager_attention._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)

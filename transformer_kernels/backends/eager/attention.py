@@ -241,14 +241,7 @@ def _segment_tiles(
     return tiles
 
 
-def _plan(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    key_bounds: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: Causal,
-) -> list[_Tile]:
+def _plan(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> list[_Tile]:
     """Cut the attention into tiles that skip padded keys and rows without keys.
 
     Sequence ``b`` attends to keys ``[0, end_b)`` (its last non-padding key + 1); padding before that
@@ -259,7 +252,8 @@ def _plan(
     batch_size, _, lq, _ = query.shape
     lk = key.shape[2]
     dtype, device = query.dtype, query.device
-    shift = _causal_shift(causal, lq, lk)
+    key_padding_mask, attn_mask = args.key_padding_mask, args.attn_mask
+    shift = _causal_shift(args.causal, lq, lk)
     causal_band = None if shift is None else _causal_band(lk, dtype, device)
 
     mask_bias = None
@@ -273,7 +267,7 @@ def _plan(
         bias_for = functools.partial(_slice_bias_or_none, mask_bias)
         return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for, causal_band)
 
-    ends = [end for _, end in key_bounds.tolist()]
+    ends = [end for _, end in args.key_bounds.tolist()]
     padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
     pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
         key_padding_mask[:, None, None, :], float("-inf")
@@ -447,14 +441,7 @@ def _flash_backward(grad_out, query, key, value, out, lse, tiles: list[_Tile], s
 # ----------------------------------------------------------------------------
 
 
-def _masked_scores(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: Causal,
-    scale: float,
-) -> torch.Tensor:
+def _masked_scores(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
     """Scaled scores ``[B, Hk, G, Lq, Lk]`` plus the float mask, ``-inf`` where a mask excludes the key,
     in float32 or wider.
 
@@ -465,40 +452,33 @@ def _masked_scores(
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     q = query.to(compute_dtype).unflatten(1, (num_kv_heads, num_heads // num_kv_heads))
     k = key.to(compute_dtype).unsqueeze(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(args.scale)
 
     excluded = None
-    if attn_mask is not None:
-        mask = attn_mask.unflatten(1, q.shape[1:3])
+    if args.attn_mask is not None:
+        mask = args.attn_mask.unflatten(1, q.shape[1:3])
         if mask.dtype == torch.bool:
             excluded = ~mask
         else:
             scores += mask
-    shift = _causal_shift(causal, lq, lk)
+    shift = _causal_shift(args.causal, lq, lk)
     if shift is not None:
         row_index = torch.arange(lq, device=query.device)[:, None]
         key_index = torch.arange(lk, device=query.device)[None, :]
         hidden = key_index > row_index + shift
         excluded = hidden if excluded is None else excluded | hidden
-    if key_padding_mask is not None:
-        padding = key_padding_mask[:, None, None, None, :]
+    if args.key_padding_mask is not None:
+        padding = args.key_padding_mask[:, None, None, None, :]
         excluded = padding if excluded is None else excluded | padding
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
     return scores
 
 
-def _math_probs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    causal: Causal,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_probs(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
     without keys, whose probabilities are 0), in float32 or wider."""
-    scores = _masked_scores(query, key, key_padding_mask, attn_mask, causal, scale)
+    scores = _masked_scores(query, key, args)
     # Softmax by hand: rows whose keys are all excluded have max -inf; shifting them by 0 instead
     # leaves exp(-inf) = 0 everywhere, so their probabilities are 0 and their sum is 0.
     row_max = scores.amax(-1, keepdim=True)
@@ -518,7 +498,7 @@ def _dropout_scale(probs_shape, dropout_p, dropout_seed, device, dtype) -> torch
 
 
 def _math_forward(query, key, value, args: AttentionArgs):
-    probs, lse = _math_probs(query, key, args.key_padding_mask, args.attn_mask, args.causal, args.scale)
+    probs, lse = _math_probs(query, key, args)
     if args.dropout_p > 0.0:
         probs = probs * _dropout_scale(probs.shape, args.dropout_p, args.dropout_seed, query.device, probs.dtype)
     out = torch.matmul(probs, value.to(probs.dtype).unsqueeze(2)).flatten(1, 2)
@@ -529,7 +509,7 @@ def _math_backward(grad_out, query, key, value, lse, args: AttentionArgs, attn_m
     """Softmax-attention backward on materialized probabilities, recomputed from the saved lse as
     ``P = exp(S - lse)`` (0 on rows without keys, whose lse is +inf); ``dS = P * (dP - rowsum(P * dP))``."""
     scale, dropout_p = args.scale, args.dropout_p
-    scores = _masked_scores(query, key, args.key_padding_mask, args.attn_mask, args.causal, scale)
+    scores = _masked_scores(query, key, args)
     group_shape = scores.shape[1:3]
     probs = scores.sub_(lse.unflatten(1, group_shape).unsqueeze(-1)).exp_()
     compute_dtype = probs.dtype
@@ -569,7 +549,7 @@ def forward(
     """``out`` and ``lse`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_output`
     and :func:`~transformer_kernels.ops.attention.empty_lse`."""
     if _uses_flash_tiles(query, value, args.dropout_p):
-        tiles = _plan(query, key, args.key_padding_mask, args.key_bounds, args.attn_mask, args.causal)
+        tiles = _plan(query, key, args)
         return _flash_forward(query, key, value, tiles, args.scale)
     return _math_forward(query, key, value, args)
 
@@ -587,7 +567,7 @@ def backward(
     """``dq, dk, dv`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_grads` and
     ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``, else empty)."""
     if not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
-        tiles = _plan(query, key, args.key_padding_mask, args.key_bounds, args.attn_mask, args.causal)
+        tiles = _plan(query, key, args)
         dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
     return _math_backward(grad_out, query, key, value, lse, args, attn_mask_needs_grad)
