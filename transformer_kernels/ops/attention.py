@@ -442,12 +442,17 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, args, attn_m
 def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:
     out, lse = output
     ctx.save_for_backward(*tensors, out, lse, args.key_padding_mask, args.key_bounds, args.attn_mask, args.dropout_seed)
+    # lse is for backward only: no gradient flows into it, so none is allocated (as zeros) for it.
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
     # Tensors travel through save_for_backward only (autograd checks them for in-place changes).
     ctx.args = dataclasses.replace(args, key_padding_mask=None, key_bounds=None, attn_mask=None, dropout_seed=None)
     ctx.attn_mask_needs_grad = args.attn_mask is not None and attention_forward.needs_grad(ctx, "attn_mask")
 
 
 def _backward(ctx, grad_out, grad_lse):
+    if grad_out is None:
+        return (None, None, None), {}
     query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
     args = dataclasses.replace(
         ctx.args, key_padding_mask=key_padding_mask, key_bounds=key_bounds, attn_mask=attn_mask,
