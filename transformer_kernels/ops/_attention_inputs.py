@@ -15,10 +15,21 @@ import torch
 from torch import Tensor
 
 
+# The helpers below return their input itself where it already has the wanted shape: every view
+# op is host time spent before the kernel starts, and the common 4-D call needs none.
+
+
+def expanded(tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``tensor.expand(shape)``, or ``tensor`` when it has that shape."""
+    return tensor if tensor.shape == shape else tensor.expand(shape)
+
+
 def canonical(tensor: Tensor, ndim: int) -> Tensor:
     """A view of an input of the call's rank ``ndim`` (or lower: leading 1s are added, as torch
     broadcasts) as ``[*lead, H, L, X]``; inputs of rank 2 and 3 have no head dim and get H = 1."""
-    tensor = tensor[(None,) * (max(ndim, 3) - tensor.dim())]
+    missing = max(ndim, 3) - tensor.dim()
+    if missing:
+        tensor = tensor[(None,) * missing]
     return tensor.unsqueeze(-3) if ndim <= 3 else tensor
 
 
@@ -87,9 +98,9 @@ def broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_g
             f"key and value must have as many heads as query ({num_heads}) or one, got shapes "
             f"{tuple(key.shape)} and {tuple(value.shape)}; pass enable_gqa=True for grouped-query attention"
         )
-    q = q.expand(*lead_shape, num_heads, *q.shape[-2:])
-    k = k.expand(*lead_shape, kv_heads, *k.shape[-2:])
-    v = v.expand(*lead_shape, kv_heads, *v.shape[-2:])
+    q = expanded(q, (*lead_shape, num_heads, *q.shape[-2:]))
+    k = expanded(k, (*lead_shape, kv_heads, *k.shape[-2:]))
+    v = expanded(v, (*lead_shape, kv_heads, *v.shape[-2:]))
     return q, k, v, lead_shape
 
 
@@ -127,6 +138,8 @@ def fold(tensor: Tensor, split: int) -> Tensor:
     ``H' = prod(lead[split:]) * H``: a view where :func:`batch_split` found one, else a copy.
     Grouped heads stay grouped: query head ``(i, h)`` is ``i * Hq + h`` and its key/value head
     ``i * Hk + h // (Hq / Hk)`` is the one the backends pick."""
+    if tensor.dim() == 4 and split == 1:
+        return tensor
     return tensor.reshape(math.prod(tensor.shape[:split]), -1, *tensor.shape[-2:])
 
 

@@ -73,8 +73,9 @@ class AttentionArgs:
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The log-sum-exps' dtype: float32, float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+    """The log-sum-exps' dtype: float32, float64 for float64 inputs.  (A comparison, not
+    ``torch.promote_types``, which is a dispatched op: host time on every call.)"""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def empty_output(query: Tensor, value: Tensor) -> Tensor:
@@ -99,7 +100,7 @@ def empty_grads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tens
 
 def dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
     """The dtype of a float mask's gradient as backends return it: at least float32."""
-    return torch.promote_types(mask_dtype, torch.float32)
+    return lse_dtype(mask_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -267,7 +268,7 @@ def scaled_dot_product_attention(
     )
     chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
     out, _ = attention_forward(q, k, v, args, chosen)
-    return out.view(output_shape)
+    return out if out.shape == output_shape else out.view(output_shape)
 
 
 # ----------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dropout_p, scale = _check_scalars(dropout_p, scale, head_dim)
     causal, mask = _causal_and_mask(query, key, attn_mask, is_causal, enable_gqa)
     if mask is not None:
-        mask = inputs.canonical(mask.expand(*batch_shape, lq, lk), ndim)
+        mask = inputs.canonical(inputs.expanded(mask, (*batch_shape, lq, lk)), ndim)
 
     padding_lead_shape = None
     if key_padding_mask is not None:
@@ -379,8 +380,12 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     padding, key_bounds = None, None
     if key_padding_mask is not None:
         # Constant along the dimensions folded into heads (batch_split made sure): one row per batch element.
-        padding = key_padding_mask.expand(*lead_shape, lk)[(slice(None),) * split + (0,) * (len(lead_shape) - split)]
-        padding = padding.reshape(-1, lk).contiguous()
+        padding = inputs.expanded(key_padding_mask, (*lead_shape, lk))
+        if split < len(lead_shape):
+            padding = padding[(slice(None),) * split + (0,) * (len(lead_shape) - split)]
+        if padding.dim() != 2:
+            padding = padding.reshape(-1, lk)
+        padding = padding.contiguous()
         key_bounds = inputs.key_bounds(padding)
 
     dropout_seed = None
@@ -388,7 +393,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
         dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
     args = AttentionArgs(padding, key_bounds, mask, causal, scale, dropout_p, dropout_seed)
-    return q, k, v, args, (*batch_shape, lq, value_head_dim)
+    return q, k, v, args, torch.Size((*batch_shape, lq, value_head_dim))
 
 
 # ----------------------------------------------------------------------------
