@@ -78,13 +78,12 @@ def broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_g
     grouped heads natively (``enable_gqa``, or a single key/value head shared by every query head).
     """
     q, k, v = (canonical(t, ndim) for t in (query, key, value))
-    try:
-        lead_shape = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    except RuntimeError:
+    lead_shape = _broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    if lead_shape is None:
         raise ValueError(
             f"query, key and value must have batch dimensions that broadcast against each other, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-        ) from None
+        )
     num_heads, key_heads, value_heads = q.shape[-3], k.shape[-3], v.shape[-3]
     if key_heads != value_heads and 1 not in (key_heads, value_heads):
         raise ValueError(
@@ -104,6 +103,19 @@ def broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_g
     return q, k, v, lead_shape
 
 
+def _broadcast_shape(*shapes: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+    """torch's broadcast of equally long ``shapes``, or None where they do not broadcast.  Plain
+    Python: ``torch.broadcast_shapes`` costs more host time than the rest of the call's checks."""
+    result = list(shapes[0])
+    for shape in shapes[1:]:
+        for dim, size in enumerate(shape):
+            if size != 1 and result[dim] != size:
+                if result[dim] != 1:
+                    return None
+                result[dim] = size
+    return tuple(result)
+
+
 def _mergeable(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """Whether these adjacent dimensions can be viewed as one (size-1 dimensions have no stride)."""
     kept = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
@@ -121,6 +133,8 @@ def batch_split(lead_shape: tuple[int, ...], tensors: list[Optional[Tensor]], pa
     must then have size 1 along the dimensions folded into heads.  When no split does, all of
     them, and :func:`fold` copies the tensors that cannot merge.
     """
+    if len(lead_shape) <= 1:  # one leading dimension (4-D inputs) or none: always a view
+        return len(lead_shape)
     for split in range(len(lead_shape), -1, -1):
         if padding_lead_shape is not None and any(size != 1 for size in padding_lead_shape[split:]):
             continue
