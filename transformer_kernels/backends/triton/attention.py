@@ -343,22 +343,16 @@ def _attention_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, l_i, m_i = _forward_inner(
-        acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
-        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
-        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-        key_lo, key_full_hi,
-        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-    )
-    if CAUSAL != NO_CAUSAL:
+    # Stage 0: the keys every row sees, without the causal test; stage 1
+    # (causal only): the key blocks the diagonal crosses, with it.
+    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
         acc, l_i, m_i = _forward_inner(
             acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi, key_hi,
-            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
+            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
 
     no_key = l_i == 0.0
@@ -569,25 +563,19 @@ def _attention_grad_key_value_kernel(
         grad_scores_base = grad_scores_ptr
         if STORE_GRAD_SCORES:
             grad_scores_base = _head_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh)
-        if CAUSAL != NO_CAUSAL:
+        # Stage 0 (causal only): the rows the diagonal crosses, with the causal
+        # test; stage 1: the rows that see the whole key block, without it.
+        for stage in tl.static_range(0 if CAUSAL != NO_CAUSAL else 1, 2):
             dk, dv = _grad_key_value_inner(
                 dk, dv, k, v, offs_n[:, None], key_keep[:, None],
                 q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
                 stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
                 offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
                 head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-                key_start, row_lo, row_full,
-                True, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+                key_start, row_lo if stage == 0 else row_full, row_full if stage == 0 else seq_len_q,
+                stage == 0, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N,
+                INPUT_PRECISION,
             )
-        dk, dv = _grad_key_value_inner(
-            dk, dv, k, v, offs_n[:, None], key_keep[:, None],
-            q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
-            stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
-            offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
-            head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_start, row_full, seq_len_q,
-            False, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-        )
 
     dk *= scale
     tl.store(
@@ -722,22 +710,16 @@ def _attention_grad_query_kernel(
         BLOCK_M, CAUSAL, HAS_KEY_PADDING,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _grad_query_inner(
-        dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
-        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
-        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-        key_lo, key_full_hi,
-        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-    )
-    if CAUSAL != NO_CAUSAL:
+    # The stages of the forward kernel: the keys every row sees, then (causal
+    # only) the key blocks the diagonal crosses.
+    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
         dq = _grad_query_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi, key_hi,
-            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
+            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
     dq *= scale
     tl.store(
