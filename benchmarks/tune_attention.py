@@ -2,7 +2,7 @@
 
     python benchmarks/tune_attention.py [--out DIR] [--budget SECONDS]
 
-For each kernel (forward, dK/dV, dQ), head dim and causal switch, every candidate ``BlockConfig``
+For each kernel (forward, dK/dV, dQ), head dim and causal switch, every candidate ``KernelConfig``
 is timed (``triton.testing.do_bench``, median) with the other two kernels at their table entries,
 next to torch SDPA.  A candidate that fails to compile (shared memory) is reported as such.  The
 fastest candidate is only a proposal: a table entry must also pass ``tests/test_triton_compile.py``
@@ -22,15 +22,17 @@ import triton.testing
 
 import transformer_kernels as tk
 from transformer_kernels.backends.triton import attention as triton_attention
-from transformer_kernels.backends.triton.attention import BlockConfig
+from transformer_kernels.backends.triton._common import KernelConfig
 
+# The KernelConfig fields a candidate sets, in the order of the CANDIDATES tuples.
+FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 CANDIDATES = {
-    # (block_m, block_n, num_warps, num_stages); forward and dQ own block_m queries, dK/dV block_n keys.
+    # Forward and dQ own block_m queries, dK/dV block_n keys.
     "forward": [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
                 (128, 32, 4, 3), (64, 128, 4, 3)],
-    "dkdv": [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 64, 4, 3),
-             (64, 128, 8, 3), (16, 128, 4, 4)],
-    "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
+    "grad_key_value": [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 64, 4, 3),
+                       (64, 128, 8, 3), (16, 128, 4, 4)],
+    "grad_query": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
 }
 # (head dim, batch, heads, length): 16k tokens per batch, 2048 model width, as in bench_attention.
 SHAPES = [(64, 16, 32, 1024), (128, 8, 16, 2048)]
@@ -94,8 +96,8 @@ def main() -> None:
                     current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense")
                     sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
                     results = []
-                    for block in [tuple(vars(current).values())] + CANDIDATES[kernel]:
-                        candidate = BlockConfig(*block)
+                    for block in [tuple(getattr(current, field) for field in FIELDS)] + CANDIDATES[kernel]:
+                        candidate = KernelConfig(**dict(zip(FIELDS, block)))
 
                         def patched(name, *rest, _candidate=candidate, _kernel=kernel):
                             return _candidate if name == _kernel else table_config(name, *rest)

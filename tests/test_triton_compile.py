@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+import transformer_kernels  # noqa: E402
 from transformer_kernels.backends.triton import attention, glu_conv, qkv  # noqa: E402
 
 MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv}
@@ -40,7 +41,12 @@ CASES = [
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     script = pathlib.Path(__file__).with_name("_compile_targets.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # A script's path starts at its own folder, not the working directory: put
+    # the package this session imported first, or a checkout run from its root
+    # would compile the installed copy's kernels instead of its own.
+    package_root = str(pathlib.Path(transformer_kernels.__file__).resolve().parents[1])
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": python_path}
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout)

@@ -6,19 +6,25 @@
   ``tests/test_triton_compile.py`` compiles exactly the variant a launch of
   that shape runs (``compile_source`` specializes it the way Triton's
   launcher does).
+* ``KernelConfig``: the tile sizes and launch options of one kernel, and
+  ``run_launches``, which runs a call's launches on its tensors' device.
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
   whichever API set it.
-* ``dot_input_precision``, ``multiprocessor_count``, ``next_power_of_2``.
+* ``input_precision``, ``num_sms``, ``next_power_of_2``.
+* ``multiple_of_16``: the in-kernel alignment hint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import triton
+# Unused by name, but Triton's interpreter runs a @triton.jit function (here
+# multiple_of_16) only if its module's globals hold triton.language.
+import triton.language as tl  # noqa: F401
 
 TORCH_TO_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INT32_MAX = 2**31 - 1
@@ -36,6 +42,45 @@ class KernelLaunch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Tile sizes and launch options of one kernel.
+
+    ``block_m``, ``block_n`` and ``block_k`` are the kernel's ``BLOCK_M``,
+    ``BLOCK_N`` and ``BLOCK_K``: GEMM-like kernels compute ``BLOCK_M x
+    BLOCK_N`` output tiles, reducing ``BLOCK_K`` at a time (each kernel's
+    comment says what M, N and K are); the attention kernels tile queries by
+    ``BLOCK_M`` and keys by ``BLOCK_N``.  ``group_m`` is the grouped tile
+    ordering's ``GROUP_M``.  A kernel without one of these takes None.
+    """
+
+    block_m: int
+    block_n: Optional[int] = None
+    block_k: Optional[int] = None
+    group_m: Optional[int] = None
+    num_warps: int
+    num_stages: int
+
+    def launch_kwargs(self) -> dict:
+        """The ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` and ``GROUP_M`` constexprs
+        that are set, with ``num_warps`` and ``num_stages``: the keyword
+        arguments a launch of the kernel takes from its configuration."""
+        constexprs = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
+        return dict(
+            {name: value for name, value in constexprs.items() if value is not None},
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+
+def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None:
+    """Runs ``launches`` in order with ``tensor``'s CUDA device current (the
+    current device may be another one)."""
+    with torch.cuda.device_of(tensor):
+        for launch in launches:
+            launch()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +125,7 @@ def next_power_of_2(n: int, minimum: int = 16) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessor_count(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """SMs of a CUDA ``device``; 4 elsewhere (the interpreter: a small "GPU",
     so modest test shapes reach the split and small-tile paths)."""
     if device.type == "cuda":
@@ -106,7 +151,7 @@ def fp32_conv_allows_tf32() -> bool:
     return cudnn.allow_tf32
 
 
-def dot_input_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+def input_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     """``input_precision`` for ``tl.dot`` on operands of ``dtype``.
 
     16-bit operands ignore it ("tf32").  float32 operands use "tf32x3" (three
@@ -118,3 +163,13 @@ def dot_input_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "tf32x3" if allow_tf32 else "ieee"
+
+
+@triton.jit
+def multiple_of_16(value):
+    """``value`` rounded down to a multiple of 16: the launchers pass head dims
+    and row strides that are multiples of 16 elements, and since no argument
+    is specialized on alignment (see ``attention._kernel``) the kernels state
+    it this way, so the compiler can prove their loads aligned and vectorize
+    them."""
+    return value // 16 * 16

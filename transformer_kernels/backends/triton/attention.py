@@ -46,7 +46,16 @@ import triton.language as tl
 
 from ...ops.attention import MAX_HEAD_DIM, AttentionArgs, Causal, empty_grads, empty_lse, empty_output
 from . import interpreter_enabled
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelLaunch, dot_input_precision, next_power_of_2
+from ._common import (
+    TORCH_TO_TRITON_DTYPE,
+    CompileTarget,
+    KernelConfig,
+    KernelLaunch,
+    input_precision,
+    multiple_of_16,
+    next_power_of_2,
+    run_launches,
+)
 
 __all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
 
@@ -81,7 +90,7 @@ def _kernel(fn):
 
     The launchers guarantee 16-byte aligned q/k/v/out/gradient tensors whose
     strides and head dims are multiples of 16 elements (copying the rare input
-    that is not), and the kernels state it (``_aligned_base``, ``x // 16 * 16``)
+    that is not), and the kernels state it (``_aligned_base``, ``multiple_of_16``)
     so their loads vectorize; so no argument is specialized on alignment, and
     none but ``_UNIT_STRIDES`` on being 1 (a head count or length of 1 would
     otherwise compile another variant).  Strides that can pass 2**31 are
@@ -223,7 +232,7 @@ def _forward_inner(
     key_start, key_end,
     APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     q_idx = offs_m[:, None]
     for start_n in range(key_start, key_end, BLOCK_N):
@@ -234,7 +243,7 @@ def _forward_inner(
             mask=key_in[None, :] & (offs_d[:, None] < head_dim),
             other=0.0,
         )
-        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
         keep = key_in
         if HAS_KEY_PADDING:
             padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
@@ -260,7 +269,7 @@ def _forward_inner(
             mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -290,18 +299,18 @@ def _attention_forward_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
     )
 
-    head_dim = head_dim // 16 * 16
-    head_dim_v = head_dim_v // 16 * 16
-    stride_qm = stride_qm // 16 * 16
-    stride_kn = stride_kn // 16 * 16
-    stride_vn = stride_vn // 16 * 16
-    stride_om = stride_om // 16 * 16
+    head_dim = multiple_of_16(head_dim)
+    head_dim_v = multiple_of_16(head_dim_v)
+    stride_qm = multiple_of_16(stride_qm)
+    stride_kn = multiple_of_16(stride_kn)
+    stride_vn = multiple_of_16(stride_vn)
+    stride_om = multiple_of_16(stride_om)
 
     row_start = block_m * BLOCK_M
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -334,22 +343,16 @@ def _attention_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc, l_i, m_i = _forward_inner(
-        acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
-        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
-        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-        key_lo, key_full_hi,
-        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
-    )
-    if CAUSAL != NO_CAUSAL:
+    # Stage 0: the keys every row sees, without the causal test; stage 1
+    # (causal only): the key blocks the diagonal crosses, with it.
+    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
         acc, l_i, m_i = _forward_inner(
             acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi, key_hi,
-            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
+            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
 
     no_key = l_i == 0.0
@@ -374,7 +377,7 @@ def _attention_forward_kernel(
 #   delta_i = Σ_d dO_id · O_id   (= Σ_j P_ij dP_ij, also with dropout)
 # so that dS = P ∘ (dP - delta) needs no second pass over the keys.
 @_kernel
-def _attention_backward_delta_kernel(
+def _attention_delta_kernel(
     grad_out_ptr, out_ptr, delta_ptr,
     stride_gob: tl.int64, stride_goh: tl.int64, stride_gom, stride_god,
     stride_ob: tl.int64, stride_oh: tl.int64, stride_om, stride_od,
@@ -384,9 +387,9 @@ def _attention_backward_delta_kernel(
     head_batch = tl.program_id(1) + head_batch_start
     batch = head_batch // num_q_heads
     head = head_batch % num_q_heads
-    head_dim_v = head_dim_v // 16 * 16
-    stride_gom = stride_gom // 16 * 16
-    stride_om = stride_om // 16 * 16
+    head_dim_v = multiple_of_16(head_dim_v)
+    stride_gom = multiple_of_16(stride_gom)
+    stride_om = multiple_of_16(stride_om)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < seq_len_q) & (offs_dv[None, :] < head_dim_v)
@@ -405,7 +408,7 @@ def _attention_backward_delta_kernel(
 
 
 @triton.jit
-def _dkdv_inner(
+def _grad_key_value_inner(
     dk, dv, k, v, k_idx, key_keep,
     q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
     stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
@@ -414,7 +417,7 @@ def _dkdv_inner(
     key_start, row_start, row_end,
     APPLY_CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     for start_m in range(row_start, row_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -426,7 +429,7 @@ def _dkdv_inner(
         )
         # Rows outside the range get lse = +inf, hence P = 0.
         lse = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * LOG2E
-        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+        qk_t = tl.dot(k, q_t, input_precision=INPUT_PRECISION)
         s_t = _masked_scores(
             qk_t, offs_m[None, :], k_idx, key_keep, mask_base, stride_mm, stride_mn,
             seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
@@ -437,16 +440,16 @@ def _dkdv_inner(
             mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
             other=0.0,
         )
-        dp_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(grad_out), input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             kept_t = tl.trans(_dropout_keep(
                 offs_m, key_start, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
             ))
             dv += tl.dot(tl.where(kept_t, p_t * dropout_scale, 0.0).to(grad_out.dtype), grad_out,
-                         input_precision=DOT_PRECISION)
+                         input_precision=INPUT_PRECISION)
             dp_t = tl.where(kept_t, dp_t * dropout_scale, 0.0)
         else:
-            dv += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
+            dv += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=INPUT_PRECISION)
         delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if STORE_GRAD_SCORES:
@@ -455,7 +458,7 @@ def _dkdv_inner(
                 ds_t,
                 mask=row_in[None, :] & (k_idx < seq_len_k),
             )
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=INPUT_PRECISION)
     return dk, dv
 
 
@@ -471,7 +474,7 @@ def _dkdv_inner(
 # grid (key blocks x B*Hk) still fills the GPU at the lengths where it matters.
 # Key blocks outside the key bounds skip the loop and write zeros.
 @_kernel
-def _attention_backward_dkdv_kernel(
+def _attention_grad_key_value_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, grad_scores_ptr,
     key_padding_ptr, key_bounds_ptr, mask_ptr,
     stride_qb: tl.int64, stride_qh: tl.int64, stride_qm, stride_qd,
@@ -489,7 +492,7 @@ def _attention_backward_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     kv_head_batch = tl.program_id(1) + head_batch_start
     batch = kv_head_batch // num_kv_heads
@@ -498,14 +501,14 @@ def _attention_backward_dkdv_kernel(
     if CAUSAL == BOTTOM_RIGHT:
         causal_shift = seq_len_k - seq_len_q
 
-    head_dim = head_dim // 16 * 16
-    head_dim_v = head_dim_v // 16 * 16
-    stride_qm = stride_qm // 16 * 16
-    stride_kn = stride_kn // 16 * 16
-    stride_vn = stride_vn // 16 * 16
-    stride_gom = stride_gom // 16 * 16
-    stride_dkn = stride_dkn // 16 * 16
-    stride_dvn = stride_dvn // 16 * 16
+    head_dim = multiple_of_16(head_dim)
+    head_dim_v = multiple_of_16(head_dim_v)
+    stride_qm = multiple_of_16(stride_qm)
+    stride_kn = multiple_of_16(stride_kn)
+    stride_vn = multiple_of_16(stride_vn)
+    stride_gom = multiple_of_16(stride_gom)
+    stride_dkn = multiple_of_16(stride_dkn)
+    stride_dvn = multiple_of_16(stride_dvn)
 
     key_start = tl.program_id(0) * BLOCK_N
     offs_n = key_start + tl.arange(0, BLOCK_N)
@@ -560,25 +563,19 @@ def _attention_backward_dkdv_kernel(
         grad_scores_base = grad_scores_ptr
         if STORE_GRAD_SCORES:
             grad_scores_base = _head_base(grad_scores_ptr, batch, stride_gsb, head, stride_gsh)
-        if CAUSAL != NO_CAUSAL:
-            dk, dv = _dkdv_inner(
+        # Stage 0 (causal only): the rows the diagonal crosses, with the causal
+        # test; stage 1: the rows that see the whole key block, without it.
+        for stage in tl.static_range(0 if CAUSAL != NO_CAUSAL else 1, 2):
+            dk, dv = _grad_key_value_inner(
                 dk, dv, k, v, offs_n[:, None], key_keep[:, None],
                 q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
                 stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
                 offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
                 head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-                key_start, row_lo, row_full,
-                True, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                key_start, row_lo if stage == 0 else row_full, row_full if stage == 0 else seq_len_q,
+                stage == 0, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N,
+                INPUT_PRECISION,
             )
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, offs_n[:, None], key_keep[:, None],
-            q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
-            stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
-            offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
-            head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_start, row_full, seq_len_q,
-            False, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N, DOT_PRECISION,
-        )
 
     dk *= scale
     tl.store(
@@ -596,7 +593,7 @@ def _attention_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(
+def _grad_query_inner(
     dq, q, grad_out, lse, delta, offs_m,
     k_base, v_base, key_padding_base, mask_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
@@ -605,7 +602,7 @@ def _dq_inner(
     key_start, key_end,
     APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     q_idx = offs_m[:, None]
     for start_n in range(key_start, key_end, BLOCK_N):
@@ -621,7 +618,7 @@ def _dq_inner(
             mask=key_in[None, :] & (offs_dv[:, None] < head_dim_v),
             other=0.0,
         )
-        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
         keep = key_in
         if HAS_KEY_PADDING:
             padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
@@ -631,14 +628,14 @@ def _dq_inner(
             seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
         )
         p = tl.math.exp2(s - lse[:, None])
-        dp = tl.dot(grad_out, v_t, input_precision=DOT_PRECISION)
+        dp = tl.dot(grad_out, v_t, input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             kept = _dropout_keep(
                 offs_m, start_n, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
             )
             dp = tl.where(kept, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=INPUT_PRECISION)
     return dq
 
 
@@ -648,7 +645,7 @@ def _dq_inner(
 #       dQ += dS K
 #   dQ *= scale.
 @_kernel
-def _attention_backward_dq_kernel(
+def _attention_grad_query_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr,
     key_padding_ptr, key_bounds_ptr, mask_ptr,
     stride_qb: tl.int64, stride_qh: tl.int64, stride_qm, stride_qd,
@@ -664,19 +661,19 @@ def _attention_backward_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
     )
 
-    head_dim = head_dim // 16 * 16
-    head_dim_v = head_dim_v // 16 * 16
-    stride_qm = stride_qm // 16 * 16
-    stride_kn = stride_kn // 16 * 16
-    stride_vn = stride_vn // 16 * 16
-    stride_gom = stride_gom // 16 * 16
-    stride_dqm = stride_dqm // 16 * 16
+    head_dim = multiple_of_16(head_dim)
+    head_dim_v = multiple_of_16(head_dim_v)
+    stride_qm = multiple_of_16(stride_qm)
+    stride_kn = multiple_of_16(stride_kn)
+    stride_vn = multiple_of_16(stride_vn)
+    stride_gom = multiple_of_16(stride_gom)
+    stride_dqm = multiple_of_16(stride_dqm)
 
     row_start = block_m * BLOCK_M
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -713,22 +710,16 @@ def _attention_backward_dq_kernel(
         BLOCK_M, CAUSAL, HAS_KEY_PADDING,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_inner(
-        dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
-        offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
-        head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-        key_lo, key_full_hi,
-        False, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
-    )
-    if CAUSAL != NO_CAUSAL:
-        dq = _dq_inner(
+    # The stages of the forward kernel: the keys every row sees, then (causal
+    # only) the key blocks the diagonal crosses.
+    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
+        dq = _grad_query_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi, key_hi,
-            True, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
+            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
     dq *= scale
     tl.store(
@@ -744,20 +735,9 @@ def _attention_backward_dq_kernel(
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    """Tile shape and launch options of one kernel.
-
-    ``block_m`` tiles queries and ``block_n`` keys, whichever of the two the
-    kernel's program owns (forward and dQ own a query block, dK/dV a key block).
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
+# ``block_m`` tiles queries and ``block_n`` keys, whichever of the two the
+# kernel's program owns (forward and dQ own a query block, dK/dV a key block).
+#
 # Keyed by (kernel, head dim bucket): the bucket is max(BLOCK_D, BLOCK_DV)
 # rounded up to 64, 128 or 256.  Each entry is compiled for sm_80 and sm_90 by
 # tests/test_triton_compile.py (see compile_targets()): it fits in shared
@@ -768,16 +748,16 @@ class BlockConfig:
 # were the Triton flash-attention tutorial's tiles; they were shrunk, or given
 # 8 warps, until the causal + key padding variant stayed within 255 registers
 # on both architectures.
-_FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
-    ("forward", 64): BlockConfig(128, 64, 8, 3),
-    ("forward", 128): BlockConfig(128, 32, 8, 3),
-    ("forward", 256): BlockConfig(32, 32, 4, 2),
-    ("dkdv", 64): BlockConfig(32, 32, 4, 2),
-    ("dkdv", 128): BlockConfig(16, 64, 8, 2),
-    ("dkdv", 256): BlockConfig(16, 16, 4, 1),
-    ("dq", 64): BlockConfig(128, 32, 8, 3),
-    ("dq", 128): BlockConfig(32, 64, 8, 2),
-    ("dq", 256): BlockConfig(16, 32, 8, 1),
+_FAST_CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("forward", 64): KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    ("forward", 128): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    ("forward", 256): KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+    ("grad_key_value", 64): KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+    ("grad_key_value", 128): KernelConfig(block_m=16, block_n=64, num_warps=8, num_stages=2),
+    ("grad_key_value", 256): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+    ("grad_query", 64): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    ("grad_query", 128): KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=2),
+    ("grad_query", 256): KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1),
 }
 # DENSE: FAST inputs with neither causal nor key padding.  Lighter switches
 # do not always mean fewer registers: under triton 3.6 the FAST d128 forward
@@ -788,32 +768,32 @@ _FAST_CONFIGS: dict[tuple[str, int], BlockConfig] = {
 # wait for a backward whose loop body holds fewer registers.
 _DENSE_CONFIGS = {
     **_FAST_CONFIGS,
-    ("forward", 64): BlockConfig(128, 64, 4, 3),
-    ("forward", 128): BlockConfig(64, 64, 4, 2),
-    ("dkdv", 128): BlockConfig(32, 32, 8, 2),
+    ("forward", 64): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    ("forward", 128): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    ("grad_key_value", 128): KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2),
 }
 # MASKED: 16-bit inputs with a dense mask (a tile of mask pointers and values)
 # or dropout (Philox state); smaller tiles keep them within registers.
-_MASKED_CONFIGS: dict[tuple[str, int], BlockConfig] = {
-    ("forward", 64): BlockConfig(64, 32, 8, 2),
-    ("forward", 128): BlockConfig(64, 32, 8, 2),
-    ("forward", 256): BlockConfig(32, 16, 8, 1),
-    ("dkdv", 64): BlockConfig(16, 32, 8, 2),
-    ("dkdv", 128): BlockConfig(16, 16, 8, 2),
-    ("dkdv", 256): BlockConfig(16, 16, 8, 1),
-    ("dq", 64): BlockConfig(32, 32, 4, 2),
-    ("dq", 128): BlockConfig(32, 32, 8, 2),
-    ("dq", 256): BlockConfig(16, 32, 8, 1),
+_MASKED_CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("forward", 64): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    ("forward", 128): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    ("forward", 256): KernelConfig(block_m=32, block_n=16, num_warps=8, num_stages=1),
+    ("grad_key_value", 64): KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=2),
+    ("grad_key_value", 128): KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=2),
+    ("grad_key_value", 256): KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1),
+    ("grad_query", 64): KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+    ("grad_query", 128): KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2),
+    ("grad_query", 256): KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1),
 }
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
 # loop-invariant operand (Q, or K and V): past head dim 64 no tile shape stays
 # within 255 registers, so on the GPU float32 is served up to head dim 64
 # (``unsupported_reason``), with small tiles and every switch allowed.
-_FLOAT32_CONFIGS: dict[tuple[str, int], BlockConfig] = {
-    ("forward", 64): BlockConfig(32, 16, 4, 1),
-    ("dkdv", 64): BlockConfig(16, 16, 8, 1),
-    ("dq", 64): BlockConfig(16, 16, 4, 1),
+_FLOAT32_CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("forward", 64): KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1),
+    ("grad_key_value", 64): KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1),
+    ("grad_query", 64): KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
 }
 MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # Triton before 3.9 (checked with 3.6) allocates registers differently: no
@@ -823,28 +803,28 @@ MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # Nor does one float32 dQ tile (with dropout's per-element Philox) serve both.
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 if _OLD_TRITON:
-    _FAST_CONFIGS[("dkdv", 256)] = BlockConfig(16, 16, 8, 1)
-    _DENSE_CONFIGS[("dkdv", 256)] = BlockConfig(16, 16, 8, 1)
-    _FLOAT32_CONFIGS[("dq", 64)] = BlockConfig(16, 32, 4, 1)
-    del _MASKED_CONFIGS[("dkdv", 256)]
+    _FAST_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1)
+    _DENSE_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1)
+    _FLOAT32_CONFIGS[("grad_query", 64)] = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    del _MASKED_CONFIGS[("grad_key_value", 256)]
 MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
 # diagonal paths at the short lengths the tests can afford.
 _INTERPRETER_CONFIGS = {
-    "forward": BlockConfig(32, 16, 1, 1),
-    "dkdv": BlockConfig(16, 32, 1, 1),
-    "dq": BlockConfig(32, 16, 1, 1),
+    "forward": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
+    "grad_key_value": KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=1),
+    "grad_query": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
 }
-_DELTA_BLOCK_M = 32
-_DELTA_NUM_WARPS = 4
+# The delta pre-pass has no loop to pipeline: Triton's default stages.
+_DELTA_CONFIG = KernelConfig(block_m=32, num_warps=4, num_stages=3)
 
 
 # The tables by mask variant (``_Masks.variant``) for 16-bit inputs.
 _CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MASKED_CONFIGS}
 
 
-def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> BlockConfig:
-    """The configuration ``kernel`` ("forward", "dkdv" or "dq") runs with;
+def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> KernelConfig:
+    """The configuration ``kernel`` ("forward", "grad_key_value" or "grad_query") runs with;
     ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``)."""
     if interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
@@ -955,17 +935,14 @@ def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -
     )
 
 
-def _config_arguments(config: BlockConfig, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> dict:
+def _config_arguments(config: KernelConfig, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> dict:
     return dict(
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_DV=next_power_of_2(head_dim_v),
         # float32 inputs: three tf32 products recover ~fp32 accuracy on tensor
         # cores (plain tf32 errs near 3e-4, far from torch's float32 math).
-        DOT_PRECISION=dot_input_precision(dtype, allow_tf32=True),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        INPUT_PRECISION=input_precision(dtype, allow_tf32=True),
+        **config.launch_kwargs(),
     )
 
 
@@ -1017,8 +994,8 @@ class _Masks:
 
 _KERNELS = {
     "forward": _attention_forward_kernel,
-    "dkdv": _attention_backward_dkdv_kernel,
-    "dq": _attention_backward_dq_kernel,
+    "grad_key_value": _attention_grad_key_value_kernel,
+    "grad_query": _attention_grad_query_kernel,
 }
 
 
@@ -1035,7 +1012,7 @@ def _masked_kernel_launches(
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
     config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant)
     mask_pointers, mask_strides, kwargs = masks.arguments
-    if kernel_name == "dkdv":  # a program per key block of a kv head
+    if kernel_name == "grad_key_value":  # a program per key block of a kv head
         num_blocks, num_head_batches = triton.cdiv(seq_len_k, config.block_n), batch * num_kv_heads
     else:  # a program per query block of a query head
         num_blocks, num_head_batches = triton.cdiv(seq_len_q, config.block_m), batch * num_q_heads
@@ -1068,23 +1045,23 @@ def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tens
     """Launches of the backward pre-pass writing ``delta`` ``[B, Hq, Lq]``."""
     batch, num_q_heads, seq_len_q, head_dim_v = out.shape
     return _chunked_launches(
-        _attention_backward_delta_kernel,
-        triton.cdiv(seq_len_q, _DELTA_BLOCK_M),
+        _attention_delta_kernel,
+        triton.cdiv(seq_len_q, _DELTA_CONFIG.block_m),
         batch * num_q_heads,
-        dict(BLOCK_M=_DELTA_BLOCK_M, BLOCK_DV=next_power_of_2(head_dim_v), num_warps=_DELTA_NUM_WARPS),
+        dict(BLOCK_DV=next_power_of_2(head_dim_v), **_DELTA_CONFIG.launch_kwargs()),
         [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],
         {},
     )
 
 
-def _dkdv_launches(
+def _grad_key_value_launches(
     query, key, value, grad_out, lse, delta, dk, dv, grad_scores: Optional[torch.Tensor], masks: _Masks
 ) -> list[KernelLaunch]:
     """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
     float32 receives dS when given (its strides are zeros otherwise)."""
     scores_strides = grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)
     return _masked_kernel_launches(
-        "dkdv", query, key, value, masks,
+        "grad_key_value", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
         [*(t.stride() for t in (query, key, value, grad_out, dk, dv)), scores_strides],
         key.shape[1],
@@ -1092,10 +1069,10 @@ def _dkdv_launches(
     )
 
 
-def _dq_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
+def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
     """Launches of the dQ kernel."""
     return _masked_kernel_launches(
-        "dq", query, key, value, masks,
+        "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         [t.stride() for t in (query, key, value, grad_out, dq)],
         scale=masks.args.scale,
@@ -1124,9 +1101,7 @@ def forward(
     out, lse = empty_output(query, value), empty_lse(query)
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
     padded_out = _writable(out, value.shape[-1])
-    with torch.cuda.device_of(query):
-        for launch in _forward_launches(query, key, value, padded_out, lse, _Masks(args)):
-            launch()
+    run_launches(_forward_launches(query, key, value, padded_out, lse, _Masks(args)), query)
     return _into(out, padded_out), lse
 
 
@@ -1154,13 +1129,14 @@ def backward(
         # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
         grad_scores = query.new_zeros((batch, num_q_heads, seq_len_q, key.shape[2]), dtype=torch.float32)
     masks = _Masks(args)
-    with torch.cuda.device_of(query):
-        for launch in (
+    run_launches(
+        [
             *_delta_launches(grad_out, out, delta),
-            *_dkdv_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks),
-            *_dq_launches(query, key, value, grad_out, lse, delta, dq, masks),
-        ):
-            launch()
+            *_grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks),
+            *_grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks),
+        ],
+        query,
+    )
     if grad_scores is None:
         grad_scores = query.new_empty(0, dtype=torch.float32)
     return (*(_into(grad, result) for grad, result in zip(grads, (dq, dk, dv))), grad_scores)
@@ -1210,10 +1186,10 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant:
     ))
     if kernel_name == "forward":
         launches = _forward_launches(query, key, value, out, lse, masks)
-    elif kernel_name == "dkdv":
-        launches = _dkdv_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks)
-    elif kernel_name == "dq":
-        launches = _dq_launches(query, key, value, grad_out, lse, delta, dq, masks)
+    elif kernel_name == "grad_key_value":
+        launches = _grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks)
+    elif kernel_name == "grad_query":
+        launches = _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks)
     else:
         launches = _delta_launches(grad_out, out, delta)
     return launches[0]

@@ -14,19 +14,24 @@ transposed) without a copy.  The launchers pass the weight repacked as
 
 Kernels:
 
-* ``_glu_conv1d_fwd_kernel``: implicit GEMM producing both GLU halves, then
+* ``_glu_conv_forward_kernel``: implicit GEMM producing both GLU halves, then
   the epilogue.  With ``COMPUTE_GRAD`` it is the first backward step: it
   recomputes ``a`` and ``g`` from ``x`` and writes ``grad_z`` instead of
   ``out`` (forward keeps no pre-activation for backward).
-* ``_glu_conv1d_bwd_input_kernel``: ``grad_x``, a transposed convolution of
+* ``_glu_conv_grad_input_kernel``: ``grad_x``, a transposed convolution of
   ``grad_z``.
-* ``_glu_conv1d_bwd_weight_kernel``: ``grad_weight`` per tap and
+* ``_glu_conv_grad_weight_kernel``: ``grad_weight`` per tap and
   ``grad_bias``, as split-K partial sums reduced on the host.
+
+Each kernel is a GEMM of ``BLOCK_M x BLOCK_N`` output tiles reducing
+``BLOCK_K`` at a time; its comment says what M, N and K are.  Strides are
+named ``stride_<tensor><dim>``, dims ``b``, ``c``, ``l`` for ``[B, C, L]``
+tensors and ``k`` (tap), ``i`` (input channel), ``o`` (output channel),
+``s`` (split) for weights and their partial sums.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -38,10 +43,11 @@ from ...ops.glu_conv import GluConvArgs, empty_output
 from ._common import (
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
+    KernelConfig,
     KernelLaunch,
-    dot_input_precision,
     fp32_conv_allows_tf32,
-    multiprocessor_count,
+    input_precision,
+    num_sms,
 )
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "compile_targets"]
@@ -51,11 +57,11 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Forward / recompute kernel.
 #
-# One program owns BLOCK_POS output rows (flattened (batch, position), so short
-# sequences of a large batch fill a tile) times BLOCK_C channels of BOTH GLU
+# One program owns BLOCK_M output rows (M: flattened (batch, position), so short
+# sequences of a large batch fill a tile) times BLOCK_N channels (N: C) of BOTH GLU
 # halves: it accumulates a = xpad * W[:C] and g = xpad * W[C:] in two fp32
 # accumulators that share every x tile, so the gate never leaves registers.
-#   for (tap, BLOCK_CI slice ci of C_in):   # implicit GEMM over (C_in x k), one flat
+#   for (tap, BLOCK_K slice ci of C_in):    # implicit GEMM over K = (C_in x k), one flat
 #                                           # loop so the pipeliner overlaps across taps
 #       rows' input position p = s + tap - pad_left (pad_value where p is outside [0, L))
 #       acc_a += x[rows, p, ci] @ W[tap, ci, c];  acc_g += x[rows, p, ci] @ W[tap, ci, C + c]
@@ -64,7 +70,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #   COMPUTE_GRAD:  gy = grad_out * residual_scale
 #                  grad_z[:, c] = gy * gate;  grad_z[:, C + c] = gy * acc_a * gate * (1 - gate)
 @triton.jit
-def _glu_conv1d_fwd_kernel(
+def _glu_conv_forward_kernel(
     x_ptr,
     weight_ptr,
     bias_ptr,
@@ -80,62 +86,62 @@ def _glu_conv1d_fwd_kernel(
     pad_left,
     pad_value,
     residual_scale,
-    stride_x_batch,
-    stride_x_channel,
-    stride_x_position,
-    stride_w_tap,
-    stride_w_in,
-    stride_w_out,
-    stride_residual_batch,
-    stride_residual_channel,
-    stride_residual_position,
-    stride_grad_out_batch,
-    stride_grad_out_channel,
-    stride_grad_out_position,
-    stride_out_batch,
-    stride_out_channel,
-    stride_out_position,
+    stride_xb,
+    stride_xc,
+    stride_xl,
+    stride_wk,
+    stride_wi,
+    stride_wo,
+    stride_rb,
+    stride_rc,
+    stride_rl,
+    stride_gob,
+    stride_goc,
+    stride_gol,
+    stride_ob,
+    stride_oc,
+    stride_ol,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_POS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    # out_ptr / stride_out_*: the tensor written, ``out`` [B, C, L_out] in the
+    # out_ptr / stride_o*: the tensor written, ``out`` [B, C, L_out] in the
     # forward; with COMPUTE_GRAD ``grad_z`` [B, 2C, L_out] (gate half at +C).
     pid_row = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_row * BLOCK_POS + tl.arange(0, BLOCK_POS)
+    rows = pid_row * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < batch * length_out
     b = (rows // length_out).to(tl.int64)
     s = rows % length_out
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < channels_out
 
-    x_rows = x_ptr + b * stride_x_batch
-    ci_blocks = tl.cdiv(channels_in, BLOCK_CI)
+    x_rows = x_ptr + b * stride_xb
+    ci_blocks = tl.cdiv(channels_in, BLOCK_K)
 
-    acc_a = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_POS, BLOCK_C), dtype=tl.float32)
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(kernel_size * ci_blocks):
         tap = step // ci_blocks
-        ci = (step % ci_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
+        ci = (step % ci_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
         ci_ok = ci < channels_in
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
         x_tile = tl.load(
-            (x_rows + position.to(tl.int64) * stride_x_position)[:, None] + ci[None, :] * stride_x_channel,
+            (x_rows + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
             other=0.0,
         )
         pad_mask = (row_ok & (~in_sequence))[:, None] & ci_ok[None, :]
         x_tile = tl.where(pad_mask, pad_value, x_tile).to(x_ptr.dtype.element_ty)
-        w_ptrs = weight_ptr + tap * stride_w_tap + ci[:, None] * stride_w_in + cols[None, :] * stride_w_out
+        w_ptrs = weight_ptr + tap * stride_wk + ci[:, None] * stride_wi + cols[None, :] * stride_wo
         w_mask = ci_ok[:, None] & col_ok[None, :]
         w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        w_gate = tl.load(w_ptrs + channels_out * stride_w_out, mask=w_mask, other=0.0)
+        w_gate = tl.load(w_ptrs + channels_out * stride_wo, mask=w_mask, other=0.0)
         acc_a = tl.dot(x_tile, w_value, acc_a, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(x_tile, w_gate, acc_g, input_precision=INPUT_PRECISION)
 
@@ -145,28 +151,22 @@ def _glu_conv1d_fwd_kernel(
     gate = tl.sigmoid(acc_g)
     tile_mask = row_ok[:, None] & col_ok[None, :]
     s = s.to(tl.int64)
-    out_ptrs = (
-        out_ptr + (b * stride_out_batch + s * stride_out_position)[:, None] + cols[None, :] * stride_out_channel
-    )
+    out_ptrs = out_ptr + (b * stride_ob + s * stride_ol)[:, None] + cols[None, :] * stride_oc
     if COMPUTE_GRAD:
         grad_out = tl.load(
-            grad_out_ptr
-            + (b * stride_grad_out_batch + s * stride_grad_out_position)[:, None]
-            + cols[None, :] * stride_grad_out_channel,
+            grad_out_ptr + (b * stride_gob + s * stride_gol)[:, None] + cols[None, :] * stride_goc,
             mask=tile_mask,
             other=0.0,
         ).to(tl.float32)
         grad_value = grad_out * residual_scale * gate
         grad_gate = grad_value * acc_a * (1.0 - gate)
         tl.store(out_ptrs, grad_value.to(out_ptr.dtype.element_ty), mask=tile_mask)
-        tl.store(out_ptrs + channels_out * stride_out_channel, grad_gate.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(out_ptrs + channels_out * stride_oc, grad_gate.to(out_ptr.dtype.element_ty), mask=tile_mask)
     else:
         y = acc_a * gate
         if HAS_RESIDUAL:
             y += tl.load(
-                residual_ptr
-                + (b * stride_residual_batch + s * stride_residual_position)[:, None]
-                + cols[None, :] * stride_residual_channel,
+                residual_ptr + (b * stride_rb + s * stride_rl)[:, None] + cols[None, :] * stride_rc,
                 mask=tile_mask,
                 other=0.0,
             ).to(tl.float32)
@@ -176,12 +176,12 @@ def _glu_conv1d_fwd_kernel(
 
 # grad_x: the transposed convolution of grad_z.
 #   grad_x[b, ci, t] = sum_{tap, co < 2C} grad_z[b, co, t + pad_left - tap] * W[co, ci, tap]
-# One program owns BLOCK_POS input rows (flattened (batch, position)) times
-# BLOCK_CI input channels and reduces over (2C x k); output positions
+# One program owns BLOCK_M input rows (M: flattened (batch, position)) times
+# BLOCK_N input channels (N: C_in) and reduces over K = (2C x k); output positions
 # t + pad_left - tap outside [0, L_out) contribute nothing (padding is a
 # constant, it takes no gradient).
 @triton.jit
-def _glu_conv1d_bwd_input_kernel(
+def _glu_conv_grad_input_kernel(
     grad_z_ptr,
     weight_ptr,
     grad_x_ptr,
@@ -192,70 +192,66 @@ def _glu_conv1d_bwd_input_kernel(
     channels_z,
     kernel_size,
     pad_left,
-    stride_grad_z_batch,
-    stride_grad_z_channel,
-    stride_grad_z_position,
-    stride_w_tap,
-    stride_w_in,
-    stride_w_out,
-    stride_grad_x_batch,
-    stride_grad_x_channel,
-    stride_grad_x_position,
+    stride_dzb,
+    stride_dzc,
+    stride_dzl,
+    stride_wk,
+    stride_wi,
+    stride_wo,
+    stride_dxb,
+    stride_dxc,
+    stride_dxl,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_POS: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
-    BLOCK_CZ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_row = tl.program_id(0)
     pid_ci = tl.program_id(1)
-    rows = pid_row * BLOCK_POS + tl.arange(0, BLOCK_POS)
+    rows = pid_row * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < batch * length_in
     b = (rows // length_in).to(tl.int64)
     t = rows % length_in
-    ci = pid_ci * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci = pid_ci * BLOCK_N + tl.arange(0, BLOCK_N)
     ci_ok = ci < channels_in
 
-    grad_z_rows = grad_z_ptr + b * stride_grad_z_batch
-    cz_blocks = tl.cdiv(channels_z, BLOCK_CZ)
+    grad_z_rows = grad_z_ptr + b * stride_dzb
+    cz_blocks = tl.cdiv(channels_z, BLOCK_K)
 
-    acc = tl.zeros((BLOCK_POS, BLOCK_CI), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(kernel_size * cz_blocks):  # one flat loop over (tap, 2C slice), as in the forward
         tap = step // cz_blocks
-        cz = (step % cz_blocks) * BLOCK_CZ + tl.arange(0, BLOCK_CZ)
+        cz = (step % cz_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
         cz_ok = cz < channels_z
         s = t + pad_left - tap
         in_output = (s >= 0) & (s < length_out)
         grad_z_tile = tl.load(
-            (grad_z_rows + s.to(tl.int64) * stride_grad_z_position)[:, None] + cz[None, :] * stride_grad_z_channel,
+            (grad_z_rows + s.to(tl.int64) * stride_dzl)[:, None] + cz[None, :] * stride_dzc,
             mask=(row_ok & in_output)[:, None] & cz_ok[None, :],
             other=0.0,
         )
         w_tile = tl.load(
-            weight_ptr + tap * stride_w_tap + cz[:, None] * stride_w_out + ci[None, :] * stride_w_in,
+            weight_ptr + tap * stride_wk + cz[:, None] * stride_wo + ci[None, :] * stride_wi,
             mask=cz_ok[:, None] & ci_ok[None, :],
             other=0.0,
         )
         acc = tl.dot(grad_z_tile, w_tile, acc, input_precision=INPUT_PRECISION)
 
-    grad_x_ptrs = (
-        grad_x_ptr
-        + (b * stride_grad_x_batch + t.to(tl.int64) * stride_grad_x_position)[:, None]
-        + ci[None, :] * stride_grad_x_channel
-    )
+    grad_x_ptrs = grad_x_ptr + (b * stride_dxb + t.to(tl.int64) * stride_dxl)[:, None] + ci[None, :] * stride_dxc
     tl.store(grad_x_ptrs, acc.to(grad_x_ptr.dtype.element_ty), mask=row_ok[:, None] & ci_ok[None, :])
 
 
 # grad_weight and grad_bias, split-K over the flattened (batch, position) rows.
 #   grad_W[co, ci, tap] = sum_{b, s} grad_z[b, co, s] * xpad[b, ci, s + tap]
 #   grad_bias[co]       = sum_{b, s} grad_z[b, co, s]
-# Program (tile, tap, split) owns a BLOCK_CZ x BLOCK_CI tile of one tap and
-# reduces over its split's contiguous range of rows, BLOCK_POS at a time,
+# Program (tile, tap, split) owns a BLOCK_M x BLOCK_N tile (M: 2C, N: C_in) of one
+# tap and reduces over its split's contiguous range of rows (K), BLOCK_K at a time,
 # re-reading x (with pad_value in the padding) rather than an unfolded copy.
 # Each split writes fp32 partial sums; the launcher adds the splits, which
 # keeps the result deterministic (no atomics).  Only the programs of tap 0
 # and the first C_in tile write grad_bias partials.
 @triton.jit
-def _glu_conv1d_bwd_weight_kernel(
+def _glu_conv_grad_weight_kernel(
     x_ptr,
     grad_z_ptr,
     grad_weight_partial_ptr,
@@ -268,56 +264,52 @@ def _glu_conv1d_bwd_weight_kernel(
     pad_left,
     rows_per_split,
     pad_value,
-    stride_x_batch,
-    stride_x_channel,
-    stride_x_position,
-    stride_grad_z_batch,
-    stride_grad_z_channel,
-    stride_grad_z_position,
-    stride_gw_partial_split,
-    stride_gw_partial_out,
-    stride_gw_partial_in,
-    stride_gw_partial_tap,
-    stride_gb_partial_split,
+    stride_xb,
+    stride_xc,
+    stride_xl,
+    stride_dzb,
+    stride_dzc,
+    stride_dzl,
+    stride_dws,
+    stride_dwo,
+    stride_dwi,
+    stride_dwk,
+    stride_dbs,
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_CZ: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
-    BLOCK_POS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_tile = tl.program_id(0)
     tap = tl.program_id(1)
     split = tl.program_id(2)
-    num_ci_blocks = tl.cdiv(channels_in, BLOCK_CI)
+    num_ci_blocks = tl.cdiv(channels_in, BLOCK_N)
     pid_cz = pid_tile // num_ci_blocks
     pid_ci = pid_tile % num_ci_blocks
-    cz = pid_cz * BLOCK_CZ + tl.arange(0, BLOCK_CZ)
+    cz = pid_cz * BLOCK_M + tl.arange(0, BLOCK_M)
     cz_ok = cz < channels_z
-    ci = pid_ci * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci = pid_ci * BLOCK_N + tl.arange(0, BLOCK_N)
     ci_ok = ci < channels_in
 
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, batch * length_out)
-    acc = tl.zeros((BLOCK_CZ, BLOCK_CI), dtype=tl.float32)
-    bias_acc = tl.zeros((BLOCK_CZ,), dtype=tl.float32)
-    for row_block in range(row_start, row_end, BLOCK_POS):
-        rows = row_block + tl.arange(0, BLOCK_POS)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bias_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for row_block in range(row_start, row_end, BLOCK_K):
+        rows = row_block + tl.arange(0, BLOCK_K)
         row_ok = rows < row_end
         b = (rows // length_out).to(tl.int64)
         s = rows % length_out
         grad_z_tile = tl.load(
-            grad_z_ptr
-            + cz[:, None] * stride_grad_z_channel
-            + (b * stride_grad_z_batch + s.to(tl.int64) * stride_grad_z_position)[None, :],
+            grad_z_ptr + cz[:, None] * stride_dzc + (b * stride_dzb + s.to(tl.int64) * stride_dzl)[None, :],
             mask=cz_ok[:, None] & row_ok[None, :],
             other=0.0,
         )
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
         x_tile = tl.load(
-            x_ptr
-            + (b * stride_x_batch + position.to(tl.int64) * stride_x_position)[:, None]
-            + ci[None, :] * stride_x_channel,
+            x_ptr + (b * stride_xb + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
             other=0.0,
         )
@@ -329,25 +321,16 @@ def _glu_conv1d_bwd_weight_kernel(
 
     partial_ptrs = (
         grad_weight_partial_ptr
-        + split * stride_gw_partial_split
-        + tap * stride_gw_partial_tap
-        + cz[:, None] * stride_gw_partial_out
-        + ci[None, :] * stride_gw_partial_in
+        + split * stride_dws
+        + tap * stride_dwk
+        + cz[:, None] * stride_dwo
+        + ci[None, :] * stride_dwi
     )
     tl.store(partial_ptrs, acc, mask=cz_ok[:, None] & ci_ok[None, :])
     if HAS_BIAS:
         # Every program summed its grad_z rows; one program per channel block writes them.
         bias_channels = tl.where((pid_ci == 0) & (tap == 0), channels_z, 0)
-        tl.store(grad_bias_partial_ptr + split * stride_gb_partial_split + cz, bias_acc, mask=cz < bias_channels)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """One kernel's ``BLOCK_*`` constexprs and launch shape."""
-
-    blocks: dict
-    num_warps: int
-    num_stages: int
+        tl.store(grad_bias_partial_ptr + split * stride_dbs + cz, bias_acc, mask=cz < bias_channels)
 
 
 # Forward: two 64 x 64 fp32 accumulators (value and gate halves) need 8 warps
@@ -359,30 +342,30 @@ class _Config:
 # partial tiles are masked.
 _CONFIGS = {
     # kernel: (config for 16-bit inputs, config for fp32 inputs)
-    "fwd": (
-        _Config({"BLOCK_POS": 64, "BLOCK_C": 64, "BLOCK_CI": 32}, num_warps=8, num_stages=3),
-        _Config({"BLOCK_POS": 64, "BLOCK_C": 64, "BLOCK_CI": 16}, num_warps=8, num_stages=3),
+    "forward": (
+        KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=3),
+        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3),
     ),
-    "bwd_input": (
-        _Config({"BLOCK_POS": 64, "BLOCK_CI": 64, "BLOCK_CZ": 32}, num_warps=4, num_stages=3),
-        _Config({"BLOCK_POS": 64, "BLOCK_CI": 64, "BLOCK_CZ": 16}, num_warps=8, num_stages=3),
+    "grad_input": (
+        KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3),
     ),
-    "bwd_weight": (
-        _Config({"BLOCK_CZ": 64, "BLOCK_CI": 64, "BLOCK_POS": 32}, num_warps=4, num_stages=3),
-        _Config({"BLOCK_CZ": 64, "BLOCK_CI": 64, "BLOCK_POS": 16}, num_warps=8, num_stages=3),
+    "grad_weight": (
+        KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3),
     ),
 }
 
 
-def kernel_config(kernel: str, dtype: torch.dtype) -> _Config:
-    """The configuration of ``kernel`` ("fwd", "bwd_input", "bwd_weight") for inputs of ``dtype``."""
+def kernel_config(kernel: str, dtype: torch.dtype) -> KernelConfig:
+    """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of ``dtype``."""
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
 def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 follows torch's convolution setting (cuDNN uses TF32 unless disabled),
-    # as 3xTF32 dots when it allows TF32.
-    return dot_input_precision(dtype, fp32_conv_allows_tf32())
+    """``input_precision`` of this op's dots on inputs of ``dtype``: float32
+    follows torch's convolution setting (cuDNN uses TF32 unless disabled)."""
+    return input_precision(dtype, fp32_conv_allows_tf32())
 
 
 def unsupported_reason(
@@ -436,18 +419,15 @@ def _preactivation_launch(
     residual_scale: float,
     precision: str,
 ) -> KernelLaunch:
-    """``_glu_conv1d_fwd_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
+    """``_glu_conv_forward_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
     for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
     epilogue."""
     batch, channels_in, length_in = x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("fwd", x.dtype)
+    config = kernel_config("forward", x.dtype)
     unused_strides = (0, 0, 0)
-    grid = (
-        triton.cdiv(batch * length_out, config.blocks["BLOCK_POS"]),
-        triton.cdiv(channels_z // 2, config.blocks["BLOCK_C"]),
-    )
-    return KernelLaunch(_glu_conv1d_fwd_kernel, grid, (
+    grid = (triton.cdiv(batch * length_out, config.block_m), triton.cdiv(channels_z // 2, config.block_n))
+    return KernelLaunch(_glu_conv_forward_kernel, grid, (
         x,
         packed,
         bias if bias is not None else packed,
@@ -473,17 +453,15 @@ def _preactivation_launch(
         HAS_RESIDUAL=residual is not None,
         COMPUTE_GRAD=grad_out is not None,
         INPUT_PRECISION=precision,
-        **config.blocks,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **config.launch_kwargs(),
     ))
 
 
-def _weight_splits(rows: int, tiles: int, config: _Config, device: torch.device) -> int:
+def _weight_splits(rows: int, tiles: int, config: KernelConfig, device: torch.device) -> int:
     """How many row ranges grad_weight is split into: enough programs to fill the GPU twice,
     but at least two row blocks per split."""
-    wanted = triton.cdiv(2 * multiprocessor_count(device), tiles)
-    return max(1, min(wanted, triton.cdiv(rows, 2 * config.blocks["BLOCK_POS"])))
+    wanted = triton.cdiv(2 * num_sms(device), tiles)
+    return max(1, min(wanted, triton.cdiv(rows, 2 * config.block_k)))
 
 
 def backward(
@@ -524,10 +502,10 @@ def backward(
     grad_weight = weight.new_empty(0)
     grad_bias = weight.new_empty(0)
     if needs_grad_weight or grad_bias_wanted:
-        config = kernel_config("bwd_weight", x.dtype)
-        block_rows = config.blocks["BLOCK_POS"]
-        tiles = triton.cdiv(channels_z, config.blocks["BLOCK_CZ"])
-        tiles *= triton.cdiv(channels_in, config.blocks["BLOCK_CI"])
+        config = kernel_config("grad_weight", x.dtype)
+        block_rows = config.block_k
+        tiles = triton.cdiv(channels_z, config.block_m)
+        tiles *= triton.cdiv(channels_in, config.block_n)
         splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
         rows_per_split = max(1, triton.cdiv(rows_out, splits * block_rows)) * block_rows
         # An empty batch still runs one split, which writes zeros.
@@ -548,22 +526,17 @@ def backward(
 def _grad_input_launch(
     grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, precision: str
 ) -> KernelLaunch:
-    """``_glu_conv1d_bwd_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
+    """``_glu_conv_grad_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
     ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
     batch, channels_in, length_in = grad_x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("bwd_input", grad_x.dtype)
-    grid = (
-        triton.cdiv(batch * length_in, config.blocks["BLOCK_POS"]),
-        triton.cdiv(channels_in, config.blocks["BLOCK_CI"]),
-    )
-    return KernelLaunch(_glu_conv1d_bwd_input_kernel, grid, (
+    config = kernel_config("grad_input", grad_x.dtype)
+    grid = (triton.cdiv(batch * length_in, config.block_m), triton.cdiv(channels_in, config.block_n))
+    return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
         grad_z, packed, grad_x,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
         *grad_z.stride(), *packed.stride(), *grad_x.stride(),
-    ), dict(
-        INPUT_PRECISION=precision, **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
-    ))
+    ), dict(INPUT_PRECISION=precision, **config.launch_kwargs()))
 
 
 def _grad_weight_launch(
@@ -577,20 +550,17 @@ def _grad_weight_launch(
     has_bias: bool,
     precision: str,
 ) -> KernelLaunch:
-    """``_glu_conv1d_bwd_weight_kernel`` writing float32 partial sums
+    """``_glu_conv_grad_weight_kernel`` writing float32 partial sums
     ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
     batch, channels_in, length_in = x.shape
     splits, channels_z, _, kernel_size = grad_weight_partial.shape
-    config = kernel_config("bwd_weight", x.dtype)
-    tiles = triton.cdiv(channels_z, config.blocks["BLOCK_CZ"]) * triton.cdiv(channels_in, config.blocks["BLOCK_CI"])
-    return KernelLaunch(_glu_conv1d_bwd_weight_kernel, (tiles, kernel_size, splits), (
+    config = kernel_config("grad_weight", x.dtype)
+    tiles = triton.cdiv(channels_z, config.block_m) * triton.cdiv(channels_in, config.block_n)
+    return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
         x, grad_z, grad_weight_partial, grad_bias_partial,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
         *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
-    ), dict(
-        HAS_BIAS=has_bias, INPUT_PRECISION=precision, **config.blocks,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    ))
+    ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=precision, **config.launch_kwargs()))
 
 
 # The representative problem: batch 4, C_in = C = 256, kernel size 4,
@@ -604,7 +574,7 @@ def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: 
     x = torch.empty(batch, channels, length, dtype=dtype)
     packed = torch.empty(kernel_size, channels, 2 * channels, dtype=dtype)
     grad_z = torch.empty(batch, length, 2 * channels, dtype=dtype).transpose(1, 2)
-    if kind == "fwd":
+    if kind == "forward":
         bias = torch.empty(2 * channels, dtype=dtype)
         if compute_grad:
             return _preactivation_launch(
@@ -613,7 +583,7 @@ def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: 
         return _preactivation_launch(
             x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, precision
         )
-    if kind == "bwd_input":
+    if kind == "grad_input":
         return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, precision)
     splits = 2
     return _grad_weight_launch(
@@ -627,7 +597,7 @@ def compile_targets() -> list[CompileTarget]:
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
     representative problem."""
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "ieee")]
-    kernels = [("fwd", False), ("fwd", True), ("bwd_input", False), ("bwd_weight", False)]
+    kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
     return [
         CompileTarget(
             f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}",

@@ -20,7 +20,6 @@ gradient that breaks this, e.g. a stride-0 gradient of ``out.sum()``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -34,13 +33,16 @@ from ._common import (
     INT32_MAX,
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
+    KernelConfig,
     KernelLaunch,
-    multiprocessor_count,
 )
+# Imported under this name: ``backward`` keeps the count in a local
+# ``num_sms``, and tests replace this module attribute to force a tile
+# configuration.
+from ._common import num_sms as multiprocessor_count
 
 __all__ = [
-    "KERNELS", "GemmConfig", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits",
-    "unsupported_reason",
+    "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "unsupported_reason",
 ]
 
 # ---------------------------------------------------------------------------
@@ -355,16 +357,6 @@ def _qkv_grad_weight_kernel(
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
 # 128x128 tiles with 8 warps keep the fp32 accumulator at 64 registers per
 # thread (no spills on sm_80's mma.sync path) and map onto two warpgroups for
 # sm_90's wgmma.  Three stages of 16-bit 128x64 operand tiles are 96 KiB of
@@ -374,17 +366,17 @@ class GemmConfig:
 # sm_80); the backward kernels keep 128x128, where 128x256 reaches 255
 # registers and spills.  Problems whose large-tile grid would leave SMs idle,
 # use 64x64 tiles.
-_WIDE_16BIT = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
-_LARGE_16BIT = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-_SMALL = GemmConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+_WIDE_16BIT = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_LARGE_16BIT = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+_SMALL = KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
 KERNELS = ("forward", "grad_input", "grad_weight")
 
 
-def _large_config(kernel: str) -> GemmConfig:
+def _large_config(kernel: str) -> KernelConfig:
     return _WIDE_16BIT if kernel == "forward" else _LARGE_16BIT
 
 
-def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> GemmConfig:
+def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> KernelConfig:
     """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]``
     output."""
     large = _large_config(kernel)
@@ -442,16 +434,9 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _meta(cfg: GemmConfig) -> dict:
-    return dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
 def _forward_launch(
     x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], outputs: list[torch.Tensor],
-    cfg: GemmConfig,
+    cfg: KernelConfig,
 ) -> KernelLaunch:
     """The forward GEMM: ``x3`` ``[B, L, E_in]``, ``outputs`` the ``n``
     ``[B, H, L, Dh]`` contiguous results."""
@@ -470,10 +455,7 @@ def _forward_launch(
             num_tokens, seq_len, embed_dim, in_features, head_dim,
             *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
         ),
-        dict(
-            NUM_PROJ=num_proj, HAS_BIAS=bias is not None,
-            **_meta(cfg),
-        ),
+        dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
     )
 
 
@@ -513,7 +495,7 @@ def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _grad_input_launch(
-    grads4: list[torch.Tensor], weight: torch.Tensor, grad_x: torch.Tensor, cfg: GemmConfig
+    grads4: list[torch.Tensor], weight: torch.Tensor, grad_x: torch.Tensor, cfg: KernelConfig
 ) -> KernelLaunch:
     """The input-gradient GEMM: ``grads4`` as ``_shared_layout`` returns
     them, ``grad_x`` contiguous ``[*batch, L, E_in]``."""
@@ -531,13 +513,13 @@ def _grad_input_launch(
             num_tokens, seq_len, embed_dim, in_features, head_dim,
             stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
         ),
-        dict(NUM_PROJ=len(grads4), **_meta(cfg)),
+        dict(NUM_PROJ=len(grads4), **cfg.launch_kwargs()),
     )
 
 
 def _grad_weight_launch(
     grads4: list[torch.Tensor], x3: torch.Tensor, grad_w_out: torch.Tensor, grad_b_out: torch.Tensor,
-    has_bias: bool, tokens_per_split: int, cfg: GemmConfig,
+    has_bias: bool, tokens_per_split: int, cfg: KernelConfig,
 ) -> KernelLaunch:
     """The weight/bias-gradient GEMM: ``grad_w_out`` ``[n*E, E_in]`` (one
     split) or ``[splits, n*E, E_in]`` float32 partial sums, ``grad_b_out``
@@ -558,10 +540,7 @@ def _grad_weight_launch(
             num_tokens, seq_len, embed_dim, in_features, head_dim, tokens_per_split,
             stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
         ),
-        dict(
-            NUM_PROJ=num_proj, HAS_BIAS=has_bias,
-            **_meta(cfg),
-        ),
+        dict(NUM_PROJ=num_proj, HAS_BIAS=has_bias, **cfg.launch_kwargs()),
     )
 
 
@@ -632,7 +611,7 @@ def backward(
 _TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS = 4, 512, 1024, 16
 
 
-def _target_launch(kernel: str, dtype: torch.dtype, cfg: GemmConfig, split: bool) -> KernelLaunch:
+def _target_launch(kernel: str, dtype: torch.dtype, cfg: KernelConfig, split: bool) -> KernelLaunch:
     batch, length, embed, heads = _TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS
     x3 = torch.empty(batch, length, embed, dtype=dtype)
     weight = torch.empty(3 * embed, embed, dtype=dtype)
