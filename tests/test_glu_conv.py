@@ -484,6 +484,6 @@ def test_triton_float32_follows_the_conv_tf32_setting_of_either_api(api, allow_t
     from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
 
     with tf32_setting("conv", allow_tf32, api):
-        # TF32 allowed: 3xTF32 dots (a single TF32 product truncates its operands; see dot_input_precision).
+        # TF32 allowed: 3xTF32 dots (a single TF32 product truncates its operands; see input_precision).
         assert triton_glu_conv._input_precision(torch.float32) == ("tf32x3" if allow_tf32 else "ieee")
         assert triton_glu_conv._input_precision(torch.float16) == "tf32"
