@@ -479,48 +479,64 @@ def backward(
 
     ``z`` is ignored (forward saved none): the first kernel recomputes it.
     """
-    batch, channels_in, length_in = x.shape
-    channels_z, _, kernel_size = weight.shape
-    length_out = grad_out.shape[2]
-    rows_out = batch * length_out
     precision = _input_precision(x.dtype)
-    pad_left, pad_value = args.pad_left, args.pad_value
-
     packed = _packed_weight(weight)
-    # grad_z [B, 2C, L_out] stored channel-last: both GEMMs below read it along channels.
+    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision)
+    grad_x = _grad_input(grad_z, packed, x, args, precision) if needs_grad_x else x.new_empty(0)
+    grad_bias_wanted = needs_grad_bias and bias is not None
+    grad_weight = grad_bias = weight.new_empty(0)
+    if needs_grad_weight or grad_bias_wanted:
+        grad_weight, grad_bias = _grad_weight_and_bias(
+            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, precision
+        )
+    return grad_x, grad_weight, grad_bias
+
+
+def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision: str) -> torch.Tensor:
+    """The pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``, stored channel-last (both
+    GEMMs after it read it along channels); the kernel recomputes the pre-activation from ``x``."""
+    batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
     grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
     if batch > 0:
         _preactivation_launch(
-            x, packed, bias, None, grad_out, grad_z, pad_left, length_out, pad_value, args.residual_scale, precision
+            x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
+            precision,
         )()
+    return grad_z
 
-    grad_x = empty_output(x, channels_in, length_in) if needs_grad_x else x.new_empty(0)
-    if needs_grad_x and batch > 0:
-        _grad_input_launch(grad_z, packed, grad_x, pad_left, precision)()
 
-    grad_bias_wanted = needs_grad_bias and bias is not None
-    grad_weight = weight.new_empty(0)
-    grad_bias = weight.new_empty(0)
-    if needs_grad_weight or grad_bias_wanted:
-        config = kernel_config("grad_weight", x.dtype)
-        block_rows = config.block_k
-        tiles = triton.cdiv(channels_z, config.block_m)
-        tiles *= triton.cdiv(channels_in, config.block_n)
-        splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
-        rows_per_split = max(1, triton.cdiv(rows_out, splits * block_rows)) * block_rows
-        # An empty batch still runs one split, which writes zeros.
-        splits = max(1, triton.cdiv(rows_out, rows_per_split))
-        grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
-        grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
-        _grad_weight_launch(
-            x, grad_z, grad_weight_partial, grad_bias_partial, pad_left, rows_per_split, pad_value,
-            grad_bias_wanted, precision,
-        )()
-        if needs_grad_weight:
-            grad_weight = grad_weight_partial.sum(0).to(weight.dtype)
-        if grad_bias_wanted:
-            grad_bias = grad_bias_partial.sum(0).to(weight.dtype)
-    return grad_x, grad_weight, grad_bias
+def _grad_input(grad_z, packed, x, args: GluConvArgs, precision: str) -> torch.Tensor:
+    """``grad_x`` in the op's output layout for ``x``."""
+    grad_x = empty_output(x, x.shape[1], x.shape[2])
+    if x.shape[0] > 0:
+        _grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision)()
+    return grad_x
+
+
+def _grad_weight_and_bias(
+    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, precision: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_weight`` and ``grad_bias``, each empty unless wanted.  One kernel computes float32
+    partial sums of both (the bias's is its row sum) over row ranges that fill the GPU, reduced
+    afterwards: deterministic, no atomics."""
+    channels_z, channels_in, kernel_size = weight.shape
+    rows_out = x.shape[0] * grad_z.shape[2]
+    config = kernel_config("grad_weight", x.dtype)
+    block_rows = config.block_k
+    tiles = triton.cdiv(channels_z, config.block_m) * triton.cdiv(channels_in, config.block_n)
+    splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
+    rows_per_split = max(1, triton.cdiv(rows_out, splits * block_rows)) * block_rows
+    # An empty batch still runs one split, which writes zeros.
+    splits = max(1, triton.cdiv(rows_out, rows_per_split))
+    grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
+    grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
+    _grad_weight_launch(
+        x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
+        grad_bias_wanted, precision,
+    )()
+    grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if grad_weight_wanted else weight.new_empty(0)
+    grad_bias = grad_bias_partial.sum(0).to(weight.dtype) if grad_bias_wanted else weight.new_empty(0)
+    return grad_weight, grad_bias
 
 
 def _grad_input_launch(

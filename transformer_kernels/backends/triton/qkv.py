@@ -554,33 +554,44 @@ def backward(
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight, grad_bias)``; a gradient not asked for is an empty tensor."""
     if _uses_torch_matmul(x.dtype):
         return eager_qkv.backward(
             grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias
         )
-    *_, seq_len, in_features = x.shape
-    embed_dim = in_features
-    num_proj = len(grads)
     x3 = _as_3d(x)
-    num_tokens = x3.shape[0] * seq_len
     grads4 = _shared_layout(grads)
     num_sms = multiprocessor_count(x.device)
-
-    grad_x = x.new_empty(0)
-    if needs_grad_x:
-        grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if num_tokens > 0:
-            cfg = gemm_config("grad_input", num_tokens, in_features, num_sms)
-            _grad_input_launch(grads4, weight, grad_x, cfg)()
-
-    grad_weight, grad_bias = x.new_empty(0), x.new_empty(0)
+    grad_x = _grad_input(grads4, weight, x, num_sms) if needs_grad_x else x.new_empty(0)
+    grad_weight = grad_bias = x.new_empty(0)
     with_bias = has_bias and needs_grad_bias
     if needs_grad_weight or with_bias:
-        features = num_proj * embed_dim
-        if num_tokens == 0:
-            grad_weight = torch.zeros_like(weight) if needs_grad_weight else x.new_empty(0)
-            grad_bias = weight.new_zeros(features) if with_bias else x.new_empty(0)
-            return grad_x, grad_weight, grad_bias
+        grad_weight, grad_bias = _grad_weight_and_bias(grads4, x3, weight, needs_grad_weight, with_bias, num_sms)
+    return grad_x, grad_weight, grad_bias
+
+
+def _grad_input(grads4: list[torch.Tensor], weight: torch.Tensor, x: torch.Tensor, num_sms: int) -> torch.Tensor:
+    """``grad_x = sum_i grad_i @ weight_i``, contiguous, one GEMM kernel over the n projections."""
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    num_tokens = x.numel() // x.shape[-1]
+    if num_tokens > 0:
+        cfg = gemm_config("grad_input", num_tokens, x.shape[-1], num_sms)
+        _grad_input_launch(grads4, weight, grad_x, cfg)()
+    return grad_x
+
+
+def _grad_weight_and_bias(
+    grads4: list[torch.Tensor], x3: torch.Tensor, weight: torch.Tensor, grad_weight_wanted: bool,
+    grad_bias_wanted: bool, num_sms: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_weight = grad^T @ x`` and ``grad_bias``, each empty unless wanted: one kernel whose
+    first column of tiles also sums the bias, split over token ranges when one range would not
+    fill the GPU (float32 partial sums, reduced afterwards)."""
+    num_tokens, (features, in_features) = x3.shape[0] * x3.shape[1], weight.shape
+    num_proj, embed_dim = len(grads4), in_features
+    if num_tokens == 0:
+        grad_w_out, grad_b_out = torch.zeros_like(weight), weight.new_zeros(features)
+    else:
         cfg = gemm_config("grad_weight", features, in_features, num_sms)
         tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
         splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
@@ -588,17 +599,18 @@ def backward(
         splits = triton.cdiv(num_tokens, tokens_per_split)
         if splits == 1:
             grad_w_out = weight.new_empty(features, in_features)
-            grad_b_out = weight.new_empty(features) if with_bias else grad_w_out
+            grad_b_out = weight.new_empty(features) if grad_bias_wanted else grad_w_out
         else:
             grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
-            grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if with_bias else grad_w_out
-        _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, with_bias, tokens_per_split, cfg)()
+            grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if grad_bias_wanted else grad_w_out
+        _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)()
         if splits > 1:
-            grad_w_out = grad_w_out.sum(0).to(weight.dtype)
-            grad_b_out = grad_b_out.sum(0).to(weight.dtype) if with_bias else grad_b_out
-        grad_weight = grad_w_out if needs_grad_weight else x.new_empty(0)
-        grad_bias = grad_b_out if with_bias else x.new_empty(0)
-    return grad_x, grad_weight, grad_bias
+            grad_w_out = grad_w_out.sum(0).to(weight.dtype) if grad_weight_wanted else grad_w_out
+            grad_b_out = grad_b_out.sum(0).to(weight.dtype) if grad_bias_wanted else grad_b_out
+    return (
+        grad_w_out if grad_weight_wanted else weight.new_empty(0),
+        grad_b_out if grad_bias_wanted else weight.new_empty(0),
+    )
 
 
 # ---------------------------------------------------------------------------
