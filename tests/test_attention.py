@@ -213,12 +213,10 @@ def test_eager_per_sequence_tiles(kind, lq, lk):
     padding[2, 7:20] = True
     case["ours"]["key_padding_mask"] = case["ref"]["key_padding_mask"] = padding
     q, k = case["leaves"]["query"], case["leaves"]["key"]
-    from transformer_kernels.ops._attention_inputs import key_bounds as _key_bounds
-
     mask = case["ours"].get("attn_mask")
     dense_mask = mask.expand(4, 2, lq, lk) if isinstance(mask, torch.Tensor) else None
     causal = {"causal": 1, "causal_lower_right": 2}.get(kind, 0)
-    tiles = eager_attention._plan(q, k, AttentionArgs(padding, _key_bounds(padding), dense_mask, causal, 1.0, 0.0, None))
+    tiles = eager_attention._plan(q, k, AttentionArgs(padding, dense_mask, causal, 1.0, 0.0, None))
     assert tiles and all(tile.batch.stop - tile.batch.start == 1 for tile in tiles)
     assert any(tile.keys.stop < lk for tile in tiles)
     check_against_reference(case, "eager", 1e-9)
@@ -897,14 +895,13 @@ def _op_arguments(backend: str, device: torch.device, dropout: bool, float_mask:
     k = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(2, 2, 11, 16, device=device, dtype=dtype, requires_grad=True)
     padding = make_padding("pad_holes", 2, 11).to(device)
-    from transformer_kernels.ops._attention_inputs import key_bounds as _key_bounds
 
     mask = None
     if float_mask:
         mask = torch.randn(1, 4, 9, 11, device=device, dtype=dtype, requires_grad=True).expand(2, 4, 9, 11)
     seed = torch.tensor([3, 4], dtype=torch.int64) if dropout else None
     causal = 0 if float_mask else 2
-    return (q, k, v, padding, _key_bounds(padding), mask, causal, 0.25, 0.2 if dropout else 0.0, seed, backend)
+    return (q, k, v, padding, mask, causal, 0.25, 0.2 if dropout else 0.0, seed, backend)
 
 
 OPCHECK_CASES = [("eager", False, False), ("eager", True, False), ("eager", False, True)] + (
@@ -920,9 +917,9 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask):
 
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     out, lse = torch.ops.transformer_kernels.attention_forward(*detached)
-    q, k, v, padding, bounds, mask, causal, scale, dropout_p, seed, _ = args
+    q, k, v, padding, mask, causal, scale, dropout_p, seed, _ = args
     backward_args = (
-        torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding, bounds,
+        torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding,
         None if mask is None else mask.detach(), causal, scale, dropout_p, seed, float_mask, backend,
     )
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
@@ -1125,7 +1122,7 @@ def test_eager_causal_row_blocks(kind, lq, lk):
     case = make_case(kind, 2, 2, 2, lq, lk, 16)
     q, k = case["leaves"]["query"], case["leaves"]["key"]
     causal = 2 if "lower_right" in kind else 1
-    tiles = eager_attention._plan(q, k, AttentionArgs(None, None, None, causal, 1.0, 0.0, None))
+    tiles = eager_attention._plan(q, k, AttentionArgs(None, None, causal, 1.0, 0.0, None))
     scores = sum((t.rows.stop - t.rows.start) * (t.keys.stop - t.keys.start) for t in tiles)
     assert len(tiles) > 1 and scores < lq * lk
     assert all(t.rows.stop - t.rows.start <= eager_attention._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)

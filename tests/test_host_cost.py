@@ -96,7 +96,6 @@ ATTENTION_CASES = {
     "dropout": dict(dropout_p=0.1),
 }
 NOT_YET = {
-    "key_padding": "key bounds are ~12 torch ops in the op layer, not computed in the kernels",
     "dropout": "the seed is drawn as a CPU tensor and read back with tolist()",
 }
 

@@ -51,16 +51,14 @@ class AttentionArgs:
     and ``value [B, Hk, Lk, Ev]`` (``Hk`` divides ``Hq``: query head ``h`` uses key/value head
     ``h // (Hq // Hk)``), as the op layer normalized it.
 
-    - ``key_padding_mask``: bool ``[B, Lk]``, contiguous; True marks a padding key.
-    - ``key_bounds``: int32 ``[B, 2]``, given with ``key_padding_mask``: each row's first
-      non-padding key and its last one + 1 ((0, 0) when all are padding).
+    - ``key_padding_mask``: bool ``[B, Lk]``, contiguous; True marks a padding key
+      (:func:`key_padding_bounds` gives each row's first and last kept key).
     - ``attn_mask``: bool (True = attend) or float (added to the scaled scores)
       ``[B, Hq, Lq, Lk]``, any strides (often an ``expand``-ed view).
     - ``dropout_seed``: int64 ``[2]`` (seed, offset) on the CPU when ``dropout_p > 0``.
     """
 
     key_padding_mask: Optional[Tensor]
-    key_bounds: Optional[Tensor]
     attn_mask: Optional[Tensor]
     causal: Causal
     scale: float
@@ -96,6 +94,13 @@ def empty_lse(query: Tensor) -> Tensor:
 def empty_grads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out like ``torch.empty_like`` of each input."""
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
+    """int32 ``[B, 2]``: each row's first non-padding key and its last one + 1, (0, 0) for a row
+    of padding only.  For backends that plan on the host; the Triton kernels find them
+    themselves (a dozen small ops here would be a dozen launches per call)."""
+    return inputs.key_bounds(key_padding_mask)
 
 
 def dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
@@ -377,7 +382,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     q, k, v = (inputs.fold(t, split) for t in (q, k, v))
     if mask is not None:
         mask = inputs.fold(mask, split)
-    padding, key_bounds = None, None
+    padding = None
     if key_padding_mask is not None:
         # Constant along the dimensions folded into heads (batch_split made sure): one row per batch element.
         padding = inputs.expanded(key_padding_mask, (*lead_shape, lk))
@@ -386,13 +391,12 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if padding.dim() != 2:
             padding = padding.reshape(-1, lk)
         padding = padding.contiguous()
-        key_bounds = inputs.key_bounds(padding)
 
     dropout_seed = None
     if dropout_p > 0.0:
         # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
         dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
-    args = AttentionArgs(padding, key_bounds, mask, causal, scale, dropout_p, dropout_seed)
+    args = AttentionArgs(padding, mask, causal, scale, dropout_p, dropout_seed)
     return q, k, v, args, torch.Size((*batch_shape, lq, value_head_dim))
 
 
@@ -446,23 +450,20 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, args, attn_m
 
 def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:
     out, lse = output
-    ctx.save_for_backward(*tensors, out, lse, args.key_padding_mask, args.key_bounds, args.attn_mask, args.dropout_seed)
+    ctx.save_for_backward(*tensors, out, lse, args.key_padding_mask, args.attn_mask, args.dropout_seed)
     # lse is for backward only: no gradient flows into it, so none is allocated (as zeros) for it.
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     # Tensors travel through save_for_backward only (autograd checks them for in-place changes).
-    ctx.args = dataclasses.replace(args, key_padding_mask=None, key_bounds=None, attn_mask=None, dropout_seed=None)
+    ctx.args = dataclasses.replace(args, key_padding_mask=None, attn_mask=None, dropout_seed=None)
     ctx.attn_mask_needs_grad = args.attn_mask is not None and attention_forward.needs_grad(ctx, "attn_mask")
 
 
 def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         return (None, None, None), {}
-    query, key, value, out, lse, key_padding_mask, key_bounds, attn_mask, dropout_seed = ctx.saved_tensors
-    args = dataclasses.replace(
-        ctx.args, key_padding_mask=key_padding_mask, key_bounds=key_bounds, attn_mask=attn_mask,
-        dropout_seed=dropout_seed,
-    )
+    query, key, value, out, lse, key_padding_mask, attn_mask, dropout_seed = ctx.saved_tensors
+    args = dataclasses.replace(ctx.args, key_padding_mask=key_padding_mask, attn_mask=attn_mask, dropout_seed=dropout_seed)
     dq, dk, dv, dmask = attention_backward(
         grad_out, query, key, value, out, lse, args, ctx.attn_mask_needs_grad, ctx.backend
     )

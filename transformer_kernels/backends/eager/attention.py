@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...ops.attention import AttentionArgs, Causal, empty_grads, empty_lse, empty_output
+from ...ops.attention import AttentionArgs, Causal, empty_grads, empty_lse, empty_output, key_padding_bounds
 
 __all__ = ["unsupported_reason", "forward", "backward"]
 
@@ -267,7 +267,7 @@ def _plan(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> list[_
         bias_for = functools.partial(_slice_bias_or_none, mask_bias)
         return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for, causal_band)
 
-    ends = [end for _, end in args.key_bounds.tolist()]
+    ends = [end for _, end in key_padding_bounds(key_padding_mask).tolist()]
     padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
     pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
         key_padding_mask[:, None, None, :], float("-inf")

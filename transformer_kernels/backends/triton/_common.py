@@ -56,7 +56,7 @@ class KernelConfig:
     ordering's ``GROUP_M``.  A kernel without one of these takes None.
     """
 
-    block_m: int
+    block_m: Optional[int] = None
     block_n: Optional[int] = None
     block_k: Optional[int] = None
     group_m: Optional[int] = None

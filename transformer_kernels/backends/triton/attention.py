@@ -13,7 +13,8 @@ kernel family:
   are never visited; only the blocks the diagonal crosses pay for the mask.
 * ``HAS_KEY_PADDING``: bool ``[B, Lk]`` (True = padding) read one key block at
   a time; ``key_bounds`` ``[B, 2]`` int32 (first kept key, last kept key + 1)
-  lets the kernels skip whole key blocks of padding.
+  lets the kernels skip whole key blocks of padding.  A small kernel finds
+  the bounds first (one launch, where torch ops would take a dozen).
 * ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
   bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
   scores).
@@ -371,6 +372,28 @@ def _attention_forward_kernel(
 # ---------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------
+
+
+# Key bounds: one program per batch row scans its padding row, BLOCK_N keys at a
+# time, for the first kept key and the last one + 1; (0, 0) when all are padding.
+@_kernel
+def _attention_key_bounds_kernel(
+    key_padding_ptr, key_bounds_ptr,
+    stride_kpb: tl.int64, stride_kpn, stride_kbb, stride_kbe,
+    seq_len_k,
+    BLOCK_N: tl.constexpr,
+):
+    batch = tl.program_id(0)
+    row = key_padding_ptr + batch.to(tl.int64) * stride_kpb
+    first = seq_len_k
+    end = seq_len_k * 0
+    for start in range(0, seq_len_k, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        kept = tl.load(row + offs * stride_kpn, mask=offs < seq_len_k, other=1) == 0
+        first = tl.minimum(first, tl.min(tl.where(kept, offs, seq_len_k), 0))
+        end = tl.maximum(end, tl.max(tl.where(kept, offs + 1, 0), 0))
+    tl.store(key_bounds_ptr + batch * stride_kbb, tl.where(end > 0, first, 0))
+    tl.store(key_bounds_ptr + batch * stride_kbb + stride_kbe, end)
 
 
 # Backward pre-pass: one program per (query block, batch*head).
@@ -817,6 +840,7 @@ _INTERPRETER_CONFIGS = {
 }
 # The delta pre-pass has no loop to pipeline: Triton's default stages.
 _DELTA_CONFIG = KernelConfig(block_m=32, num_warps=4, num_stages=3)
+_KEY_BOUNDS_CONFIG = KernelConfig(block_n=1024, num_warps=4, num_stages=1)
 
 
 # The tables by mask variant (``_Masks.variant``) for 16-bit inputs.
@@ -964,9 +988,18 @@ def _chunked_launches(
 
 @dataclasses.dataclass(frozen=True)
 class _Masks:
-    """A call's :class:`AttentionArgs` and the kernel arguments built from them."""
+    """A call's :class:`AttentionArgs` and the kernel arguments built from them;
+    ``key_bounds`` ``[B, 2]`` int32 with a key padding mask, which
+    :func:`_key_bounds_launches` fills."""
 
     args: AttentionArgs
+    key_bounds: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, args: AttentionArgs) -> "_Masks":
+        padding = args.key_padding_mask
+        key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 2), dtype=torch.int32)
+        return cls(args, key_bounds)
 
     @functools.cached_property
     def arguments(self) -> tuple[list, list, dict]:
@@ -975,7 +1008,7 @@ class _Masks:
         mask without unit last stride is copied here, and the backward's two
         kernels share that copy."""
         args = self.args
-        pointers, strides, switches = _mask_arguments(args.key_padding_mask, args.key_bounds, args.attn_mask)
+        pointers, strides, switches = _mask_arguments(args.key_padding_mask, self.key_bounds, args.attn_mask)
         dropout = _dropout_arguments(args.dropout_p, args.dropout_seed)
         kwargs = dict(qk_scale=args.scale * math.log2(math.e), **dropout, CAUSAL=int(args.causal), **switches)
         return pointers, strides, kwargs
@@ -1041,6 +1074,19 @@ def _forward_launches(
     )
 
 
+def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
+    """The launch filling ``masks.key_bounds``; none without key padding."""
+    padding, bounds = masks.args.key_padding_mask, masks.key_bounds
+    if padding is None:
+        return []
+    return [KernelLaunch(
+        _attention_key_bounds_kernel,
+        (padding.shape[0],),
+        (padding, bounds, *padding.stride(), *bounds.stride(), padding.shape[1]),
+        _KEY_BOUNDS_CONFIG.launch_kwargs(),
+    )]
+
+
 def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> list[KernelLaunch]:
     """Launches of the backward pre-pass writing ``delta`` ``[B, Hq, Lq]``."""
     batch, num_q_heads, seq_len_q, head_dim_v = out.shape
@@ -1101,7 +1147,8 @@ def forward(
     out, lse = empty_output(query, value), empty_lse(query)
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
     padded_out = _writable(out, value.shape[-1])
-    run_launches(_forward_launches(query, key, value, padded_out, lse, _Masks(args)), query)
+    masks = _Masks.of(args)
+    run_launches([*_key_bounds_launches(masks), *_forward_launches(query, key, value, padded_out, lse, masks)], query)
     return _into(out, padded_out), lse
 
 
@@ -1128,9 +1175,10 @@ def backward(
     if attn_mask_needs_grad:
         # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
         grad_scores = query.new_zeros((batch, num_q_heads, seq_len_q, key.shape[2]), dtype=torch.float32)
-    masks = _Masks(args)
+    masks = _Masks.of(args)
     run_launches(
         [
+            *_key_bounds_launches(masks),
             *_delta_launches(grad_out, out, delta),
             *_grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks),
             *_grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks),
@@ -1180,16 +1228,21 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant:
         attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
         grad_scores = torch.empty(batch, heads, length, length)
         dropout_p, dropout_seed = 0.1, torch.tensor([1234567, 89], dtype=torch.int64)
-    masks = _Masks(AttentionArgs(
-        key_padding_mask, key_bounds, attn_mask, Causal.BOTTOM_RIGHT if causal else Causal.NONE, head_dim**-0.5,
-        dropout_p, dropout_seed,
-    ))
+    masks = _Masks(
+        AttentionArgs(
+            key_padding_mask, attn_mask, Causal.BOTTOM_RIGHT if causal else Causal.NONE, head_dim**-0.5,
+            dropout_p, dropout_seed,
+        ),
+        key_bounds,
+    )
     if kernel_name == "forward":
         launches = _forward_launches(query, key, value, out, lse, masks)
     elif kernel_name == "grad_key_value":
         launches = _grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks)
     elif kernel_name == "grad_query":
         launches = _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks)
+    elif kernel_name == "key_bounds":
+        launches = _key_bounds_launches(masks)
     else:
         launches = _delta_launches(grad_out, out, delta)
     return launches[0]
@@ -1219,4 +1272,7 @@ def compile_targets() -> list[CompileTarget]:
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
             functools.partial(_target_launch, "delta", head_dim, dtype, "dense"),
         ))
+    targets.append(CompileTarget(
+        "attention_key_bounds", functools.partial(_target_launch, "key_bounds", 64, torch.float16, "causal_padding")
+    ))
     return targets
