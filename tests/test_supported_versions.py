@@ -31,5 +31,7 @@ def test_installed_stack_is_supported():
     assert _backend.version_reason("torch", torch.__version__, _backend.MIN_TORCH) is None
     _backend.check_torch_version()
     triton = pytest.importorskip("triton")
-    assert _backend.version_reason("triton", triton.__version__, _backend.MIN_TRITON) is None
-    assert _backend._triton_reason() is None
+    from transformer_kernels.backends import triton as triton_backend
+
+    assert _backend.version_reason("triton", triton.__version__, triton_backend.MIN_TRITON) is None
+    assert triton_backend.triton_reason() is None
