@@ -121,8 +121,8 @@ def outputs_and_grads(
     """``fn(*leaves)`` and the gradients of its floating-point leaves.
 
     The leaves are detached copies of the floating-point tensors in ``inputs`` (cast to ``dtype``
-    when given) that require grad; other entries (None, bool masks, numbers) are passed as they
-    are.  ``grad_outputs``: one per output (cast to its dtype), or None for ``torch.randn_like`` of
+    when given), each differentiated; other entries (None, bool masks, numbers) are passed as they
+    are (close over a floating-point tensor that must not be differentiated).  ``grad_outputs``: one per output (cast to its dtype), or None for ``torch.randn_like`` of
     each output, drawn after ``fn`` ran.  ``backward=False`` computes no gradients."""
     leaves = [
         t.detach().to(dtype or t.dtype).requires_grad_(backward)
@@ -226,11 +226,11 @@ def assert_low_precision_within_2x(
     backward: bool = True,
 ) -> None:
     """The low-precision rule (FlashAttention's criterion): on inputs in a low precision
-    (float16/bfloat16), ``fn``'s max abs error against ``reference`` computed in ``exact_dtype``
-    is at most twice (+ 1e-5) the error of ``reference`` run in that low precision itself
-    (PyTorch's own low-precision math) -- for every output and, unless ``backward=False``, every
-    input gradient, all with the same output gradients.  ``fn``'s outputs and gradients must keep
-    the low dtype.
+    (float16/bfloat16; or float32, against float64), ``fn``'s max abs error against ``reference``
+    computed in ``exact_dtype`` is at most twice (+ 1e-5) the error of ``reference`` run in that
+    low precision itself (PyTorch's own low-precision math) -- for every output and, unless
+    ``backward=False``, every input gradient, all with the same output gradients.  ``fn``'s
+    outputs and gradients must keep the low dtype.
 
     ``exact_inputs``: what the exact reference runs on (cast to ``exact_dtype``); by default
     ``low_inputs`` themselves."""
