@@ -21,6 +21,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def gradient_spy(monkeypatch):
+    """``gradient_spy(op, backend)``: a :class:`_helpers.GradientSpy` on that backend's backward."""
+    from _helpers import GradientSpy
+
+    return lambda op, backend: GradientSpy(monkeypatch, op, backend)
+
+
 @pytest.fixture(autouse=True)
 def _exact_float32():
     """Every test starts with TF32 off for float32 matmuls and convolutions:

@@ -1,42 +1,38 @@
 """transformer_kernels.scaled_dot_product_attention: outputs and gradients against
-the fp64 reference, parity with torch, masks, dropout, errors, registration,
-torch.compile and backend selection.
+the fp64 reference, parity with torch, masks, dropout, errors, registration and
+torch.compile (backend selection is in tests/test_backends.py).
 
-Backend-agnostic correctness tests run on ``eager`` and, when the Triton
-attention module exists, on a small representative subset for ``triton``
-(CPU tensors under TRITON_INTERPRET=1 here, CUDA tensors on a GPU machine);
-the Triton kernels' own heavier coverage is in tests/test_attention_triton.py.
+Backend-agnostic tests run on every backend (``backend_params``): ``eager`` and
+``triton`` (CPU tensors under TRITON_INTERPRET=1 here, CUDA tensors on a GPU
+machine), the exhaustive grids on eager with a subset on triton; the Triton
+kernels' own heavier coverage is in tests/test_attention_triton.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CUDA, requires_cuda
+from _helpers import (
+    assert_close_to_reference, assert_low_precision_within_2x, assert_matches_reference, backend_param,
+    backend_params, device_for, outputs_and_grads, precise_dtype, result_names, skip_unless_backend,
+)
+from conftest import requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import transformer_kernels as tk
-from transformer_kernels import BackendUnavailableError, use_backend
+from transformer_kernels._backend import backend_module
 from transformer_kernels.backends.eager import attention as eager_attention
 from transformer_kernels.ops.attention import AttentionArgs
 from transformer_kernels.reference import attention as reference_attention
 
-HAS_TRITON_ATTENTION = (
-    importlib.util.find_spec("triton") is not None
-    and importlib.util.find_spec("transformer_kernels.backends.triton.attention") is not None
-)
-BACKENDS = ["eager"] + (["triton"] if HAS_TRITON_ATTENTION else [])
-
-
-def device_for(backend: str) -> torch.device:
-    return torch.device("cuda" if backend == "triton" and CUDA else "cpu")
+# The max abs error (relative to 1 + max |reference|) allowed on the triton backend in float32.
+TRITON_TOLERANCE = 2e-3
 
 
 # ----------------------------------------------------------------------------
@@ -140,68 +136,49 @@ def make_case(
     return {"leaves": leaves, "ours": ours, "ref": ref}
 
 
-def reference_outputs(case: dict, grad_out: torch.Tensor, scale: Optional[float] = None):
-    """fp64 reference output and gradients (same order as ``case['leaves']``)."""
-    leaves = {name: t.detach().double().requires_grad_() for name, t in case["leaves"].items()}
-    ref = dict(case["ref"])
-    if "attn_mask" in leaves:
-        ref["attn_mask"] = leaves["attn_mask"]
-    out = reference_attention(
-        leaves["query"], leaves["key"], leaves["value"], scale=scale, masked_value=float("-inf"), **ref
-    )
-    grads = torch.autograd.grad(out, list(leaves.values()), grad_out.double())
-    return out, grads
+def attention_functions(case: dict, backend: Optional[str], scale: Optional[float] = None):
+    """Ours on ``backend`` and the reference (exact masking) for ``case``, both
+    ``fn(query, key, value[, float attn_mask])``, taking ``case['leaves']`` in order."""
 
+    def with_mask(kwargs: dict, mask: tuple) -> dict:
+        return {**kwargs, "attn_mask": mask[0]} if mask else kwargs
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    error = (actual.double() - expected.double()).abs().max().item()
-    bound = tol * (1.0 + expected.abs().max().item())
-    assert error <= bound, f"{what}: max abs error {error:.3e} > {bound:.3e}"
+    def ours(query, key, value, *mask):
+        kwargs = with_mask(case["ours"], mask)
+        return tk.scaled_dot_product_attention(query, key, value, scale=scale, backend=backend, **kwargs)
+
+    def reference(query, key, value, *mask):
+        kwargs = with_mask(case["ref"], mask)
+        return reference_attention(query, key, value, scale=scale, masked_value=float("-inf"), **kwargs)
+
+    return ours, reference
 
 
 def tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
 
 
-def check_against_reference(case: dict, backend: str, tol: float, scale: Optional[float] = None) -> None:
+def check_against_reference(case: dict, backend: str, scale: Optional[float] = None, **criteria) -> None:
+    """Output and the gradients of ``case['leaves']`` against the fp64 reference."""
     leaves = case["leaves"]
-    out = tk.scaled_dot_product_attention(
-        leaves["query"], leaves["key"], leaves["value"], scale=scale, backend=backend, **case["ours"]
-    )
-    grad_out = torch.randn_like(out)
-    expected, expected_grads = reference_outputs(case, grad_out, scale)
+    (out,) = assert_matches_reference(*attention_functions(case, backend, scale), list(leaves.values()),
+                                      input_names=list(leaves), **criteria)
     assert out.dtype == leaves["query"].dtype
-    assert_close(out, expected, tol, "out")
-    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
-    for name, grad, expected_grad in zip(leaves, grads, expected_grads):
-        assert_close(grad, expected_grad, tol, f"grad {name}")
 
 
 # (Lq, Lk): equal, Lk > Lq, Lq > Lk (bottom-right rows without keys), decode, and one
 # large enough for the eager path to cut sequences one by one when their lengths differ.
+# The triton backend's cases are test_attention_triton.py's CASES.
 SHAPES = [(7, 7), (33, 130), (130, 33), (1, 33), (300, 300)]
-TRITON_SUBSET = [
-    ("none", (20, 45)),
-    ("causal", (45, 20)),
-    ("causal_lower_right+pad_holes", (20, 45)),
-    ("pad_one_all_padding", (7, 7)),
-    ("float_grad+pad_suffix", (33, 33)),
-    ("bool_4d_broadcast", (1, 33)),
-]
-REFERENCE_CASES = [("eager", kind, shape) for kind in MASK_KINDS for shape in SHAPES] + [
-    ("triton", kind, shape) for kind, shape in TRITON_SUBSET if "triton" in BACKENDS
-]
 
 
-@pytest.mark.parametrize(("backend", "kind", "shape"), REFERENCE_CASES)
-def test_matches_reference(backend, kind, shape):
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_matches_reference(kind, shape):
     lq, lk = shape
-    dtype = torch.float64 if backend == "eager" else torch.float32
     batch, heads = (3, 2) if max(lq, lk) >= 300 else (3, 4)
-    case = make_case(kind, batch, heads, heads, lq, lk, 16, dtype=dtype, device=device_for(backend))
-    check_against_reference(case, backend, tolerance(dtype) if backend == "eager" else 2e-3)
+    case = make_case(kind, batch, heads, heads, lq, lk, 16)
+    check_against_reference(case, "eager", tol=tolerance(torch.float64))
 
 
 @pytest.mark.parametrize("kind", ["pad_suffix", "causal", "causal_lower_right", "bool_4d_broadcast", "float_grad"])
@@ -219,45 +196,49 @@ def test_eager_per_sequence_tiles(kind, lq, lk):
     tiles = eager_attention._plan(q, k, AttentionArgs(padding, dense_mask, causal, 1.0, 0.0, None))
     assert tiles and all(tile.batch.stop - tile.batch.start == 1 for tile in tiles)
     assert any(tile.keys.stop < lk for tile in tiles)
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)
 
 
 @pytest.mark.parametrize("head_dim", [2, 16, 48, 64, 80, 128, 256])
 def test_head_dims(head_dim):
     case = make_case("causal+pad_left", 2, 2, 2, 33, 40, head_dim)
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)
 
 
 @pytest.mark.parametrize("lq", [1, 7, 33, 130])
 @pytest.mark.parametrize("lk", [1, 7, 33, 130])
 def test_lengths(lq, lk):
     case = make_case("causal_lower_right+pad_suffix", 2, 2, 2, lq, lk, 16)
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)
 
 
 @pytest.mark.parametrize("kind", ["none", "causal_lower_right+pad_holes", "float_grad"])
 def test_value_head_dim_differs(kind):
     case = make_case(kind, 2, 2, 2, 9, 12, 16, value_head_dim=24)
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def backend_tolerance(backend: str) -> float:
+    return 1e-9 if backend == "eager" else TRITON_TOLERANCE
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 1)])
 def test_grouped_query_attention(backend, heads, kv_heads):
-    dtype = torch.float64 if backend == "eager" else torch.float32
-    case = make_case("causal+pad_left", 2, heads, kv_heads, 20, 20, 16, dtype=dtype, device=device_for(backend))
-    check_against_reference(case, backend, 1e-9 if backend == "eager" else 2e-3)
+    case = make_case("causal+pad_left", 2, heads, kv_heads, 20, 20, 16, dtype=precise_dtype(backend),
+                     device=device_for(backend))
+    check_against_reference(case, backend, tol=backend_tolerance(backend))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_eager_low_precision(dtype):
     case = make_case("causal+pad_suffix", 2, 4, 4, 70, 70, 32, dtype=dtype)
-    check_against_reference(case, "eager", tolerance(dtype))
+    check_against_reference(case, "eager", tol=tolerance(dtype))
 
 
 def test_custom_scale():
     case = make_case("pad_holes", 2, 2, 2, 9, 11, 8)
-    check_against_reference(case, "eager", 1e-9, scale=0.37)
+    check_against_reference(case, "eager", scale=0.37, tol=1e-9)
 
 
 # ----------------------------------------------------------------------------
@@ -265,10 +246,10 @@ def test_custom_scale():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params("attention"))
 def test_non_contiguous_inputs_are_read_in_place(backend):
     device = device_for(backend)
-    dtype = torch.float64 if backend == "eager" else torch.float32
+    dtype = precise_dtype(backend)
     batch, length, heads, head_dim = 2, 19, 4, 16
     packed = torch.randn(batch, length, 3 * heads * head_dim, dtype=dtype, device=device, requires_grad=True)
     q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in packed.chunk(3, dim=-1))
@@ -281,11 +262,9 @@ def test_non_contiguous_inputs_are_read_in_place(backend):
     qr, kr, vr = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in packed_ref.chunk(3, dim=-1))
     ref = reference_attention(qr, kr, vr, is_causal=True, key_padding_mask=padding, masked_value=float("-inf"))
     (grad_ref,) = torch.autograd.grad(ref.square().sum(), packed_ref)
-    tol = 1e-9 if backend == "eager" else 2e-3
     if backend == "eager":  # torch's CPU SDPA layout: merging the heads back is free
         assert out.transpose(1, 2).is_contiguous()
-    assert_close(out, ref, tol, "out")
-    assert_close(grad_packed, grad_ref, tol, "grad")
+    assert_close_to_reference([out, grad_packed], [ref, grad_ref], ["out", "grad"], tol=backend_tolerance(backend))
 
 
 def test_strided_head_dim():
@@ -293,7 +272,7 @@ def test_strided_head_dim():
     q, k, v = base[..., ::2], base.flip(2)[..., 1::2], base[..., :16]
     out = tk.scaled_dot_product_attention(q, k, v, backend="eager")
     ref = reference_attention(q, k, v, masked_value=float("-inf"))
-    assert_close(out, ref, 1e-9, "out")
+    assert_close_to_reference(out, ref, "out", tol=1e-9)
 
 
 def test_3d_inputs_with_padding():
@@ -302,13 +281,14 @@ def test_3d_inputs_with_padding():
     out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding, is_causal=True)
     ref = reference_attention(q, k, v, key_padding_mask=padding, is_causal=True, masked_value=float("-inf"))
     assert out.shape == (4, 9, 16)
-    assert_close(out, ref, 1e-9, "out")
+    assert_close_to_reference(out, ref, "out", tol=1e-9)
 
 
 def test_2d_inputs():
     q, k, v = (torch.randn(*shape, dtype=torch.float64) for shape in ((5, 8), (7, 8), (7, 3)))
     out = tk.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7))
-    assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7)), 1e-9, "out")
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 7))
+    assert_close_to_reference(out, expected, "out", tol=1e-9)
 
 
 def test_5d_inputs_flatten_batch_dims():
@@ -324,12 +304,11 @@ def test_5d_inputs_flatten_batch_dims():
         *flat, attn_mask=mask.expand(2, 3, 4, 6, 5).flatten(0, 1), key_padding_mask=padding.flatten(0, 1),
         masked_value=float("-inf"),
     )
-    assert_close(out.flatten(0, 1), ref, 1e-9, "out")
     grad = torch.randn_like(ref)
     grads = torch.autograd.grad(out, (q, k, v), grad.view_as(out))
     grads_ref = torch.autograd.grad(ref, flat, grad)
-    for g, g_ref in zip(grads, grads_ref):
-        assert_close(g.flatten(0, 1), g_ref, 1e-9, "grad")
+    assert_close_to_reference([t.flatten(0, 1) for t in (out, *grads)], [ref, *grads_ref],
+                              result_names(1, ["query", "key", "value"]), tol=1e-9)
 
 
 # ----------------------------------------------------------------------------
@@ -365,11 +344,10 @@ def test_parity_with_torch_sdpa(kwargs):
     out = tk.scaled_dot_product_attention(q, k, v, **kwargs)
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
-    for name, grad, expected_grad in zip(
-        "qkvm", torch.autograd.grad(out, inputs, grad_out), torch.autograd.grad(expected, inputs, grad_out)
-    ):
-        assert_close(grad, expected_grad, 1e-5, f"grad {name}")
-    assert_close(out, expected, 1e-5, "out")
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    assert_close_to_reference([out, *grads], [expected, *expected_grads], result_names(1, "qkvm"[: len(inputs)]),
+                              tol=1e-5)
 
 
 # Batch broadcasting, as torch does it: every leading dimension (heads included) of query, key,
@@ -424,13 +402,11 @@ def _broadcast_case(q_form, k_form, v_form, mask_form, dtype, device, float_mask
 
 
 def _assert_same_values_and_grads(out, expected, leaves, tol) -> None:
-    assert out.shape == expected.shape
-    assert_close(out, expected, tol, "out")
     grad_out = torch.randn_like(expected)
     grads = torch.autograd.grad(out, leaves, grad_out)
-    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, leaves, grad_out)):
-        assert grad.shape == expected_grad.shape, name
-        assert_close(grad, expected_grad, tol, f"grad {name}")
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    assert_close_to_reference([out, *grads], [expected, *expected_grads], result_names(1, "qkvm"[: len(leaves)]),
+                              tol=tol)
 
 
 def _assert_matches_torch(inputs, mask, tol, enable_gqa=False, backend="eager", error_match="attn_mask of shape"):
@@ -448,15 +424,30 @@ def _assert_matches_torch(inputs, mask, tol, enable_gqa=False, backend="eager", 
     _assert_same_values_and_grads(out, expected, leaves, tol)
 
 
-@pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), BROADCAST_CASES)
-@pytest.mark.parametrize("float_mask", [False, True])
-def test_batch_broadcasting_matches_torch(q_form, k_form, v_form, mask_form, float_mask):
+def torch_parity_tolerance(backend: str) -> float:
+    return 1e-9 if backend == "eager" else 1e-4
+
+
+# Every combination on eager (a bool and a float mask where there is a mask); a few on triton.
+TRITON_BROADCAST_CASES = [
+    ("full", "batch_1", "heads_1", None),
+    ("no_batch", "full", "full", "heads_1"),
+    ("heads_1", "full", "batch_1", "batch_1"),
+    ("batch_1", "heads_1", "heads_1", "2d"),
+]
+
+
+@pytest.mark.parametrize(("backend", "q_form", "k_form", "v_form", "mask_form", "float_mask"), [
+    *(backend_param("eager", *case, float_mask, op="attention")
+      for float_mask in (False, True) for case in BROADCAST_CASES if case[3] is not None or not float_mask),
+    *(backend_param("triton", *case, case[3] is not None, op="attention") for case in TRITON_BROADCAST_CASES),
+])
+def test_batch_broadcasting_matches_torch(backend, q_form, k_form, v_form, mask_form, float_mask):
     """3-D and 4-D inputs, each of query, key and value with full, size-1 or missing batch and
     head dimensions, in every combination (each with one of the mask forms)."""
-    if mask_form is None and float_mask:
-        pytest.skip("no mask")
-    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float64, "cpu", float_mask)
-    _assert_matches_torch(inputs, mask, 1e-9)
+    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, precise_dtype(backend), device_for(backend),
+                                   float_mask)
+    _assert_matches_torch(inputs, mask, torch_parity_tolerance(backend), backend=backend)
 
 
 def _lead_case(q_form, k_form, v_form, mask_form, dtype, device, heads=4, kv_heads=4):
@@ -516,40 +507,23 @@ def _gqa_case(name, dtype, device):
     return inputs, mask, error
 
 
-@pytest.mark.parametrize("name", GQA_CASES)
-def test_grouped_query_attention_broadcasting_matches_torch(name):
+@pytest.mark.parametrize(("backend", "name"), [
+    *(backend_param("eager", name, op="attention") for name in GQA_CASES),
+    *(backend_param("triton", name, op="attention")
+      for name in ["5d_folded_into_heads", "key_value_heads_differ", "3d_groups_first_dim"]),
+])
+def test_grouped_query_attention_broadcasting_matches_torch(backend, name):
     """enable_gqa groups dimension -3 as torch does: heads of 4-D and 5-D inputs (served natively,
     also folded with leading dims), the first dimension of 3-D inputs, and key and value with
     different head counts (both repeated); refused where torch refuses."""
-    inputs, mask, error = _gqa_case(name, torch.float64, "cpu")
-    _assert_matches_torch(inputs, mask, 1e-9, enable_gqa=True, error_match=error or "attn_mask of shape")
-
-
-@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
-@pytest.mark.parametrize(("q_form", "k_form", "v_form", "mask_form"), [
-    ("full", "batch_1", "heads_1", None),
-    ("no_batch", "full", "full", "heads_1"),
-    ("heads_1", "full", "batch_1", "batch_1"),
-    ("batch_1", "heads_1", "heads_1", "2d"),
-])
-def test_batch_broadcasting_triton(q_form, k_form, v_form, mask_form):
-    inputs, mask = _broadcast_case(q_form, k_form, v_form, mask_form, torch.float32, device_for("triton"), True)
-    _assert_matches_torch(inputs, mask, 1e-4, backend="triton")
-
-
-@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
-@pytest.mark.parametrize("name", ["5d_folded_into_heads", "key_value_heads_differ", "3d_groups_first_dim"])
-def test_grouped_query_attention_broadcasting_triton(name):
-    inputs, mask, _ = _gqa_case(name, torch.float32, device_for("triton"))
-    _assert_matches_torch(inputs, mask, 1e-4, enable_gqa=True, backend="triton")
+    inputs, mask, error = _gqa_case(name, precise_dtype(backend), device_for(backend))
+    _assert_matches_torch(inputs, mask, torch_parity_tolerance(backend), enable_gqa=True, backend=backend,
+                          error_match=error or "attn_mask of shape")
 
 
 def _spy_on_forward(monkeypatch, backend: str) -> list:
     """The query, key, value and attn_mask that the backend's forward receives, once called."""
-    if backend == "eager":
-        module = eager_attention
-    else:
-        from transformer_kernels.backends.triton import attention as module
+    module = backend_module("attention", backend)
     seen = []
     forward = module.forward
 
@@ -567,7 +541,7 @@ def _assert_views(given, received, shapes_and_strides) -> None:
         assert (tuple(view.shape), view.stride()) == (shape, strides), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params("attention"))
 def test_broadcast_inputs_reach_the_backend_as_views(monkeypatch, backend):
     """Broadcast inputs arrive as stride-0 views of the caller's storage, and the backend computes
     torch's values and gradients from them."""
@@ -642,30 +616,54 @@ def test_key_padding_mask_broadcasts_over_batch(padding_shape, ok):
         return
     out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~padding.expand(2, 7)[:, None, None, :])
-    assert_close(out, expected, 1e-9, "out")
+    assert_close_to_reference(out, expected, "out", tol=1e-9)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "kind", ["causal_lower_right", "pad_one_all_padding", "bool_2d", "float_grad"]
-)
-def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind):
-    device = device_for(backend)
-    # Lq > Lk: bottom-right causal leaves the first Lq - Lk rows without keys.
-    case = make_case(kind, 4, 2, 2, 12, 5, 8, dtype=torch.float32, device=device)
-    leaves = case["leaves"]
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@pytest.mark.parametrize(("kind", "lq", "lk", "head_dim"), [
+    ("causal_lower_right", 12, 5, 8),
+    ("pad_one_all_padding", 12, 5, 8),
+    ("bool_2d", 12, 5, 8),
+    ("float_grad", 12, 5, 8),
+    ("causal_lower_right+pad_one_all_padding", 40, 24, 16),  # several query and key blocks on triton
+])
+def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind, lq, lk, head_dim):
+    """Rows without keys (bottom-right causal with Lq > Lk leaves the first Lq - Lk rows without
+    keys; a sequence all padding; a masked-out row) give zero output and zero query gradient, keys
+    that no row sees zero key and value gradients; every other row has an output."""
+    case = make_case(kind, 4, 2, 2, lq, lk, head_dim, dtype=torch.float32, device=device_for(backend))
+    leaves = list(case["leaves"].values())
     if kind == "bool_2d":
         case["ours"]["attn_mask"][3] = False
-    out = tk.scaled_dot_product_attention(
-        leaves["query"], leaves["key"], leaves["value"], backend=backend, **case["ours"]
-    )
-    expected, _ = reference_outputs(case, torch.ones_like(out))
-    rows_without_keys = expected.abs().amax(-1) == 0
+    ours, reference = attention_functions(case, backend)
+    out = ours(*leaves)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    expected = outputs_and_grads(reference, leaves, torch.ones_like(out), dtype=torch.float64)
+    rows_without_keys = expected.outputs[0].abs().amax(-1) == 0
     assert rows_without_keys.any()
     assert (out[rows_without_keys] == 0).all()
-    grads = torch.autograd.grad(out.sum(), list(leaves.values()))
+    assert (out[~rows_without_keys] != 0).all()
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][rows_without_keys] == 0).all()
+    # With an all-ones output gradient, a key's value gradient is its total weight over the rows.
+    keys_unseen = expected.grads[2].abs().amax(-1) == 0
+    assert keys_unseen.any() or "pad" not in kind
+    assert (grads[1][keys_unseen] == 0).all() and (grads[2][keys_unseen] == 0).all()
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@pytest.mark.parametrize("mask_needs_grad", [False, True])
+def test_float_mask_gradient_only_when_it_needs_one(backend, mask_needs_grad, gradient_spy):
+    """A float attn_mask gets its gradient (the reference's) exactly when it requires grad: else
+    the backend's backward returns an empty one."""
+    spy = gradient_spy("attention", backend)
+    case = make_case("float_grad+pad_suffix", 2, 2, 2, 9, 11, 8, dtype=precise_dtype(backend),
+                     device=device_for(backend))
+    if not mask_needs_grad:
+        mask = case["leaves"].pop("attn_mask").detach()
+        case["ours"]["attn_mask"], case["ref"]["attn_mask"] = mask, mask.double()
+    check_against_reference(case, backend, tol=backend_tolerance(backend))
+    spy.assert_computed(query=True, key=True, value=True, attn_mask=mask_needs_grad)
 
 
 # ----------------------------------------------------------------------------
@@ -733,7 +731,7 @@ def test_property_matches_reference(batch, kv_heads, group, lq, lk, head_dim, ma
             mask = mask.masked_fill(torch.rand(shape) < 0.2, float("-inf")).requires_grad_()
             case["leaves"]["attn_mask"] = mask
         case["ours"]["attn_mask"] = case["ref"]["attn_mask"] = mask
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)
 
 
 # ----------------------------------------------------------------------------
@@ -741,27 +739,38 @@ def test_property_matches_reference(batch, kv_heads, group, lq, lk, head_dim, ma
 # ----------------------------------------------------------------------------
 
 
-def keep_mask_of(backend: str, shape: tuple, dropout_p: float, seed: int, device: torch.device) -> torch.Tensor:
-    """Recover a call's keep-mask: with value = identity every output entry is one attention weight."""
+def dropped_weights(backend: str, shape: tuple, dropout_p: float, seed: int, device: torch.device) -> torch.Tensor:
+    """A call's attention weights after dropout, read off with value = identity (every output
+    entry is one weight); query and key are zero, so before dropout every weight is 1 / Lk."""
     batch, heads, lq, lk = shape
     query = torch.zeros(batch, heads, lq, 8, device=device)
     key = torch.zeros(batch, heads, lk, 8, device=device)
     value = torch.eye(lk, device=device).expand(batch, heads, lk, lk)
     torch.manual_seed(seed)
-    out = tk.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, backend=backend)
-    return out != 0
+    return tk.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def keep_mask_of(backend: str, shape: tuple, dropout_p: float, seed: int, device: torch.device) -> torch.Tensor:
+    """Recover a call's keep-mask."""
+    return dropped_weights(backend, shape, dropout_p, seed, device) != 0
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
 def test_dropout_statistics(backend):
+    """Every weight is dropped or scaled by 1 / (1 - p); the keep rate is 1 - p; the keep-masks of
+    different batch rows and heads differ; the mean is preserved."""
     device = device_for(backend)
     dropout_p = 0.3
-    batch, heads, lq, lk = (2, 4, 256, 128) if backend == "eager" else (1, 2, 64, 64)
-    keep = keep_mask_of(backend, (batch, heads, lq, lk), dropout_p, 0, device)
+    batch, heads, lq, lk = (2, 4, 256, 128) if backend == "eager" else (2, 2, 64, 64)
+    weights = dropped_weights(backend, (batch, heads, lq, lk), dropout_p, 0, device)
+    keep = weights != 0
+    kept = weights[keep]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / ((1 - dropout_p) * lk)), rtol=1e-4, atol=0)
     samples = keep.numel()
     keep_rate = keep.double().mean().item()
-    # 6 standard deviations of a binomial proportion.
-    assert abs(keep_rate - (1 - dropout_p)) < 6 * math.sqrt(dropout_p * (1 - dropout_p) / samples)
+    # 5 standard deviations of a binomial proportion.
+    assert abs(keep_rate - (1 - dropout_p)) < 5 * math.sqrt(dropout_p * (1 - dropout_p) / samples)
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
 
     # Uniform attention over value = 1 averages to 1 in expectation: dropout preserves the mean.
     query = torch.zeros(batch, heads, lq, 8, device=device)
@@ -771,7 +780,7 @@ def test_dropout_statistics(backend):
     assert abs(out.mean().item() - 1.0) < 6 * math.sqrt(dropout_p / (1 - dropout_p) / samples)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params("attention"))
 def test_dropout_is_reproducible_under_manual_seed(backend):
     device = device_for(backend)
     q, k, v = (torch.randn(2, 2, 16, 8, device=device) for _ in range(3))
@@ -780,31 +789,27 @@ def test_dropout_is_reproducible_under_manual_seed(backend):
         torch.manual_seed(seed)
         results.append(tk.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend=backend))
     assert torch.equal(results[0], results[1])
-    assert not torch.equal(results[0], results[2])
+    assert not torch.allclose(results[0], results[2])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backend):
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@pytest.mark.parametrize("kind", ["none", "causal", "pad_left", "pad_holes", "causal_lower_right+pad_suffix"])
+def test_dropout_forward_and_backward_match_reference_with_same_keep_mask(backend, kind):
+    """The keep-mask of a call without masks (read off by ``keep_mask_of``) is the one a masked
+    call with the same seed uses, element by element, in the forward and both backward passes:
+    key padding moves where the kernels' key loops start, and must not move the mask."""
     device = device_for(backend)
-    dtype = torch.float64 if backend == "eager" else torch.float32
     dropout_p, seed = 0.25, 77
-    shape = (2, 2, 9, 13)
+    shape = (2, 2, 37, 40)  # several query and key blocks on triton
     keep = keep_mask_of(backend, shape, dropout_p, seed, device)
     batch, heads, lq, lk = shape
-    case = make_case("causal_lower_right+pad_suffix", batch, heads, heads, lq, lk, 8, dtype=dtype, device=device)
-    leaves = case["leaves"]
-    torch.manual_seed(seed)
-    out = tk.scaled_dot_product_attention(
-        leaves["query"], leaves["key"], leaves["value"], dropout_p=dropout_p, backend=backend, **case["ours"]
-    )
-    grad_out = torch.randn_like(out)
+    case = make_case(kind, batch, heads, heads, lq, lk, 16, value_head_dim=24, dtype=precise_dtype(backend),
+                     device=device)
+    case["ours"]["dropout_p"] = dropout_p
     case["ref"].update(dropout_p=dropout_p, dropout_keep_mask=keep.double())
-    expected, expected_grads = reference_outputs(case, grad_out)
-    tol = 1e-9 if backend == "eager" else 2e-3
-    assert_close(out, expected, tol, "out")
-    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
-    for name, grad, expected_grad in zip(leaves, grads, expected_grads):
-        assert_close(grad, expected_grad, tol, f"grad {name}")
+    torch.manual_seed(seed)
+    criteria = dict(tol=1e-9) if backend == "eager" else dict(tol=TRITON_TOLERANCE, norm_tol=1e-5)
+    check_against_reference(case, backend, **criteria)
 
 
 # ----------------------------------------------------------------------------
@@ -904,9 +909,11 @@ def _op_arguments(backend: str, device: torch.device, dropout: bool, float_mask:
     return (q, k, v, padding, mask, causal, 0.25, 0.2 if dropout else 0.0, seed, backend)
 
 
-OPCHECK_CASES = [("eager", False, False), ("eager", True, False), ("eager", False, True)] + (
-    [("triton", False, True)] if "triton" in BACKENDS else []
-)
+OPCHECK_CASES = [
+    backend_param(backend, dropout, float_mask, op="attention")
+    for backend, dropout, float_mask in [("eager", False, False), ("eager", True, False), ("eager", False, True),
+                                         ("triton", False, True)]
+]
 
 
 @pytest.mark.parametrize(("backend", "dropout", "float_mask"), OPCHECK_CASES)
@@ -945,94 +952,9 @@ def test_torch_compile_fullgraph_matches_eager():
     inputs = (q, k, v, mask)
     expected = block(q, k, v, mask, padding)
     actual = compiled(q, k, v, mask, padding)
-    assert_close(actual, expected, 1e-5, "out")
     grads = torch.autograd.grad(actual.sum(), inputs)
     expected_grads = torch.autograd.grad(expected.sum(), inputs)
-    for grad, expected_grad in zip(grads, expected_grads):
-        assert_close(grad, expected_grad, 1e-5, "grad")
-
-
-# ----------------------------------------------------------------------------
-# Backend selection
-# ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def backend_calls(monkeypatch):
-    """Names of the backends whose forward ran."""
-    from transformer_kernels._backend import backend_module
-
-    calls = []
-    for name in BACKENDS:
-        module = backend_module("attention", name)
-
-        def spy(*args, _name=name, _forward=module.forward):
-            calls.append(_name)
-            return _forward(*args)
-
-        monkeypatch.setattr(module, "forward", spy)
-    return calls
-
-
-def _small_inputs(dtype=torch.float32):
-    return [torch.randn(1, 2, 4, 8, dtype=dtype) for _ in range(3)]
-
-
-def test_auto_on_cpu_runs_eager(backend_calls, monkeypatch):
-    monkeypatch.delenv("TRANSFORMER_KERNELS_BACKEND", raising=False)
-    tk.scaled_dot_product_attention(*_small_inputs())
-    tk.scaled_dot_product_attention(*_small_inputs(), backend="auto")
-    assert backend_calls == ["eager", "eager"]
-
-
-@pytest.mark.skipif("triton" not in BACKENDS or CUDA, reason="needs the Triton attention module and the interpreter")
-def test_backend_argument_context_and_environment(backend_calls, monkeypatch):
-    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "triton")
-    tk.scaled_dot_product_attention(*_small_inputs())  # environment
-    with use_backend("eager"):
-        tk.scaled_dot_product_attention(*_small_inputs())  # context beats environment
-        tk.scaled_dot_product_attention(*_small_inputs(), backend="triton")  # argument beats context
-    assert backend_calls == ["triton", "eager", "triton"]
-
-
-def test_environment_variable_and_context_select_eager(backend_calls, monkeypatch):
-    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "eager")
-    tk.scaled_dot_product_attention(*_small_inputs())
-    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "auto")
-    with use_backend("eager"):
-        tk.scaled_dot_product_attention(*_small_inputs())
-    assert backend_calls == ["eager", "eager"]
-
-
-def test_invalid_environment_variable_raises(monkeypatch):
-    monkeypatch.setenv("TRANSFORMER_KERNELS_BACKEND", "fastest")
-    with pytest.raises(ValueError, match="TRANSFORMER_KERNELS_BACKEND"):
-        tk.scaled_dot_product_attention(*_small_inputs())
-
-
-@requires_cuda
-@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton attention module")
-def test_auto_on_cuda_runs_triton(backend_calls, monkeypatch):
-    monkeypatch.delenv("TRANSFORMER_KERNELS_BACKEND", raising=False)
-    q, k, v = (t.cuda().half() for t in _small_inputs())
-    tk.scaled_dot_product_attention(q, k, v)
-    tk.scaled_dot_product_attention(q.double(), k.double(), v.double())  # Triton has no fp64: eager
-    assert backend_calls == ["triton", "eager"]
-
-
-@pytest.mark.skipif(CUDA, reason="CPU tensors")
-def test_explicit_unavailable_backend_raises(monkeypatch):
-    with pytest.raises(BackendUnavailableError, match="backend='cuda'"):
-        tk.scaled_dot_product_attention(*_small_inputs(), backend="cuda")
-    if importlib.util.find_spec("triton") is not None:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(BackendUnavailableError, match="backend='triton'.*needs CUDA tensors"):
-            tk.scaled_dot_product_attention(*_small_inputs(), backend="triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        with pytest.raises(BackendUnavailableError, match="backend='triton'"):
-            tk.scaled_dot_product_attention(*_small_inputs(torch.bfloat16), backend="triton")
-        with pytest.raises(BackendUnavailableError, match="backend='triton'"):
-            tk.scaled_dot_product_attention(*_small_inputs(torch.float64), backend="triton")
+    assert_close_to_reference([actual, *grads], [expected, *expected_grads], result_names(1, "qkvm"), tol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -1041,45 +963,24 @@ def test_explicit_unavailable_backend_raises(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@skip_unless_backend("triton", "attention")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("kind", "length", "head_dim"), [
     ("causal+pad_suffix", 1000, 64), ("none", 513, 128), ("causal_lower_right+pad_holes", 257, 80),
     ("float_grad+pad_left", 200, 64), ("bool_4d_broadcast", 300, 32),
+    # Long sequences without a dense mask.
+    ("none", 1024, 64), ("none", 1024, 128), ("causal", 1024, 64), ("causal", 1024, 128),
+    ("causal+pad_suffix", 1024, 64), ("causal+pad_suffix", 1024, 128),
 ])
 def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_dim):
-    device = torch.device("cuda")
-    case = make_case(kind, 2, 4, 4, length, length, head_dim, dtype=torch.float32, device=device)
+    case = make_case(kind, 2, 4, 4, length, length, head_dim, dtype=torch.float32, device=torch.device("cuda"))
     leaves = case["leaves"]
-    low = {name: t.detach().to(dtype).requires_grad_() for name, t in leaves.items()}
-    ours_kwargs = dict(case["ours"])
-    if "attn_mask" in low:
-        ours_kwargs["attn_mask"] = low["attn_mask"]
-    out = tk.scaled_dot_product_attention(low["query"], low["key"], low["value"], **ours_kwargs)
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, list(low.values()), grad_out)
-
-    def naive(tensors):
-        ref_kwargs = dict(case["ref"])
-        if "attn_mask" in tensors:
-            ref_kwargs["attn_mask"] = tensors["attn_mask"]
-        result = reference_attention(
-            tensors["query"], tensors["key"], tensors["value"], masked_value=float("-inf"), **ref_kwargs
-        )
-        return result, torch.autograd.grad(result, list(tensors.values()), grad_out.to(result.dtype))
-
-    fp32 = {name: t.detach().float().requires_grad_() for name, t in low.items()}
-    expected, expected_grads = naive(fp32)
-    torch_low, torch_low_grads = naive({name: t.detach().requires_grad_() for name, t in low.items()})
-
-    def error(a, b):
-        return (a.float() - b.float()).abs().max().item()
-
-    assert error(out, expected) <= 2 * error(torch_low, expected) + 1e-5
-    for name, grad, expected_grad, torch_grad in zip(low, grads, expected_grads, torch_low_grads):
-        assert error(grad, expected_grad) <= 2 * error(torch_grad, expected_grad) + 1e-5, name
+    grad_out = torch.randn(2, 4, length, head_dim, device="cuda")
+    assert_low_precision_within_2x(*attention_functions(case, "triton"), [t.to(dtype) for t in leaves.values()],
+                                   grad_out, names=result_names(1, list(leaves)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params("attention"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_finfo_min_mask_rows_average_like_torch(backend, dtype):
     """A float mask of finfo(dtype).min stays finite (it would overflow to -inf in base-2 units):
@@ -1098,15 +999,14 @@ def test_finfo_min_mask_rows_average_like_torch(backend, dtype):
     # torch's CPU kernels are the reference: its CUDA kernels treat an all-finfo.min row differently.
     reference_inputs = [t.detach().cpu().float().requires_grad_() for t in inputs]
     expected = F.scaled_dot_product_attention(*reference_inputs[:3], attn_mask=reference_inputs[3])
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert_close(out.cpu().float(), expected, tol, "out")
     # The all-finfo.min row's scores are absorbed into finfo.min, so their gradient is rounding
     # noise (torch's math and CPU flash backends disagree on it by O(1)); the other rows are compared.
     grad_out = torch.randn_like(expected)
     grad_out[:, :, 1] = 0
     grads = torch.autograd.grad(out, inputs, grad_out.to(device, dtype))
-    for name, grad, expected_grad in zip("qkvm", grads, torch.autograd.grad(expected, reference_inputs, grad_out)):
-        assert_close(grad.cpu().float(), expected_grad, tol, f"grad {name}")
+    expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out)
+    assert_close_to_reference([t.cpu().float() for t in (out, *grads)], [expected, *expected_grads],
+                              result_names(1, "qkvm"), tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # ----------------------------------------------------------------------------
@@ -1126,4 +1026,4 @@ def test_eager_causal_row_blocks(kind, lq, lk):
     scores = sum((t.rows.stop - t.rows.start) * (t.keys.stop - t.keys.start) for t in tiles)
     assert len(tiles) > 1 and scores < lq * lk
     assert all(t.rows.stop - t.rows.start <= eager_attention._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)
-    check_against_reference(case, "eager", 1e-9)
+    check_against_reference(case, "eager", tol=1e-9)

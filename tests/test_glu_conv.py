@@ -1,25 +1,22 @@
 """transformer_kernels.glu_conv1d / glu_conv1d_step against the seed's padding + conv1d + GLU + residual·scale."""
 
 import math
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TRITON_DEVICE, requires_cuda, tf32_setting
+from _helpers import (
+    assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params, device_for, precise_dtype,
+    skip_unless_backend,
+)
+from conftest import requires_cuda, tf32_setting
 
 import transformer_kernels as tk
-from transformer_kernels import BackendUnavailableError
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
 SCALE = math.sqrt(0.5)
-
-
-def _needs_triton():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+requires_triton = skip_unless_backend("triton", "glu_conv")
 
 
 # (k, L, C_in, C): every k in {1, 2, 3, 5, 7}, L in {1, 3, 40, 1000}, C in {4, 24, 256, 520},
@@ -57,24 +54,27 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
 
 
-def _run(fn, x, weight, bias, residual, grad, **kwargs):
-    """Output and gradients (x, weight, bias, residual) of fn on fresh leaves."""
-    x, weight, bias, residual = _leaves(x, weight, bias, residual)
-    out = fn(x, weight, bias, residual=residual, **kwargs)
-    inputs = [t for t in (x, weight, bias, residual) if t is not None]
-    grads = torch.autograd.grad(out, inputs, grad)
-    return out, grads
+INPUT_NAMES = ("x", "weight", "bias", "residual")
+
+
+def _functions(backend, **kwargs):
+    """glu_conv1d on ``backend`` and the reference, both ``fn(x, weight, bias, residual)``."""
+
+    def ours(x, weight, bias, residual):
+        return tk.glu_conv1d(x, weight, bias, residual=residual, backend=backend, **kwargs)
+
+    def reference(x, weight, bias, residual):
+        return reference_glu_conv1d(x, weight, bias, residual=residual, **kwargs)
+
+    return ours, reference
 
 
 def _assert_matches_reference(x, weight, bias, residual, *, backend, atol, rtol, **kwargs):
-    ref_inputs = [t.double() if t is not None else None for t in (x, weight, bias, residual)]
+    """Output and gradients of x, weight, bias and residual against the fp64 reference."""
     grad = torch.randn(x.shape[0], weight.shape[0] // 2, x.shape[2], dtype=torch.float64, device=x.device)
-    ref_out, ref_grads = _run(reference_glu_conv1d, *ref_inputs, grad, **kwargs)
-    out, grads = _run(tk.glu_conv1d, x, weight, bias, residual, grad.to(x.dtype), backend=backend, **kwargs)
-    assert out.shape == ref_out.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
-    for name, got, expected in zip(("x", "weight", "bias", "residual"), grads, ref_grads):
-        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"grad {name}: {m}")
+    (out,) = assert_matches_reference(*_functions(backend, **kwargs), (x, weight, bias, residual), grad,
+                                      input_names=INPUT_NAMES, atol=atol, rtol=rtol)
+    assert out.dtype == x.dtype
     return out
 
 
@@ -133,12 +133,10 @@ def _has_layout(t, channels_last):
     return t.transpose(1, 2).is_contiguous() if channels_last else t.is_contiguous()
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
 def test_residual_is_the_input(backend):
     """The encoder's layer: residual=x, so x gets the convolution's and the residual's gradient."""
-    if backend == "triton":
-        _needs_triton()
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    device = device_for(backend)
     x, weight, bias, _ = _make_inputs(2, 3, 9, 8, 8, dtype=torch.float32, device=device, channels_last=True,
                                       residual=False)
     x, weight, bias = _leaves(x, weight, bias)
@@ -202,21 +200,32 @@ def test_eager_gradcheck_step_fp64():
     assert torch.autograd.gradcheck(lambda x_t, s, w, b: tk.glu_conv1d_step(x_t, s, w, b, backend="eager")[0], inputs)
 
 
-def test_only_some_gradients_requested():
-    x, weight, bias, residual = _make_inputs(2, 3, 10, 4, 4, dtype=torch.float64)
-    weight = weight.requires_grad_()
-    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
-    (grad_weight,) = torch.autograd.grad(out.sum(), weight)
-    ref_weight = weight.detach().clone().requires_grad_()
-    (expected,) = torch.autograd.grad(reference_glu_conv1d(x, ref_weight, bias, residual=residual).sum(), ref_weight)
-    torch.testing.assert_close(grad_weight, expected)
+@pytest.mark.parametrize("wanted", INPUT_NAMES)
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
+def test_only_some_gradients_requested(backend, wanted, gradient_spy):
+    """One input requires grad: its gradient matches the reference, and the backend computes no
+    other (the residual's gradient needs none of the backend's)."""
+    spy = gradient_spy("glu_conv", backend)
+    tolerance = {} if backend == "eager" else dict(atol=1e-5, rtol=1e-5)
+    inputs = dict(zip(INPUT_NAMES, _make_inputs(2, 3, 10, 4, 4, dtype=precise_dtype(backend),
+                                                device=device_for(backend))))
+    inputs[wanted].requires_grad_()
+    out = tk.glu_conv1d(inputs["x"], inputs["weight"], inputs["bias"], residual=inputs["residual"], backend=backend)
+    (grad,) = torch.autograd.grad(out.sum(), inputs[wanted])
+    reference_inputs = {name: t.detach().clone().requires_grad_(name == wanted) for name, t in inputs.items()}
+    expected_out = reference_glu_conv1d(reference_inputs["x"], reference_inputs["weight"], reference_inputs["bias"],
+                                        residual=reference_inputs["residual"])
+    (expected,) = torch.autograd.grad(expected_out.sum(), reference_inputs[wanted])
+    torch.testing.assert_close(grad, expected, **tolerance)
+    if wanted == "residual":
+        spy.assert_none_computed()
+    else:
+        spy.assert_computed(**{name: name == wanted for name in ("x", "weight", "bias")})
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
 def test_weight_norm_gradients_reach_g_and_v(backend):
-    if backend == "triton":
-        _needs_triton()
-    dtype, device = (torch.float64, "cpu") if backend == "eager" else (torch.float32, TRITON_DEVICE)
+    dtype, device = precise_dtype(backend), device_for(backend)
     tolerance = {} if backend == "eager" else dict(atol=1e-5, rtol=1e-5)
     ours = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).to(device, dtype))
     theirs = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 12, 3).to(device, dtype))
@@ -304,12 +313,12 @@ TRITON_CASES = [
 ]
 
 
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("k,length,channels_in,channels,padding,channels_last,with_residual,with_bias", TRITON_CASES)
 def test_triton_matches_reference(dtype, k, length, channels_in, channels, padding, channels_last, with_residual,
                                   with_bias):
-    _needs_triton()
-    x, weight, bias, residual = _make_inputs(2, k, length, channels_in, channels, dtype=dtype, device=TRITON_DEVICE,
+    x, weight, bias, residual = _make_inputs(2, k, length, channels_in, channels, dtype=dtype, device=device_for("triton"),
                                              channels_last=channels_last, bias=with_bias, residual=with_residual)
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     if channels_in == 520:
@@ -319,23 +328,24 @@ def test_triton_matches_reference(dtype, k, length, channels_in, channels, paddi
     assert _has_layout(out, channels_last)
 
 
+@requires_triton
 def test_triton_step_by_step_equals_causal():
-    _needs_triton()
-    x, weight, bias, residual = _make_inputs(2, 3, 5, 4, 4, dtype=torch.float32, device=TRITON_DEVICE)
+    x, weight, bias, residual = _make_inputs(2, 3, 5, 4, 4, dtype=torch.float32, device=device_for("triton"))
     full = tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual, residual_scale=SCALE,
                          backend="triton")
     steps = _decode(x, weight, bias, residual, pad_value=1.0, backend="triton")
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
 
 
+@requires_triton
 def test_triton_strided_input_and_empty_batch():
-    _needs_triton()
-    _, weight, bias, residual = _make_inputs(2, 3, 6, 4, 4, dtype=torch.float32, device=TRITON_DEVICE)
-    x_strided = torch.randn(2, 8, 12, device=TRITON_DEVICE)[:, ::2, ::2]
+    device = device_for("triton")
+    _, weight, bias, residual = _make_inputs(2, 3, 6, 4, 4, dtype=torch.float32, device=device)
+    x_strided = torch.randn(2, 8, 12, device=device)[:, ::2, ::2]
     out = tk.glu_conv1d(x_strided, weight, bias, residual=residual, backend="triton")
     torch.testing.assert_close(out, reference_glu_conv1d(x_strided, weight, bias, residual=residual),
                                atol=1e-5, rtol=1e-5)
-    x_empty = torch.randn(0, 4, 6, device=TRITON_DEVICE, requires_grad=True)
+    x_empty = torch.randn(0, 4, 6, device=device, requires_grad=True)
     weight = weight.detach().requires_grad_()
     tk.glu_conv1d(x_empty, weight, bias, backend="triton").sum().backward()
     assert torch.count_nonzero(weight.grad) == 0
@@ -359,14 +369,13 @@ def _opcheck(backend, device, channels_last):
     )
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_opcheck_eager(channels_last):
-    _opcheck("eager", "cpu", channels_last)
-
-
-def test_opcheck_triton():
-    _needs_triton()
-    _opcheck("triton", TRITON_DEVICE, True)
+@pytest.mark.parametrize("backend,channels_last", [
+    backend_param("eager", False, op="glu_conv", id="eager-cf"),
+    backend_param("eager", True, op="glu_conv", id="eager-cl"),
+    backend_param("triton", True, op="glu_conv", id="triton-cl"),
+])
+def test_opcheck(backend, channels_last):
+    _opcheck(backend, device_for(backend), channels_last)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
@@ -427,21 +436,7 @@ def test_errors_name_the_argument():
         tk.glu_conv1d(x, weight, residual_scale=torch.tensor(0.5))
 
 
-def test_unavailable_backends_raise():
-    x, weight = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(8, 6, 3, dtype=torch.float64)
-    with pytest.raises(BackendUnavailableError, match="cuda"):
-        tk.glu_conv1d(x, weight, backend="cuda")
-    pytest.importorskip("triton")
-    with pytest.raises(BackendUnavailableError, match="float16, bfloat16 and float32"):
-        tk.glu_conv1d(x.to(TRITON_DEVICE), weight.to(TRITON_DEVICE), backend="triton")
-
-
 # --------------------------------------------------------------------------- GPU tolerances
-
-
-def _max_errors(fn, x, weight, bias, residual, grad, **kwargs):
-    out, grads = _run(fn, x, weight, bias, residual, grad, **kwargs)
-    return [out.float()] + [g.float() for g in grads]
 
 
 @requires_cuda
@@ -454,18 +449,10 @@ def _max_errors(fn, x, weight, bias, residual, grad, **kwargs):
 ])
 def test_gpu_error_within_twice_pytorch(dtype, k, length, channels, padding, channels_last):
     """Error of ours in dtype vs an fp32 reference <= 2x the error of PyTorch's own dtype math (+1e-5)."""
-    x, weight, bias, residual = _make_inputs(16, k, length, channels, channels, dtype=dtype, device="cuda",
-                                             channels_last=channels_last)
-    kwargs = dict(padding=padding, pad_value=1.0, residual_scale=SCALE)
+    inputs = _make_inputs(16, k, length, channels, channels, dtype=dtype, device="cuda", channels_last=channels_last)
     grad = torch.randn(16, channels, length, device="cuda", dtype=dtype)
-    upcast = [t.float() if t is not None else None for t in (x, weight, bias, residual)]
-    exact = _max_errors(reference_glu_conv1d, *upcast, grad.float(), **kwargs)
-    torch_low = _max_errors(reference_glu_conv1d, x, weight, bias, residual, grad, **kwargs)
-    ours = _max_errors(tk.glu_conv1d, x, weight, bias, residual, grad, backend="triton", **kwargs)
-    for name, e, t, o in zip(("out", "x", "weight", "bias", "residual"), exact, torch_low, ours):
-        ours_error = (o - e).abs().max().item()
-        torch_error = (t - e).abs().max().item()
-        assert ours_error <= 2 * torch_error + 1e-5, f"{name}: ours {ours_error} vs torch {torch_error}"
+    ours, reference = _functions("triton", padding=padding, pad_value=1.0, residual_scale=SCALE)
+    assert_low_precision_within_2x(ours, reference, inputs, grad, names=["out", *(f"grad {n}" for n in INPUT_NAMES)])
 
 
 @requires_cuda
@@ -478,6 +465,7 @@ def test_gpu_fp32_and_step():
     torch.testing.assert_close(steps, full, atol=1e-2, rtol=1e-2)
 
 
+@requires_triton
 @pytest.mark.parametrize("api", ["legacy", "new"])
 @pytest.mark.parametrize("allow_tf32", [False, True])
 def test_triton_float32_follows_the_conv_tf32_setting_of_either_api(api, allow_tf32):
