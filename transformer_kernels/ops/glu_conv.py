@@ -127,10 +127,11 @@ def glu_conv1d(
     (``grad_residual = grad_out * residual_scale``), deterministic (no atomics);
     not twice differentiable.  Padding positions take no gradient.
     Saved for backward: ``x``, ``weight`` and ``bias`` themselves (no copies).
-    The Triton backend keeps nothing else: backward recomputes the
-    pre-activation from ``x`` (one extra GEMM instead of a ``[B, 2*C, L]``
-    tensor per layer; the pre-activation's gradient ``[B, 2*C, L]`` exists only
-    while backward runs).  The eager backend also keeps its pre-activation
+    The Triton backend keeps only the weight in its kernels' layout
+    ``[k, C_in, 2*C]`` (the size of ``weight``, packed once per step instead of
+    twice): backward recomputes the pre-activation from ``x`` (one extra GEMM
+    instead of a ``[B, 2*C, L]`` tensor per layer; the pre-activation's
+    gradient ``[B, 2*C, L]`` exists only while backward runs).  The eager backend also keeps its pre-activation
     ``[B, L, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on a CPU
     recomputing the convolution would cost more than the memory saves.
     """
@@ -262,9 +263,9 @@ def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...],
 # --------------------------------------------------------------------------- registered ops
 #
 # The forward's second output is what the backend keeps for backward besides the inputs: the
-# eager backend's pre-activation [B, L_out, 2C], the Triton backend's empty tensor (its backward
-# recomputes the pre-activation from x).  It is not differentiable, and its layout is the
-# backend's own: the fake asks the backend (``empty_saved``) for it.
+# eager backend's pre-activation [B, L_out, 2C], the Triton backend's packed weight (its backward
+# recomputes the pre-activation from x).  It is not differentiable, and it is the backend's own
+# state: the one place a fake asks the backend (``empty_saved``) for a layout.
 
 glu_conv1d_forward = RegisteredOp(
     "glu_conv1d_forward", ("Tensor x", "Tensor weight", "Tensor? bias", "Tensor? residual"), GluConvArgs,
@@ -311,7 +312,7 @@ def _glu_conv1d_backward_fake(
 def _setup_context(ctx, tensors, args: GluConvArgs, output) -> None:
     x, weight, bias, _ = tensors
     # Saved: the inputs x, weight, bias (alive anyway) and the backend's second
-    # output (empty for Triton) -- never a [B, 2C, L] tensor on the fused path.
+    # output (a weight-sized copy for Triton) -- never a [B, 2C, L] tensor on the fused path.
     ctx.save_for_backward(x, weight, bias, output[1])
     ctx.mark_non_differentiable(output[1])
     # The saved pre-activation never has a gradient: do not allocate zeros for it on every backward.

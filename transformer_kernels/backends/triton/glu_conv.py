@@ -378,13 +378,16 @@ def unsupported_reason(
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
-    """What ``forward`` returns for backward: nothing (backward recomputes the pre-activation)."""
-    return x.new_empty(0)
+    """What ``forward`` returns for backward: the packed weight (see :func:`_packed_weight`), so
+    backward does not pack it again; the pre-activation is recomputed, never kept."""
+    channels_z, channels_in, kernel_size = weight.shape
+    return weight.new_empty(kernel_size, channels_in, channels_z)
 
 
 def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[2C, C_in, k]`` as ``[k, C_in, 2C]`` contiguous (output channels fastest)."""
-    return weight.permute(2, 1, 0).contiguous()
+    """``weight`` ``[2C, C_in, k]`` as ``[k, C_in, 2C]`` contiguous (output channels fastest):
+    always a copy, since an op's output may not alias its input."""
+    return weight.permute(2, 1, 0).clone(memory_format=torch.contiguous_format)
 
 
 def forward(
@@ -394,16 +397,17 @@ def forward(
     residual: Optional[torch.Tensor],
     args: GluConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, empty)``: nothing beyond the inputs is kept, backward recomputes the pre-activation."""
+    """``(out, packed weight)``: backward reuses the packed weight and recomputes the pre-activation."""
     channels_z, _, kernel_size = weight.shape
     length_out = args.output_length(x.shape[2], kernel_size)
     out = empty_output(x, channels_z // 2, length_out)
+    packed = _packed_weight(weight)
     if x.shape[0] > 0:
         _preactivation_launch(
-            x, _packed_weight(weight), bias, residual, None, out, args.pad_left, length_out, args.pad_value,
+            x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
             args.residual_scale, _input_precision(x.dtype),
         )()
-    return out, x.new_empty(0)
+    return out, packed
 
 
 def _preactivation_launch(
@@ -469,7 +473,7 @@ def backward(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    z: torch.Tensor,
+    packed: torch.Tensor,
     args: GluConvArgs,
     needs_grad_x: bool,
     needs_grad_weight: bool,
@@ -477,10 +481,10 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor.
 
-    ``z`` is ignored (forward saved none): the first kernel recomputes it.
+    ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
+    pre-activation from ``x``.
     """
     precision = _input_precision(x.dtype)
-    packed = _packed_weight(weight)
     grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision)
     grad_x = _grad_input(grad_z, packed, x, args, precision) if needs_grad_x else x.new_empty(0)
     grad_bias_wanted = needs_grad_bias and bias is not None

@@ -429,9 +429,18 @@ def unsupported_reason(
     return None
 
 
+def _with_one_batch_dim(tensor: torch.Tensor, inner_dims: int) -> torch.Tensor:
+    """``tensor`` with its leading dimensions merged into one before its last ``inner_dims``, a
+    view whenever the strides allow; ``tensor`` itself when it has that shape (a reshape is host
+    time even when it changes nothing)."""
+    if tensor.dim() == inner_dims + 1:
+        return tensor
+    return tensor.reshape(-1, *tensor.shape[tensor.dim() - inner_dims :])
+
+
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
-    """``[*batch, L, E]`` -> ``[B, L, E]``, a view whenever the strides allow."""
-    return x.reshape(-1, x.shape[-2], x.shape[-1])
+    """``[*batch, L, E]`` -> ``[B, L, E]``."""
+    return _with_one_batch_dim(x, 2)
 
 
 def _forward_launch(
@@ -472,7 +481,7 @@ def forward(
     if num_tokens == 0:
         return outputs
     cfg = gemm_config("forward", num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
-    out3 = [o.view(-1, *o.shape[-3:]) for o in outputs]
+    out3 = [_with_one_batch_dim(o, 3) for o in outputs]
     _forward_launch(x3, weight, bias, out3, cfg)()
     return outputs
 
@@ -483,7 +492,7 @@ def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     The kernels read every gradient with one stride set; only a gradient
     that does not fit (typically a stride-0 broadcast) is copied.
     """
-    grads = [g.reshape(-1, *g.shape[-3:]) for g in grads]
+    grads = [_with_one_batch_dim(g, 3) for g in grads]
     first = grads[0]
     if (
         first.stride(-1) == 1
