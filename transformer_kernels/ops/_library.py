@@ -7,6 +7,16 @@ gradients to compute, ...) and the backend's name.  torch.library only knows
 flat schemas, so :class:`RegisteredOp` builds the schema from the dataclass's
 field types and converts between the flat form and the typed one in one
 place: the op layer, the fakes and the backends see only the typed one.
+
+Calls take one of two routes to the same implementation, fake and autograd
+functions.  Under ``torch.compile``, a dispatch mode (fake tensors, op
+counters), a functorch transform or tensor subclasses they go through the
+registered op, so torch sees one op with its fake and autograd.  Plain eager
+calls on plain tensors skip the dispatcher: they run the implementation
+directly, inside an ``autograd.Function`` built from the same
+``setup_context``/``backward`` when a gradient is needed.  At the seeds' short
+sequences the dispatcher and torch.library's autograd wrapper cost more host
+time than the kernels take on a GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ __all__ = ["RegisteredOp"]
 NAMESPACE = "transformer_kernels"
 
 _SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", bool: "bool", float: "float", str: "str", int: "int"}
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def _schema_type(annotation: Any) -> str:
@@ -33,7 +44,27 @@ def _schema_type(annotation: Any) -> str:
     raise TypeError(f"no schema type for {annotation!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+def _tensors(flat: Sequence[Any]) -> list[Tensor]:
+    tensors = []
+    for value in flat:
+        if isinstance(value, Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors.extend(item for item in value if isinstance(item, Tensor))
+    return tensors
+
+
+def _runs_directly(tensors: list[Tensor]) -> bool:
+    """Whether a call may skip the dispatcher: eager, no dispatch mode or functorch transform
+    active, plain tensors only."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and all(type(tensor) in _PLAIN_TENSOR_TYPES for tensor in tensors)
+    )
+
+
 class RegisteredOp:
     """``transformer_kernels::<name>`` with typed signature
     ``(*inputs, args: args_type, *flags, backend: str)``.
@@ -45,23 +76,17 @@ class RegisteredOp:
     typed signature.
     """
 
-    name: str
-    inputs: tuple[str, ...]
-    args_type: type
-    returns: str
-    flags: tuple[str, ...] = ()
-    field_names: tuple[str, ...] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(self.args_type)
-        object.__setattr__(self, "field_names", tuple(field.name for field in dataclasses.fields(self.args_type)))
-        fields = [f"{_schema_type(hints[name])} {name}" for name in self.field_names]
-        schema = f"({', '.join((*self.inputs, *fields, *self.flags, 'str backend'))}) -> {self.returns}"
-        torch.library.define(self.qualname, schema)
-
-    @property
-    def qualname(self) -> str:
-        return f"{NAMESPACE}::{self.name}"
+    def __init__(
+        self, name: str, inputs: tuple[str, ...], args_type: type, returns: str, flags: tuple[str, ...] = ()
+    ) -> None:
+        self.name, self.inputs, self.args_type, self.returns, self.flags = name, inputs, args_type, returns, flags
+        self.qualname = f"{NAMESPACE}::{name}"
+        self.field_names = tuple(field.name for field in dataclasses.fields(args_type))
+        hints = typing.get_type_hints(args_type)
+        fields = [f"{_schema_type(hints[field])} {field}" for field in self.field_names]
+        torch.library.define(self.qualname, f"({', '.join((*inputs, *fields, *flags, 'str backend'))}) -> {returns}")
+        self._implementation: Optional[Callable] = None
+        self._function: Optional[type] = None
 
     def unpack(self, flat: Sequence[Any]) -> tuple:
         """The flat schema arguments as ``(*inputs, args, *flags, backend)``."""
@@ -69,14 +94,26 @@ class RegisteredOp:
         end = num_inputs + len(self.field_names)
         return (*flat[:num_inputs], self.args_type(*flat[num_inputs:end]), *flat[end:])
 
-    def __call__(self, *typed: Any) -> Any:
+    def pack(self, typed: Sequence[Any]) -> tuple:
+        """``(*inputs, args, *flags, backend)`` as the flat schema arguments."""
         num_inputs = len(self.inputs)
         args = typed[num_inputs]
-        fields = (getattr(args, name) for name in self.field_names)
-        return getattr(torch.ops.transformer_kernels, self.name)(*typed[:num_inputs], *fields, *typed[num_inputs + 1 :])
+        fields = tuple(getattr(args, name) for name in self.field_names)
+        return (*typed[:num_inputs], *fields, *typed[num_inputs + 1 :])
+
+    def __call__(self, *typed: Any) -> Any:
+        flat = self.pack(typed)
+        tensors = _tensors(flat)
+        if not _runs_directly(tensors):
+            return getattr(torch.ops.transformer_kernels, self.name)(*flat)
+        if self._function is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            outputs = self._function.apply(*flat)
+            return list(outputs) if self.returns == "Tensor[]" else outputs
+        return self._implementation(*typed)
 
     def implement(self, function: Callable) -> Callable:
         """Register ``function(*inputs, args, *flags, backend)`` for every device."""
+        self._implementation = function
         torch.library.register_kernel(self.qualname, None, lambda *flat: function(*self.unpack(flat)))
         return function
 
@@ -87,10 +124,11 @@ class RegisteredOp:
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """``setup_context(ctx, inputs: tuple, args, output)`` (``ctx.backend`` is set before it
-        runs); ``backward(ctx, *grad_outputs)``
+        runs); ``backward(ctx, *grad_outputs)`` (a ``Tensor[]`` output's gradients as one list)
         returns ``(input_grads, args_grads)``: a gradient (or None) per input, and a dict of
         gradients for the tensors among ``args``'s fields that take one (absent means None)."""
         num_inputs = len(self.inputs)
+        implementation = self._implementation
 
         def flat_setup_context(ctx, inputs, output) -> None:
             typed = self.unpack(inputs)
@@ -103,6 +141,24 @@ class RegisteredOp:
             return (*input_grads, *(args_grads.get(name) for name in self.field_names), *rest)
 
         torch.library.register_autograd(self.qualname, flat_backward, setup_context=flat_setup_context)
+
+        returns_list = self.returns == "Tensor[]"
+
+        class Function(torch.autograd.Function):
+            # forward(ctx, ...) rather than a separate setup_context: Function.apply binds the
+            # arguments of that style with inspect.signature, tens of microseconds per call.
+            @staticmethod
+            def forward(ctx, *flat):
+                outputs = implementation(*self.unpack(flat))
+                flat_setup_context(ctx, flat, outputs)
+                return tuple(outputs) if returns_list else outputs
+
+            @staticmethod
+            def backward(ctx, *grad_outputs):
+                return flat_backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
+
+        Function.__name__ = Function.__qualname__ = f"{self.name}_function"
+        self._function = Function
 
     def needs_grad(self, ctx, field: str) -> bool:
         """Whether the ``args`` field ``field`` (a tensor) needs a gradient in this backward."""
