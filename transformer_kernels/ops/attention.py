@@ -455,7 +455,7 @@ def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     # Tensors travel through save_for_backward only (autograd checks them for in-place changes).
-    ctx.args = dataclasses.replace(args, key_padding_mask=None, attn_mask=None, dropout_seed=None)
+    ctx.scalars = (args.causal, args.scale, args.dropout_p)
     ctx.attn_mask_needs_grad = args.attn_mask is not None and attention_forward.needs_grad(ctx, "attn_mask")
 
 
@@ -463,7 +463,8 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         return (None, None, None), {}
     query, key, value, out, lse, key_padding_mask, attn_mask, dropout_seed = ctx.saved_tensors
-    args = dataclasses.replace(ctx.args, key_padding_mask=key_padding_mask, attn_mask=attn_mask, dropout_seed=dropout_seed)
+    causal, scale, dropout_p = ctx.scalars
+    args = AttentionArgs(key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed)
     dq, dk, dv, dmask = attention_backward(
         grad_out, query, key, value, out, lse, args, ctx.attn_mask_needs_grad, ctx.backend
     )

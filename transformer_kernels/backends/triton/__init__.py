@@ -50,11 +50,16 @@ def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _load(op: str) -> ModuleType:
-    # An import statement, not importlib: torch.compile traces it.
-    from . import attention, glu_conv, qkv
+_modules: dict[str, ModuleType] = {}
 
-    return {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}[op]
+
+def _load(op: str) -> ModuleType:
+    if not _modules:  # once: an import statement costs microseconds even when done
+        # An import statement, not importlib: torch.compile traces it.
+        from . import attention, glu_conv, qkv
+
+        _modules.update(attention=attention, glu_conv=glu_conv, qkv=qkv)
+    return _modules[op]
 
 
 register_backend(

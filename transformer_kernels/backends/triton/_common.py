@@ -10,7 +10,7 @@
   ``run_launches``, which runs a call's launches on its tensors' device.
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
   whichever API set it.
-* ``input_precision``, ``num_sms``, ``next_power_of_2``.
+* ``input_precision``, ``num_sms``, ``cdiv``, ``next_power_of_2``.
 * ``multiple_of_16``: the in-kernel alignment hint.
 """
 
@@ -120,8 +120,16 @@ def compile_source(launch: KernelLaunch, capability: int) -> tuple[Any, dict]:
     return ASTSource(kernel, signature, constexprs, attrs), options.__dict__
 
 
+# Host-side integer helpers in plain Python: triton.cdiv and triton.next_power_of_2 are
+# JIT functions, and calling one on the host costs microseconds through Triton's launcher.
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
 def next_power_of_2(n: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,6 +52,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    cdiv,
     input_precision,
     multiple_of_16,
     next_power_of_2,
@@ -903,7 +904,7 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     if _is_aligned(tensor):
         return tensor
     source = _one_broadcast_slice(tensor)
-    padded = source.new_zeros((*source.shape[:-1], triton.cdiv(tensor.shape[-1], 16) * 16))
+    padded = source.new_zeros((*source.shape[:-1], cdiv(tensor.shape[-1], 16) * 16))
     padded[..., : tensor.shape[-1]] = source
     return padded.expand(*tensor.shape[:-1], padded.shape[-1])
 
@@ -1046,9 +1047,9 @@ def _masked_kernel_launches(
     config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant)
     mask_pointers, mask_strides, kwargs = masks.arguments
     if kernel_name == "grad_key_value":  # a program per key block of a kv head
-        num_blocks, num_head_batches = triton.cdiv(seq_len_k, config.block_n), batch * num_kv_heads
+        num_blocks, num_head_batches = cdiv(seq_len_k, config.block_n), batch * num_kv_heads
     else:  # a program per query block of a query head
-        num_blocks, num_head_batches = triton.cdiv(seq_len_q, config.block_m), batch * num_q_heads
+        num_blocks, num_head_batches = cdiv(seq_len_q, config.block_m), batch * num_q_heads
     return _chunked_launches(
         _KERNELS[kernel_name],
         num_blocks,
@@ -1092,7 +1093,7 @@ def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tens
     batch, num_q_heads, seq_len_q, head_dim_v = out.shape
     return _chunked_launches(
         _attention_delta_kernel,
-        triton.cdiv(seq_len_q, _DELTA_CONFIG.block_m),
+        cdiv(seq_len_q, _DELTA_CONFIG.block_m),
         batch * num_q_heads,
         dict(BLOCK_DV=next_power_of_2(head_dim_v), **_DELTA_CONFIG.launch_kwargs()),
         [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],

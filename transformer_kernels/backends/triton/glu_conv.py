@@ -45,6 +45,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    cdiv,
     fp32_conv_allows_tf32,
     input_precision,
     num_sms,
@@ -430,7 +431,7 @@ def _preactivation_launch(
     kernel_size, _, channels_z = packed.shape
     config = kernel_config("forward", x.dtype)
     unused_strides = (0, 0, 0)
-    grid = (triton.cdiv(batch * length_out, config.block_m), triton.cdiv(channels_z // 2, config.block_n))
+    grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
     return KernelLaunch(_glu_conv_forward_kernel, grid, (
         x,
         packed,
@@ -464,8 +465,8 @@ def _preactivation_launch(
 def _weight_splits(rows: int, tiles: int, config: KernelConfig, device: torch.device) -> int:
     """How many row ranges grad_weight is split into: enough programs to fill the GPU twice,
     but at least two row blocks per split."""
-    wanted = triton.cdiv(2 * num_sms(device), tiles)
-    return max(1, min(wanted, triton.cdiv(rows, 2 * config.block_k)))
+    wanted = cdiv(2 * num_sms(device), tiles)
+    return max(1, min(wanted, cdiv(rows, 2 * config.block_k)))
 
 
 def backward(
@@ -527,11 +528,11 @@ def _grad_weight_and_bias(
     rows_out = x.shape[0] * grad_z.shape[2]
     config = kernel_config("grad_weight", x.dtype)
     block_rows = config.block_k
-    tiles = triton.cdiv(channels_z, config.block_m) * triton.cdiv(channels_in, config.block_n)
+    tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
-    rows_per_split = max(1, triton.cdiv(rows_out, splits * block_rows)) * block_rows
+    rows_per_split = max(1, cdiv(rows_out, splits * block_rows)) * block_rows
     # An empty batch still runs one split, which writes zeros.
-    splits = max(1, triton.cdiv(rows_out, rows_per_split))
+    splits = max(1, cdiv(rows_out, rows_per_split))
     grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
     grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
     _grad_weight_launch(
@@ -551,7 +552,7 @@ def _grad_input_launch(
     batch, channels_in, length_in = grad_x.shape
     kernel_size, _, channels_z = packed.shape
     config = kernel_config("grad_input", grad_x.dtype)
-    grid = (triton.cdiv(batch * length_in, config.block_m), triton.cdiv(channels_in, config.block_n))
+    grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
     return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
         grad_z, packed, grad_x,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
@@ -575,7 +576,7 @@ def _grad_weight_launch(
     batch, channels_in, length_in = x.shape
     splits, channels_z, _, kernel_size = grad_weight_partial.shape
     config = kernel_config("grad_weight", x.dtype)
-    tiles = triton.cdiv(channels_z, config.block_m) * triton.cdiv(channels_in, config.block_n)
+    tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
         x, grad_z, grad_weight_partial, grad_bias_partial,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),

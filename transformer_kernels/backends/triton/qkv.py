@@ -35,6 +35,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    cdiv,
 )
 # Imported under this name: ``backward`` keeps the count in a local
 # ``num_sms``, and tests replace this module attribute to force a tile
@@ -380,7 +381,7 @@ def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> KernelConfig:
     """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]``
     output."""
     large = _large_config(kernel)
-    if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= num_sms:
+    if cdiv(m, large.block_m) * cdiv(n, large.block_n) >= num_sms:
         return large
     return _SMALL
 
@@ -394,7 +395,7 @@ def grad_weight_splits(output_tiles: int, num_tokens: int, block_k: int, num_sms
     """
     if output_tiles >= 2 * num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, output_tiles), num_tokens // (16 * block_k)))
+    return max(1, min(cdiv(2 * num_sms, output_tiles), num_tokens // (16 * block_k)))
 
 
 def _uses_torch_matmul(dtype: torch.dtype) -> bool:
@@ -455,7 +456,7 @@ def _forward_launch(
     num_proj = len(outputs)
     num_tokens = x3.shape[0] * seq_len
     padded = outputs + [outputs[0]] * (3 - num_proj)
-    grid = (triton.cdiv(num_tokens, cfg.block_m) * num_proj * triton.cdiv(embed_dim, cfg.block_n),)
+    grid = (cdiv(num_tokens, cfg.block_m) * num_proj * cdiv(embed_dim, cfg.block_n),)
     return KernelLaunch(
         _qkv_forward_kernel,
         grid,
@@ -513,7 +514,7 @@ def _grad_input_launch(
     in_features = grad_x.shape[-1]
     num_tokens = batch * seq_len
     stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
-    grid = (triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(in_features, cfg.block_n),)
+    grid = (cdiv(num_tokens, cfg.block_m) * cdiv(in_features, cfg.block_n),)
     return KernelLaunch(
         _qkv_grad_input_kernel,
         grid,
@@ -540,10 +541,10 @@ def _grad_weight_launch(
     num_tokens = batch * seq_len
     features = num_proj * embed_dim
     stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
-    tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
+    tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
     return KernelLaunch(
         _qkv_grad_weight_kernel,
-        (tiles, triton.cdiv(num_tokens, tokens_per_split)),
+        (tiles, cdiv(num_tokens, tokens_per_split)),
         (
             *grads4, *[grads4[0]] * (3 - num_proj), x3, grad_w_out, grad_b_out,
             num_tokens, seq_len, embed_dim, in_features, head_dim, tokens_per_split,
@@ -602,10 +603,10 @@ def _grad_weight_and_bias(
         grad_w_out, grad_b_out = torch.zeros_like(weight), weight.new_zeros(features)
     else:
         cfg = gemm_config("grad_weight", features, in_features, num_sms)
-        tiles = num_proj * triton.cdiv(embed_dim, cfg.block_m) * triton.cdiv(in_features, cfg.block_n)
+        tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
         splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
-        tokens_per_split = triton.cdiv(triton.cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
-        splits = triton.cdiv(num_tokens, tokens_per_split)
+        tokens_per_split = cdiv(cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
+        splits = cdiv(num_tokens, tokens_per_split)
         if splits == 1:
             grad_w_out = weight.new_empty(features, in_features)
             grad_b_out = weight.new_empty(features) if grad_bias_wanted else grad_w_out
