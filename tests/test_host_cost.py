@@ -95,24 +95,15 @@ ATTENTION_CASES = {
     "key_padding": dict(key_padding_mask=_key_padding()),
     "dropout": dict(dropout_p=0.1),
 }
-NOT_YET = {
-    "dropout": "the seed is drawn as a CPU tensor and read back with tolist()",
-}
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[name]) if name in NOT_YET else ())
-    for name in ATTENTION_CASES
-])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_forward_only_allocates(host_ops, case):
     forward_ops, _ = host_ops("attention", _attention_inputs(**ATTENTION_CASES[case]))
     assert len(forward_ops) <= FORWARD_BUDGET, forward_ops
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[name]) if name == "dropout" else ())
-    for name in ATTENTION_CASES
-])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_backward_budget(host_ops, case):
     _, backward_ops = host_ops("attention", _attention_inputs(**ATTENTION_CASES[case]))
     assert len(backward_ops) <= BACKWARD_BUDGET, backward_ops

@@ -55,7 +55,7 @@ class AttentionArgs:
       (:func:`key_padding_bounds` gives each row's first and last kept key).
     - ``attn_mask``: bool (True = attend) or float (added to the scaled scores)
       ``[B, Hq, Lq, Lk]``, any strides (often an ``expand``-ed view).
-    - ``dropout_seed``: int64 ``[2]`` (seed, offset) on the CPU when ``dropout_p > 0``.
+    - ``dropout_seed``: int64 ``[2]`` (seed, offset) on ``query``'s device when ``dropout_p > 0``.
     """
 
     key_padding_mask: Optional[Tensor]
@@ -241,7 +241,9 @@ def scaled_dot_product_attention(
 
     Dropout:
         The keep-mask is generated inside the backend from a ``(seed, offset)``
-        pair drawn from torch's default CPU generator at call time, so
+        pair drawn at call time from the generator of ``query``'s device, as a
+        tensor on that device (the kernels read it there: no host sync, and a
+        captured CUDA graph draws a new pair on every replay), so
         ``torch.manual_seed`` makes results reproducible, and the backward pass
         regenerates the same mask instead of storing it.  Masks differ between
         backends and from torch's own dropout for the same seed.  The triton
@@ -394,8 +396,8 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
     dropout_seed = None
     if dropout_p > 0.0:
-        # (seed, offset) from the default generator: torch.manual_seed reproduces the keep-mask.
-        dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
+        # (seed, offset) from the device's generator: torch.manual_seed reproduces the keep-mask.
+        dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=query.device)
     args = AttentionArgs(padding, mask, causal, scale, dropout_p, dropout_seed)
     return q, k, v, args, torch.Size((*batch_shape, lq, value_head_dim))
 

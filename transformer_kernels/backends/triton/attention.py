@@ -151,6 +151,19 @@ def _masked_scores(
 
 
 @triton.jit
+def _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT: tl.constexpr):
+    # The (seed, offset) pair the op layer drew on the device, read here rather
+    # than passed by value (no host sync; CUDA graph replays draw new pairs),
+    # as the 32-bit words Philox takes: the offset is one counter word.
+    seed = 0
+    offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(dropout_seed_ptr).to(tl.int32)
+        offset = (tl.load(dropout_seed_ptr + 1) & 0x7FFFFFFF).to(tl.int32)
+    return seed, offset
+
+
+@triton.jit
 def _dropout_keep(
     q_idx, key_start, head_batch, dropout_seed, dropout_offset, dropout_threshold,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -297,12 +310,13 @@ def _attention_forward_kernel(
     stride_kbb: tl.int64, stride_kbe,
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
-    qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
     )
@@ -512,12 +526,13 @@ def _attention_grad_key_value_kernel(
     stride_kbb: tl.int64, stride_kbe,
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, num_kv_heads, head_batch_start,
-    scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    scale, qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     kv_head_batch = tl.program_id(1) + head_batch_start
     batch = kv_head_batch // num_kv_heads
     kv_head = kv_head_batch % num_kv_heads
@@ -681,12 +696,13 @@ def _attention_grad_query_kernel(
     stride_kbb: tl.int64, stride_kbe,
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
-    scale, qk_scale, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
+    scale, qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
     )
@@ -946,14 +962,12 @@ def _mask_arguments(
 
 def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -> dict:
     if dropout_p == 0.0:
-        return dict(dropout_seed=0, dropout_offset=0, dropout_threshold=0, dropout_scale=1.0, HAS_DROPOUT=False)
-    seed, offset = (int(x) for x in dropout_seed.tolist())
+        return dict(dropout_seed_ptr=None, dropout_threshold=0, dropout_scale=1.0, HAS_DROPOUT=False)
     # Kernels compare 16 random bits per element with round(p * 2**16); the
     # scale uses that quantized keep probability so the mean stays exact.
     threshold = min(round(dropout_p * _DROPOUT_LEVELS), _DROPOUT_LEVELS - 1)
     return dict(
-        dropout_seed=seed,
-        dropout_offset=offset & 0x7FFFFFFF,  # one 32-bit Philox counter word
+        dropout_seed_ptr=dropout_seed,
         dropout_threshold=threshold,
         dropout_scale=_DROPOUT_LEVELS / (_DROPOUT_LEVELS - threshold),
         HAS_DROPOUT=True,
