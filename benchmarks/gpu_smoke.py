@@ -21,7 +21,8 @@ def attention_cases(device: torch.device, dtype: torch.dtype) -> None:
         padding[1, : lk // 3] = True
         float_mask = torch.randn(lq, lk, device=device, dtype=dtype, requires_grad=True)
         bool_mask = torch.rand(batch, 1, lq, lk, device=device) > 0.3
-        for kwargs in (
+        for kwargs in (  # each config table: dense, fast (causal, padding), masked (mask, dropout)
+            dict(),
             dict(is_causal=True, key_padding_mask=padding),
             dict(attn_mask=torch.nn.attention.bias.causal_lower_right(lq, lk)),
             dict(attn_mask=float_mask, dropout_p=0.1),
