@@ -49,6 +49,7 @@ from ._common import (
     fp32_conv_allows_tf32,
     input_precision,
     num_sms,
+    run_launches,
 )
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "compile_targets"]
@@ -404,10 +405,11 @@ def forward(
     out = empty_output(x, channels_z // 2, length_out)
     packed = _packed_weight(weight)
     if x.shape[0] > 0:
-        _preactivation_launch(
+        launch = _preactivation_launch(
             x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
             args.residual_scale, _input_precision(x.dtype),
-        )()
+        )
+        run_launches([launch], x)
     return out, packed
 
 
@@ -503,10 +505,11 @@ def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision:
     batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
     grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
     if batch > 0:
-        _preactivation_launch(
+        launch = _preactivation_launch(
             x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
             precision,
-        )()
+        )
+        run_launches([launch], x)
     return grad_z
 
 
@@ -514,7 +517,7 @@ def _grad_input(grad_z, packed, x, args: GluConvArgs, precision: str) -> torch.T
     """``grad_x`` in the op's output layout for ``x``."""
     grad_x = empty_output(x, x.shape[1], x.shape[2])
     if x.shape[0] > 0:
-        _grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision)()
+        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision)], grad_z)
     return grad_x
 
 
@@ -535,10 +538,11 @@ def _grad_weight_and_bias(
     splits = max(1, cdiv(rows_out, rows_per_split))
     grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
     grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
-    _grad_weight_launch(
+    launch = _grad_weight_launch(
         x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
         grad_bias_wanted, precision,
-    )()
+    )
+    run_launches([launch], x)
     grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if grad_weight_wanted else weight.new_empty(0)
     grad_bias = grad_bias_partial.sum(0).to(weight.dtype) if grad_bias_wanted else weight.new_empty(0)
     return grad_weight, grad_bias

@@ -36,6 +36,7 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     cdiv,
+    run_launches,
 )
 # Imported under this name: ``backward`` keeps the count in a local
 # ``num_sms``, and tests replace this module attribute to force a tile
@@ -483,7 +484,7 @@ def forward(
         return outputs
     cfg = gemm_config("forward", num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
     out3 = [_with_one_batch_dim(o, 3) for o in outputs]
-    _forward_launch(x3, weight, bias, out3, cfg)()
+    run_launches([_forward_launch(x3, weight, bias, out3, cfg)], x3)
     return outputs
 
 
@@ -586,7 +587,7 @@ def _grad_input(grads4: list[torch.Tensor], weight: torch.Tensor, x: torch.Tenso
     num_tokens = x.numel() // x.shape[-1]
     if num_tokens > 0:
         cfg = gemm_config("grad_input", num_tokens, x.shape[-1], num_sms)
-        _grad_input_launch(grads4, weight, grad_x, cfg)()
+        run_launches([_grad_input_launch(grads4, weight, grad_x, cfg)], grad_x)
     return grad_x
 
 
@@ -613,7 +614,8 @@ def _grad_weight_and_bias(
         else:
             grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
             grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if grad_bias_wanted else grad_w_out
-        _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)()
+        launch = _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)
+        run_launches([launch], x3)
         if splits > 1:
             grad_w_out = grad_w_out.sum(0).to(weight.dtype) if grad_weight_wanted else grad_w_out
             grad_b_out = grad_b_out.sum(0).to(weight.dtype) if grad_bias_wanted else grad_b_out
