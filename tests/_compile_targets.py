@@ -1,4 +1,5 @@
-"""Compile every Triton target for sm_80 and sm_90 and print the resource usage as JSON.
+"""Compile every Triton target for sm_80 and sm_90 and print, as JSON, its
+resource usage and its instruction selection.
 
 Each target is the launch its kernel module's launcher builds for a
 representative shape, specialized by Triton's own launch-time rules
@@ -9,9 +10,12 @@ Run in its own process by ``test_triton_compile.py``: the test session runs with
 and cannot be compiled.
 """
 
+import collections
 import concurrent.futures
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,13 +46,201 @@ def _resource_usage(cubin: bytes) -> dict:
     return {key: int(value) for key, value in (item.split(":") for item in line.split() if ":" in item)}
 
 
+# Instruction selection, read from the TTGIR: the IR after Triton's MMA
+# selection and software pipelining.  The ops read here are spelled the same
+# under triton 3.6 and 3.9; where the two lay out the same code differently
+# (3.9 splits an Ampere dot along K and carries each next K slice of its
+# operands across iterations) values are followed, not shapes of code matched.
+
+# String literals (inline PTX holds braces) and source locations (one level of
+# nested parentheses: loc("q_ptr"(#loc))) are blanked out before parsing.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_LOCATION = re.compile(r"\bloc\((?:[^()]|\([^()]*\))*\)")
+_VALUE = re.compile(r"%[\w$.-]+(?:#\d+)?")
+# An op's attribute dictionary, which may hold ` : ` (`{num = 2 : i32}`) before
+# its operands end.
+_ATTRIBUTES = re.compile(r"\{[^{}]*\}")
+# `%a = op`, `%a, %b = op`, or `%a:3 = op` (three results, used as %a#0 ...).
+_DEFINITION = re.compile(r"^\s*(%[\w$.-]+(?::\d+)?(?:\s*,\s*%[\w$.-]+)*)\s*=\s*\"?([\w.]+)")
+_MMA_LAYOUT = re.compile(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+)")
+_DOT_RESULT_LAYOUT = re.compile(r"-> tensor<[^,]*, (#\w+)")
+_ITER_ARGS = re.compile(r"iter_args\((.*?)\)\s*->")
+# A dot (tt.dot, or ttng.warp_group_dot once lowered for Hopper) whose result
+# has an nvidia_mma layout of version 3 is a wgmma, of version 2 Ampere's
+# mma.sync; in any other layout (blocked) it has no tensor core: FMA.
+_MMA_INSTRUCTIONS = {3: "wgmma", 2: "mma.sync"}
+_PTX_MMA = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync.aligned"}
+# Ops whose result is the data of their first operand, moved, transposed,
+# reshaped or converted: a dot operand is followed through them to its load.
+# (tt.elementwise_inline_asm: the tf32x3 split rounds operands with it.)
+_SAME_DATA_OPS = {
+    "ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.memdesc_trans", "ttg.memdesc_subslice",
+    "ttg.memdesc_reshape", "ttg.memdesc_reinterpret", "tt.trans", "tt.reshape", "tt.split",
+    "arith.truncf", "arith.extf", "tt.fp_to_fp", "tt.bitcast", "tt.elementwise_inline_asm",
+}
+# How the software pipeliner loads a tile ahead of the iteration that uses it:
+# cp.async, or TMA for tensor descriptors.
+_ASYNC_COPIES = {"ttg.async_copy_global_to_local", "ttng.async_tma_copy_global_to_local"}
+
+
+class _Ttgir:
+    """The ops of a TTGIR module and the regions they sit in.
+
+    MLIR reuses value names in sibling regions (both causal loops of an
+    attention kernel define a %qk), so a name is looked up from the region
+    of its use outwards."""
+
+    def __init__(self, text: str):
+        self.mma_versions = {}  # layout alias -> nvidia_mma versionMajor
+        self.definitions = {}  # (region, name) -> ("op", op, result index) or ("iter_arg", loop body, index)
+        self.loop_yields = {}  # loop body region -> the values its scf.yield carries to the next iteration
+        self.ops = []
+        new_region = itertools.count(1)
+        regions = [0]  # the regions enclosing the current line, outermost first
+        for line in text.splitlines():
+            line = _LOCATION.sub("", _STRING.sub('""', line))
+            layout = _MMA_LAYOUT.match(line)
+            if layout:
+                self.mma_versions[layout.group(1)] = int(layout.group(2))
+            statement = line.strip()
+            definition = _DEFINITION.match(line)
+            op = None
+            if definition:
+                results = [result.split(":")[0].strip() for result in definition.group(1).split(",")]
+                op = {
+                    "index": len(self.ops),
+                    "name": definition.group(2),
+                    "result": results[0],
+                    "operands": _VALUE.findall(_ATTRIBUTES.sub("", line[definition.end():]).split(" : ")[0]),
+                    "regions": tuple(regions),
+                    "text": statement,
+                }
+                self.ops.append(op)
+                for index, result in enumerate(results):
+                    self.definitions[(regions[-1], result)] = ("op", op, index)
+            elif statement.startswith("scf.yield") and regions[-1] in self.loop_yields:
+                self.loop_yields[regions[-1]] = _VALUE.findall(statement.split(" : ")[0])
+            opened = line.count("{") - line.count("}")
+            if statement.startswith("}"):  # ends a region; `} else {` also begins one
+                regions.pop()
+                opened += 1
+            if opened > 0:
+                regions.append(next(new_region))
+                if op is not None and op["name"] == "scf.for":
+                    self.loop_yields[regions[-1]] = []
+                    iter_args = _ITER_ARGS.search(line)
+                    for index, binding in enumerate(iter_args.group(1).split(",") if iter_args else []):
+                        argument = binding.split("=")[0].strip()
+                        self.definitions[(regions[-1], argument)] = ("iter_arg", regions[-1], index)
+
+    def _lookup(self, value: str, regions: tuple):
+        name = value.split("#")[0]
+        return next((self.definitions[(r, name)] for r in reversed(regions) if (r, name) in self.definitions), None)
+
+    def origins(self, value: str, regions: tuple, followed: frozenset = frozenset()) -> list:
+        """Where the data of ``value``, used in ``regions``, comes from: a list
+        of ("buffer", alloc op) for a buffer of a ttg.local_alloc multibuffer
+        (which async copies fill) and ("load", op) for a tt.load.  Values
+        computed otherwise are no source: the walk stops there."""
+        definition = self._lookup(value, regions)
+        # `followed` ends the walk where a loop carries a value unchanged.
+        if definition is None or (value, regions) in followed:
+            return []
+        followed = followed | {(value, regions)}
+        if definition[0] == "iter_arg":
+            # An operand carried in from the previous iteration (3.9 prefetches
+            # an Ampere dot's next K slice so): what that iteration yielded.
+            _, body, index = definition
+            return self.origins(self.loop_yields[body][index], regions[: regions.index(body) + 1], followed)
+        _, op, result_index = definition
+        name, operands, regions = op["name"], op["operands"], op["regions"]
+        if name == "tt.load":
+            return [("load", op)]
+        if name == "ttg.memdesc_index":  # one buffer of a multibuffer
+            alloc = self._lookup(operands[0], regions)
+            is_multibuffer = alloc is not None and alloc[0] == "op" and alloc[1]["name"] == "ttg.local_alloc"
+            return [("buffer", alloc[1])] if is_multibuffer and not alloc[1]["operands"] else []
+        if name == "ttng.warp_group_dot_wait":  # result i is operand i, once the wgmma is done
+            data = [operands[int(value.partition("#")[2] or result_index)]]
+        elif name == "arith.select":  # a loaded tile with padding in places (tl.where)
+            data = operands[1:]
+        elif name in _SAME_DATA_OPS and operands:
+            data = operands[:1]
+        else:
+            return []
+        return [source for operand in data for source in self.origins(operand, regions, followed)]
+
+    def innermost_loop_body(self, regions: tuple):
+        return next((r for r in reversed(regions) if r in self.loop_yields), None)
+
+
+def _source_name(op: dict) -> str:
+    """The source variable a load or buffer holds: MLIR names a value after it,
+    numbered to keep values apart (%k_t_99 -> k_t)."""
+    return re.sub(r"_\d+$", "", op["result"].lstrip("%"))
+
+
+def instruction_selection(ttgir: str, ptx: str) -> dict:
+    """What a compiled kernel's dots lower to and how their main-loop operands
+    are loaded.
+
+    ``dots``: the instructions its ``tl.dot``s lower to, "wgmma", "mma.sync"
+    or "fma" (no tensor cores), read from the TTGIR; ``ptx_mma``: which of
+    wgmma and mma.sync its PTX holds, which should agree.  ``operand_stages``:
+    for each dot operand that the dot's loop loads from global memory, named
+    after its variable in the kernel, how many iterations' loads are in
+    flight: for a load pipelined into async copies, the copies issued for its
+    buffers (num_stages - 1 ahead of the loop, then one per iteration); 1 for
+    a plain tt.load.  Operands loaded before the loop or computed in it are
+    not listed; an operand of several loops gets the fewest stages."""
+    module = _Ttgir(ttgir)
+    copies = collections.Counter()
+    for op in module.ops:
+        if op["name"] in _ASYNC_COPIES:
+            # The destination is the operand that is a buffer: cp.async takes
+            # it second, TMA after the descriptor's coordinates.
+            for operand in op["operands"]:
+                for kind, alloc in module.origins(operand, op["regions"]):
+                    if kind == "buffer":
+                        copies[alloc["index"]] += 1
+    dots, operand_stages = set(), {}
+    for op in module.ops:
+        if op["name"] not in ("tt.dot", "ttng.warp_group_dot"):
+            continue
+        layout = _DOT_RESULT_LAYOUT.search(op["text"]).group(1)
+        dots.add(_MMA_INSTRUCTIONS.get(module.mma_versions.get(layout), "fma"))
+        loop_body = module.innermost_loop_body(op["regions"])
+        if loop_body is None:
+            continue
+        sources = [source for operand in op["operands"][:2] for source in module.origins(operand, op["regions"])]
+        for kind, source in sources:
+            if kind == "buffer":
+                stages = copies[source["index"]]
+            elif kind == "load" and loop_body in source["regions"]:
+                stages = 1
+            else:
+                continue
+            name = _source_name(source)
+            operand_stages[name] = min(stages, operand_stages.get(name, stages))
+    return {
+        "dots": sorted(dots),
+        "ptx_mma": sorted(kind for kind, mnemonic in _PTX_MMA.items() if mnemonic in ptx),
+        "operand_stages": operand_stages,
+    }
+
+
 def compile_one(module_names, name: str, capability: int) -> dict:
     source, options = compile_source(_targets(module_names)[name].launch(), capability)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as error:  # reported per target by the test
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
-    return {"shared": compiled.metadata.shared, **_resource_usage(compiled.asm["cubin"])}
+    return {
+        "shared": compiled.metadata.shared,
+        **_resource_usage(compiled.asm["cubin"]),
+        "num_stages": options["num_stages"],
+        **instruction_selection(compiled.asm["ttgir"], compiled.asm["ptx"]),
+    }
 
 
 def main(module_names) -> None:
