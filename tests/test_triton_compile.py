@@ -81,30 +81,20 @@ FALLBACKS = {
         "the tap shifts x's tile by an unknown offset, so 16-bit x loads 2 bytes at a time, "
         "under cp.async's 4-byte minimum (float32 x is pipelined)"
     ),
+    ("attention_forward_fp16_d256_all_masks@sm_*", "sync:*"): "num_stages 1 in its config",
+    ("attention_grad_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
+    ("attention_*_fp32_*@sm_*", "sync:*"): "num_stages 1 in its config",
+    # The kernel loads Q (dK/dV) or K (dQ) transposed and also feeds it,
+    # transposed back, to a second dot through registers (convert_layout,
+    # tt.trans); with mma.sync dots that keeps the load synchronous.
+    ("attention_grad_key_value_*@sm_80", "sync:q_t"): "q_t also feeds dK transposed, from registers",
+    ("attention_grad_key_value_bf16_d64_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
+    ("attention_grad_key_value_bf16_d128_dense@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
+    ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
+    ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
+    ("attention_grad_query_bf16_d128_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
+    ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",
 }
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
-    FALLBACKS.update({
-        ("attention_*@sm_*", "sync:*"): (
-            "before triton 3.9 _aligned_base's tl.multiple_of marks a tt.call, which inlining drops: "
-            "16-bit tiles load 2 bytes at a time, under cp.async's 4-byte minimum (float32 has num_stages 1)"
-        ),
-    })
-else:
-    FALLBACKS.update({
-        ("attention_forward_fp16_d256_all_masks@sm_*", "sync:*"): "num_stages 1 in its config",
-        ("attention_grad_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
-        ("attention_*_fp32_*@sm_*", "sync:*"): "num_stages 1 in its config",
-        # The kernel loads Q (dK/dV) or K (dQ) transposed and also feeds it,
-        # transposed back, to a second dot through registers (convert_layout,
-        # tt.trans); with mma.sync dots that keeps the load synchronous.
-        ("attention_grad_key_value_*@sm_80", "sync:q_t"): "q_t also feeds dK transposed, from registers",
-        ("attention_grad_key_value_bf16_d64_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
-        ("attention_grad_key_value_bf16_d128_dense@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
-        ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
-        ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
-        ("attention_grad_query_bf16_d128_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
-        ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",
-    })
 
 
 def fallbacks(case_id: str) -> dict:

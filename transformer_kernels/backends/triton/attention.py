@@ -116,7 +116,11 @@ def _head_base(ptr, batch, stride_b, head, stride_h):
 
 @triton.jit
 def _aligned_base(ptr, batch, stride_b, head, stride_h):
-    return tl.multiple_of(_head_base(ptr, batch, stride_b, head, stride_h), 16)
+    # _head_base written out: the hint must sit on the address arithmetic itself.
+    # On a call's result (triton 3.6) inlining drops it, and every 16-bit load
+    # then goes 2 bytes at a time, too narrow for async copies: no pipelining.
+    base = ptr + batch.to(tl.int64) * stride_b + tl.cast(head, tl.int64) * stride_h
+    return tl.multiple_of(base, 16)
 
 
 @triton.jit
@@ -840,11 +844,16 @@ MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # single dK/dV tile serves head dim 256 under both without spilling, and with
 # a dense mask or dropout none does under 3.6 at all (every tile of 16 to 32
 # rows, 1 to 16 warps spills), so ``unsupported_reason`` refuses that case.
-# Nor does one float32 dQ tile (with dropout's per-element Philox) serve both.
+# Nor does one float32 dQ tile (with dropout's per-element Philox) serve both,
+# nor, once 3.6 got the alignment hints that make its loads 16 bytes wide and
+# pipelined (``_aligned_base``), the FAST dK/dV tile at head dim 64 and the
+# MASKED forward at 256 (checked by tests/test_triton_compile.py).
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 if _OLD_TRITON:
-    _FAST_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1)
-    _DENSE_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=16, num_warps=8, num_stages=1)
+    _FAST_CONFIGS[("grad_key_value", 64)] = KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+    _FAST_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1)
+    _DENSE_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1)
+    _MASKED_CONFIGS[("forward", 256)] = KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=1)
     _FLOAT32_CONFIGS[("grad_query", 64)] = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     del _MASKED_CONFIGS[("grad_key_value", 256)]
 MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM

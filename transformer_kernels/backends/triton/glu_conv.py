@@ -621,7 +621,8 @@ def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
     representative problem."""
-    variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "ieee")]
+    # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
+    variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
     return [
         CompileTarget(
