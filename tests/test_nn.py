@@ -248,6 +248,26 @@ def test_float64_matches_torch():
                                   {"key_padding_mask": padding, "need_weights": False})
 
 
+@pytest.mark.parametrize("weights", NEED_WEIGHTS[:2], ids=["fused", "weights"])
+@pytest.mark.parametrize("mask", ["padding_bool", "attn_float_2d", "causal_float", "attn_float_3d+padding_float"])
+def test_autocast_matches_torch(mask, weights):
+    """Under torch.autocast the projections run in bfloat16 and torch casts float masks to it: so does ours."""
+    reference, ours = module_pair(batch_first=True)
+    x = torch.randn(BATCH, LK, EMBED, requires_grad=True)
+    kwargs = {**mask_kwargs(mask, BATCH, LK, LK), **weights}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = reference(x, x, x, **kwargs), ours(x, x, x, **kwargs)
+    bf16_tol = {"atol": 2e-2, "rtol": 2e-2}
+    for a, e in zip(actual, expected):
+        if e is not None:
+            assert a.dtype == e.dtype == torch.bfloat16
+            torch.testing.assert_close(a, e, **bf16_tol)
+    grad = torch.randn_like(expected[0])
+    (expected_grad,) = torch.autograd.grad(expected[0], x, grad)
+    (actual_grad,) = torch.autograd.grad(actual[0], x, grad)
+    torch.testing.assert_close(actual_grad, expected_grad, **bf16_tol)
+
+
 def test_mismatched_mask_dtypes_warn_like_torch():
     reference, ours = module_pair(batch_first=True)
     x = torch.randn(BATCH, LK, EMBED)

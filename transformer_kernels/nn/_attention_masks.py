@@ -48,6 +48,14 @@ class AttentionMasks:
             padding = F.pad(padding, (0, count), value=False)
         return AttentionMasks(attn_mask, padding, self.is_causal)
 
+    def in_dtype(self, dtype: torch.dtype) -> "AttentionMasks":
+        """The masks for scores of ``dtype``: a float ``attn_mask`` cast to it, as ``torch.autocast``
+        casts the mask of torch's attention to the autocast dtype of the projections."""
+        attn_mask = self.attn_mask
+        if attn_mask is None or attn_mask.dtype in (torch.bool, dtype):
+            return self
+        return AttentionMasks(attn_mask.to(dtype), self.key_padding_mask, self.is_causal)
+
     def apply_to_scores(self, scores: Tensor) -> Tensor:
         """``scores [N, H, L, S]`` with the masks applied as torch applies them: a float
         mask added, ``-inf`` at every excluded key (``is_causal`` is never set here)."""

@@ -85,6 +85,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
       end: ``F.linear`` projections, the ``[N, H, L, S]`` scores with the masks added, softmax,
       ``F.dropout`` and ``@ value``; it returns the probabilities it used, so they are
       torch's (with dropout in training, the dropped ones, drawn as torch draws them).
+    - Under ``torch.autocast`` the projections run in the autocast dtype, as ``nn.Linear``
+      does, and a float mask is cast to it, as torch's attention casts it.
     - Nested tensor inputs run torch's own ``forward`` (its inference fast path is the
       only one that takes them).
 
@@ -173,7 +175,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                                                                            self._projection_weights()))
         else:
             q, k, v = self._project_fused(query, key, value, self_attention, shared_key_value)
-        k, v, masks = self._append_keys(k, v, masks)
+        k, v, masks = self._append_keys(k, v, masks.in_dtype(q.dtype))  # q's dtype: autocast's, if enabled
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             attn, weights = self._attention_with_weights(q, k, v, masks, dropout_p)
