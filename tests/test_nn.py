@@ -222,8 +222,9 @@ def test_extra_keys_match_torch(extra, kind, mask, weights):
 @pytest.mark.parametrize("mask", ["none", "attn_bool_2d", "attn_float_3d", "causal_bool", "padding_bool",
                                   "padding_float", "causal_float+padding_float"])
 @pytest.mark.parametrize("kind", ["self", "cross", "kdim_vdim"])
-def test_unbatched_matches_torch(kind, mask, weights):
-    _run_case(kind, True, mask, weights, batch=None)
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])  # ignored when unbatched
+def test_unbatched_matches_torch(batch_first, kind, mask, weights):
+    _run_case(kind, batch_first, mask, weights, batch=None)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -903,6 +904,22 @@ def test_glu_conv_steps_equal_the_causal_convolution(with_residual):
         columns.append(y_t)
     torch.testing.assert_close(torch.stack(columns, dim=2), expected, **TOL)
     torch.testing.assert_close(state, x[:, :, -2:])
+
+
+@pytest.mark.skipif(CUDA, reason="the Triton interpreter runs CPU tensors")
+def test_glu_conv_triton_backend_matches_conv1d_glu():
+    pytest.importorskip("triton")
+    conv, ours = glu_pair(4, 4, 3, padding="causal", pad_value=1.0, backend="triton")
+    x = torch.randn(2, 4, 6, requires_grad=True)
+    expected = glu_reference(conv, x, "causal", 1.0, x, math.sqrt(0.5))
+    actual = ours(x, residual=x, residual_scale=math.sqrt(0.5))
+    torch.testing.assert_close(actual, expected, **TOL)
+    grad = torch.randn_like(expected)
+    for a, e in zip(torch.autograd.grad(actual, [x, *ours.parameters()], grad),
+                    torch.autograd.grad(expected, [x, *conv.parameters()], grad)):
+        torch.testing.assert_close(a, e, **TOL)
+    y_t, _ = ours.step(x[:, :, 0].detach(), ours.initial_state(2))
+    torch.testing.assert_close(y_t, ours(x.detach())[:, :, 0], **TOL)
 
 
 def test_glu_conv_argument_errors():
