@@ -100,6 +100,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     - On the fused path dropout masks differ from torch's for the same seed (the
       statistics are the same).
     - With ``batch_first=True`` the output is contiguous (torch returns a transposed view).
+    - ``torch.jit.script`` cannot compile it (``torch.compile`` can, ``fullgraph=True``).
     - In ``eval()`` under ``torch.no_grad()``, torch's ``TransformerEncoderLayer`` may take
       its fast path, which calls ``torch._transformer_encoder_layer_fwd`` with this
       module's weights and never calls ``forward``: such layers compute with torch's own
