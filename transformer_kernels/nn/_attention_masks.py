@@ -4,7 +4,7 @@
 
 torch's module turns every bool mask into a float one (``-inf`` where True)
 with ``F._canonical_mask`` and adds the key padding mask to ``attn_mask``,
-which materializes ``[N * H, L, S]`` scores-sized masks.  Here a bool mask
+a scores-sized ``[N * H, L, S]`` tensor when both are given.  Here a bool mask
 stays bool: ``attn_mask`` is inverted once (torch's MHA says True = *not*
 allowed, SDPA says True = *may* attend) and a bool ``key_padding_mask`` goes
 to SDPA's ``key_padding_mask`` as it is.  Only a float ``key_padding_mask``,
