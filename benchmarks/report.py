@@ -41,7 +41,7 @@ from typing import Optional
 import interleaved
 
 BENCH_DIR = Path(__file__).resolve().parent
-SUITES = ("attention", "qkv", "glu_conv")
+SUITES = ("attention", "qkv", "glu_conv", "nn")
 
 
 def _device_type() -> str:

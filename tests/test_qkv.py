@@ -433,3 +433,15 @@ def test_cuda_gradients_of_expanded_and_unused_outputs():
     rq, rk, _ = reference_qkv(x, weight, b, 3)
     expected = torch.autograd.grad(rq.sum() + (rk * rk).sum(), (x, weight, b))
     assert_close_to_reference(grads, expected, "grad", rtol=1e-3, atol=1e-3, same_dtype=True)
+
+
+def test_single_projection_gradient_of_any_layout():
+    """n = 1 with a gradient laid out [*batch, H, Dh, L] (a transposed view): the eager backward
+    packs it without assuming the stacked gradient is contiguous."""
+    x, weight, _ = _inputs((3, 5, 8), 1)
+    (q,) = tk.qkv_projection(x, weight, None, num_heads=2, backend="eager")
+    grad = torch.randn(3, 2, 4, 5, dtype=x.dtype).transpose(-1, -2)
+    grads = torch.autograd.grad(q, (x, weight), grad)
+    expected = torch.autograd.grad(reference_qkv(x, weight, None, 2)[0], (x, weight), grad)
+    for actual, reference in zip(grads, expected):
+        torch.testing.assert_close(actual, reference)

@@ -101,7 +101,7 @@ def _as_token_matrix(grad: torch.Tensor, embed_dim: int) -> Optional[torch.Tenso
 
 def _pack(grads: list[torch.Tensor], width: int) -> torch.Tensor:
     """The n head-split gradients ``[*batch, H, L, Dh]`` copied into one ``[T, n*E]`` matrix."""
-    return torch.stack([g.transpose(-3, -2) for g in grads], dim=-3).view(-1, width)
+    return torch.stack([g.transpose(-3, -2) for g in grads], dim=-3).reshape(-1, width)
 
 
 def _backward_onednn(
