@@ -73,7 +73,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
       one at a time.  Then :func:`~transformer_kernels.scaled_dot_product_attention` gets a
       bool ``key_padding_mask`` as it is, never expanded to ``[N, H, L, S]``, and a 2-D
       ``attn_mask`` as ``[L, S]`` (read broadcast).  Dropout is drawn inside the attention
-      op from torch's default generator: ``torch.manual_seed`` reproduces it, but the
+      op from the generator of the inputs' device: ``torch.manual_seed`` reproduces it, but the
       dropped positions differ from torch's for the same seed.
     - A float ``key_padding_mask`` is added to the scores through ``attn_mask``: read as a
       ``[N, 1, 1, S]`` view when it is the only mask, and summed with ``attn_mask`` into a
