@@ -58,6 +58,7 @@ class Backend:
     load: Callable[[str], ModuleType]
 
 
+# Name -> backend, in "auto"'s order: sorted by rank at registration, not on every call.
 _registry: dict[str, Backend] = {}
 
 
@@ -86,14 +87,16 @@ def register_backend(
         auto_device_types: the device types ``"auto"`` may choose it for;
             ``None`` for every device.
     """
+    global _registry
     if name == "auto" or name in _registry:
         raise ValueError(f"backend name {name!r} is taken")
-    _registry[name] = Backend(name, rank, auto_device_types, device_reason, tuple(ops), load)
+    backends = [*_registry.values(), Backend(name, rank, auto_device_types, device_reason, tuple(ops), load)]
+    _registry = {backend.name: backend for backend in sorted(backends, key=lambda backend: backend.rank)}
 
 
 def backend_names() -> tuple[str, ...]:
     """``"auto"`` and the registered backends in ``"auto"``'s order."""
-    return ("auto", *(backend.name for backend in sorted(_registry.values(), key=lambda b: b.rank)))
+    return ("auto", *_registry)
 
 
 def _check_name(name: str, origin: str) -> str:
@@ -158,7 +161,7 @@ def select_backend(op: str, public_name: str, backend: Optional[str], reference:
         device_type = reference.device.type
         candidates = [
             candidate
-            for candidate in sorted(_registry.values(), key=lambda b: b.rank)
+            for candidate in _registry.values()
             if candidate.auto_device_types is None or device_type in candidate.auto_device_types
         ]
     else:

@@ -162,13 +162,3 @@ def broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
         return False
     return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
 
-
-def key_bounds(padding: Tensor) -> Tensor:
-    """int32 ``[B, 2]``: (first non-padding key, last non-padding key + 1); (0, 0) for all-padding rows."""
-    lk = padding.shape[1]
-    index = torch.arange(lk, device=padding.device, dtype=torch.int32)
-    valid = ~padding
-    first = torch.where(valid, index, lk).amin(1)
-    end = torch.where(valid, index + 1, 0).amax(1)
-    first = torch.where(end > 0, first, 0)
-    return torch.stack([first, end], 1).to(torch.int32)

@@ -76,13 +76,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_output(query: Tensor, value: Tensor) -> Tensor:
-    """``out [B, Hq, Lq, Ev]`` with query's dtype over ``[B, Lq, Hq, Ev]`` memory, torch's CPU and
-    flash SDPA layout: ``out.transpose(1, 2).reshape(B, Lq, Hq * Ev)`` is free."""
+def empty_output(query: Tensor, value: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``out [B, Hq, Lq, Ev]`` with query's dtype (or ``dtype``, for a backend's accumulator) over
+    ``[B, Lq, Hq, Ev]`` memory, torch's CPU and flash SDPA layout:
+    ``out.transpose(1, 2).reshape(B, Lq, Hq * Ev)`` is free."""
     batch, heads, lq, _ = query.shape
     value_head_dim = value.shape[-1]
     strides = (lq * heads * value_head_dim, value_head_dim, heads * value_head_dim, 1)
-    return query.new_empty_strided((batch, heads, lq, value_head_dim), strides)
+    return query.new_empty_strided((batch, heads, lq, value_head_dim), strides, dtype=dtype)
 
 
 def empty_lse(query: Tensor) -> Tensor:
@@ -100,7 +101,13 @@ def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
     """int32 ``[B, 2]``: each row's first non-padding key and its last one + 1, (0, 0) for a row
     of padding only.  For backends that plan on the host; the Triton kernels find them
     themselves (a dozen small ops here would be a dozen launches per call)."""
-    return inputs.key_bounds(key_padding_mask)
+    lk = key_padding_mask.shape[1]
+    index = torch.arange(lk, device=key_padding_mask.device, dtype=torch.int32)
+    kept = ~key_padding_mask
+    first = torch.where(kept, index, lk).amin(1)
+    end = torch.where(kept, index + 1, 0).amax(1)
+    first = torch.where(end > 0, first, 0)
+    return torch.stack([first, end], 1).to(torch.int32)
 
 
 def dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:

@@ -364,7 +364,7 @@ def _flash_forward(query, key, value, tiles: list[_Tile], scale):
         return _in_layout(torch.cat(outs), out_target), _in_layout(torch.cat(lses), lse_target)
 
     accumulate_dtype = torch.promote_types(query.dtype, torch.float32)
-    out = empty_output(query, value).to(accumulate_dtype)
+    out = empty_output(query, value, accumulate_dtype)
     lse = torch.full_like(lse_target, float("-inf"))
     # Tiles either cover the same (batch, rows) region or disjoint ones; the first tile of a region is
     # written, later ones are merged in by their log-sum-exps.
