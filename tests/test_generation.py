@@ -1,0 +1,113 @@
+"""The shared search of ``transformer_kernels.models.generate`` against a plain-Python beam search."""
+
+import pytest
+import torch
+
+from transformer_kernels.models import generate
+
+VOCAB, PAD, BOS, EOS = 7, 0, 1, 2
+
+
+class MarkovDecoder:
+    """log p(token | prefix) from a fixed table indexed by (source row, position, last token).
+
+    Its state is the source row of each hypothesis, so ``reorder`` is what carries the
+    source through the beams, as a model's encoder output is carried."""
+
+    def __init__(self, batch_size: int, max_len: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(batch_size, max_len, VOCAB, VOCAB, generator=g, dtype=torch.float64)
+        self.table = self.table.log_softmax(-1)
+        self.steps = 0
+
+    def step(self, prefix, rows):
+        self.steps += 1
+        position = prefix.shape[1] - 1
+        return self.table[rows, position, prefix[:, -1]], rows
+
+    def reorder(self, rows, indices):
+        return rows[indices]
+
+    def log_prob(self, row: int, tokens: list[int]) -> float:
+        return sum(float(self.table[row, t, tokens[t], tokens[t + 1]]) for t in range(len(tokens) - 1))
+
+
+def reference_search(decoder: MarkovDecoder, row: int, max_len: int, beam_size: int) -> list[int]:
+    """Beam search over lists: expand every live prefix by every token, keep the best."""
+    beams = [(0.0, [BOS])]
+    for _ in range(max_len - 1):
+        candidates = []
+        for beam_rank, (score, prefix) in enumerate(beams):
+            if EOS in prefix:
+                candidates.append((score, beam_rank, PAD, prefix + [PAD]))
+                continue
+            for token in range(VOCAB):
+                step = float(decoder.table[row, len(prefix) - 1, prefix[-1], token])
+                candidates.append((score + step, beam_rank, token, prefix + [token]))
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        beams = [(score, prefix) for score, _, _, prefix in candidates[:beam_size]]
+        if all(EOS in prefix for _, prefix in beams):
+            break
+    return max(beams, key=lambda b: b[0])[1]
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_reference_search(beam_size, seed):
+    batch_size, max_len = 3, 6
+    decoder = MarkovDecoder(batch_size, max_len, seed)
+    out = generate(decoder, torch.arange(batch_size), batch_size=batch_size, max_len=max_len,
+                   bos_index=BOS, eos_index=EOS, pad_index=PAD, beam_size=beam_size)
+    assert out.dtype == torch.long and out.shape[0] == batch_size and out.shape[1] <= max_len
+    for row in range(batch_size):
+        expected = reference_search(decoder, row, max_len, beam_size)
+        expected += [PAD] * (out.shape[1] - len(expected))
+        assert out[row].tolist() == expected
+
+
+def test_greedy_is_argmax_and_pads_after_eos():
+    batch_size, max_len = 4, 8
+    decoder = MarkovDecoder(batch_size, max_len, seed=3)
+    out = generate(decoder, torch.arange(batch_size), batch_size=batch_size, max_len=max_len,
+                   bos_index=BOS, eos_index=EOS, pad_index=PAD)
+    for row in range(batch_size):
+        tokens = [BOS]
+        while len(tokens) < out.shape[1] and tokens[-1] != EOS:
+            tokens.append(int(decoder.table[row, len(tokens) - 1, tokens[-1]].argmax()))
+        tokens += [PAD] * (out.shape[1] - len(tokens))
+        assert out[row].tolist() == tokens
+
+
+def test_stops_when_every_hypothesis_ended():
+    batch_size, max_len = 2, 10
+    decoder = MarkovDecoder(batch_size, max_len, seed=0)
+    decoder.table[:, :, :, EOS] = 0.0  # eos is the best first token of every row
+    out = generate(decoder, torch.arange(batch_size), batch_size=batch_size, max_len=max_len,
+                   bos_index=BOS, eos_index=EOS, pad_index=PAD)
+    assert out.tolist() == [[BOS, EOS]] * batch_size
+    assert decoder.steps == 1
+
+
+def ended(tokens: torch.Tensor) -> list[int]:
+    """The tokens up to and including the first eos."""
+    tokens = tokens.tolist()
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def test_beam_search_finds_a_better_sequence_than_greedy():
+    # Over many random tables, beam search's best score is never below greedy's.
+    for seed in range(10):
+        decoder = MarkovDecoder(2, 5, seed)
+        kwargs = dict(batch_size=2, max_len=5, bos_index=BOS, eos_index=EOS, pad_index=PAD)
+        greedy = generate(decoder, torch.arange(2), **kwargs)
+        beam = generate(decoder, torch.arange(2), beam_size=4, **kwargs)
+        for row in range(2):
+            assert decoder.log_prob(row, ended(beam[row])) >= decoder.log_prob(row, ended(greedy[row])) - 1e-12
+
+
+@pytest.mark.parametrize("kwargs, message", [({"beam_size": 0}, "beam_size"), ({"max_len": 0}, "max_len")])
+def test_rejects_bad_arguments(kwargs, message):
+    decoder = MarkovDecoder(1, 3, seed=0)
+    args = dict(batch_size=1, max_len=3, bos_index=BOS, eos_index=EOS, pad_index=PAD) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(decoder, torch.arange(1), **args)
