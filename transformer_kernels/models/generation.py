@@ -75,12 +75,13 @@ def generate(
     row_base = torch.arange(batch_size, device=device).repeat_interleave(beam_size) * beam_size
     for _ in range(max_len - 1):
         log_probs, state = decoder.step(prefix, state)
-        log_probs = log_probs.float()
+        # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
+        log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
         vocab_size = log_probs.shape[-1]
         # An ended hypothesis continues only with pad, at no cost: its score stays as it was.
         log_probs[finished] = float("-inf")
         log_probs[finished, pad_index] = 0.0
-        candidates = (scores[:, None] + log_probs).view(batch_size, beam_size * vocab_size)
+        candidates = (scores.to(log_probs.dtype)[:, None] + log_probs).view(batch_size, beam_size * vocab_size)
         top_scores, top_indices = candidates.topk(beam_size, dim=1)
         source_rows = row_base + (top_indices // vocab_size).view(rows)
         tokens = (top_indices % vocab_size).view(rows)
