@@ -118,16 +118,23 @@ class ConvEncoder(torch.nn.Module):
         self.convs = torch.nn.ModuleList(GLUConv1d(hid_dim, hid_dim, kernel_size) for _ in range(num_layers))
         self.dropout = torch.nn.Dropout(dropout)
 
-    def forward(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """``src`` ``[B, S]`` -> ``(conved, combined)``, both ``[B, S, E]``."""
+    def forward(self, src: Tensor, key_padding_mask: Optional[Tensor] = None) -> EncoderOutput:
+        """``src`` ``[B, S]`` -> its :class:`EncoderOutput`.  ``key_padding_mask`` ``[B, S]`` (True =
+        padding) or None: padded positions enter every convolution as zeros, so they reach no
+        other position (the seed's convolutions read them), and the decoder will not attend to
+        them."""
         positions = torch.arange(src.shape[1], device=src.device)
         embedded = self.dropout(self.tok_embedding(src) + self.pos_embedding(positions))
         hidden = self.emb2hid(embedded)
+        padding = None if key_padding_mask is None else key_padding_mask[:, :, None]
         for conv in self.convs:
+            conv_input = self.dropout(hidden)
+            if padding is not None:
+                conv_input = conv_input.masked_fill(padding, 0.0)
             # The residual is the block's input before dropout, as in the seed.
-            hidden = _glu_conv(conv, self.impl, self.dropout(hidden), residual=hidden, residual_scale=_SCALE)
+            hidden = _glu_conv(conv, self.impl, conv_input, residual=hidden, residual_scale=_SCALE)
         conved = self.hid2emb(hidden)
-        return conved, (conved + embedded) * _SCALE
+        return EncoderOutput(conved, (conved + embedded) * _SCALE, key_padding_mask)
 
 
 class ConvDecoder(torch.nn.Module):
@@ -246,10 +253,12 @@ class ConvSeq2Seq(torch.nn.Module):
         impl: ``"fused"`` (:func:`transformer_kernels.glu_conv1d`,
             :func:`transformer_kernels.scaled_dot_product_attention`) or ``"reference"`` (the
             seed's math from :mod:`transformer_kernels.reference`).  Same parameters either way.
-        mask_source_padding: the decoder's attention gives padded source positions
-            (``src == pad_index``) weight exactly 0, and a padded row gives what it gives alone
-            without its padding.  The seed attends to its padding (its outputs depend on how much
-            padding a batch has); ``False`` reproduces it exactly.
+        mask_source_padding: padded source positions (``src == pad_index``) enter every encoder
+            convolution as zeros (as fairseq's ``FConvEncoder`` masks them) and get attention
+            weight exactly 0, so a row padded at its end gives what it gives alone, unpadded.
+            The seed does neither: its convolutions read the pad token's features and its
+            attention attends to them, so its outputs depend on how much padding a batch has.
+            ``False`` reproduces the seed exactly.
 
     The fused decoder never materializes attention weights except in its last layer, whose
     weights :meth:`forward` returns: that layer attends with them (a softmax and two batched
@@ -321,8 +330,7 @@ class ConvSeq2Seq(torch.nn.Module):
     def encode(self, src: Tensor) -> EncoderOutput:
         """``src`` ``[B, S]`` -> what the decoder attends to (:class:`EncoderOutput`)."""
         self._check_tokens("src", src)
-        conved, combined = self.encoder(src)
-        return EncoderOutput(conved, combined, src.eq(self.pad_index) if self.mask_source_padding else None)
+        return self.encoder(src, src.eq(self.pad_index) if self.mask_source_padding else None)
 
     def forward(self, src: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
         """Teacher-forced decoding.
