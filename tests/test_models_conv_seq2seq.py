@@ -317,7 +317,7 @@ def loss_of(model, src, tgt):
 def test_torch_compile_fullgraph_training_step():
     # The whole model in one graph, forward and backward, through the ops' fake kernels and
     # autograd registrations.  aot_eager: inductor's C++ code generation for the whole training
-    # graph takes about a minute on a CPU (tests/test_glu_conv.py and test_attention.py compile
+    # graph takes tens of seconds on a CPU (tests/test_glu_conv.py and test_attention.py compile
     # the ops themselves with inductor).
     torch._dynamo.reset()
     model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, dropout=0.0, **TINY)

@@ -265,6 +265,10 @@ class ConvSeq2Seq(torch.nn.Module):
     matmuls, the seed's own math), so returning them costs nothing beyond the seed's work.
     ``emb_dim`` above 256 (the fused attention's head dim limit) attends that way in every layer.
 
+    Shape:
+        - ``src``: ``[B, S]`` and ``tgt``: ``[B, T]``, token ids (int64), ``S, T <= max_len``.
+        - Output: ``logits`` ``[B, T, tgt_vocab_size]`` and ``attention`` ``[B, T, S]``.
+
     Example::
 
         >>> model = ConvSeq2Seq(1000, 1200, emb_dim=64, hid_dim=128, num_encoder_layers=2,
