@@ -385,7 +385,7 @@ def test_bad_forward_and_generate_arguments():
     model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, **TINY)
     src, tgt = make_batch()
     with pytest.raises(TypeError, match="src must have dtype in"):
-        model(src.int(), tgt)
+        model(src.float(), tgt)
     with pytest.raises(ValueError, match="tgt must be 2-D"):
         model(src, tgt[0])
     with pytest.raises(ValueError, match=r"src must have 1 to max_len = 12 positions"):

@@ -4,8 +4,8 @@
 seed's checkpoints load with ``strict=True``; ``impl="fused"`` computes with
 :func:`transformer_kernels.glu_conv1d` and :func:`transformer_kernels.scaled_dot_product_attention`,
 ``impl="reference"`` with the seed's naive math from :mod:`transformer_kernels.reference`.
-Activations stay channel-last ``[B, L, C]`` throughout: the convolutions read them transposed in
-place, so neither implementation permutes.
+Activations stay channel-last ``[B, L, C]`` throughout and the convolutions take them as
+transposed views: the fused op reads them in place and writes channel-last, so no layer permutes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import reference
@@ -266,7 +265,7 @@ class ConvSeq2Seq(torch.nn.Module):
     ``emb_dim`` above 256 (the fused attention's head dim limit) attends that way in every layer.
 
     Shape:
-        - ``src``: ``[B, S]`` and ``tgt``: ``[B, T]``, token ids (int64), ``S, T <= max_len``.
+        - ``src``: ``[B, S]`` and ``tgt``: ``[B, T]``, token ids (int64 or int32), ``S, T <= max_len``.
         - Output: ``logits`` ``[B, T, tgt_vocab_size]`` and ``attention`` ``[B, T, S]``.
 
     Example::
@@ -340,8 +339,8 @@ class ConvSeq2Seq(torch.nn.Module):
         """Teacher-forced decoding.
 
         Args:
-            src: LongTensor ``[B, S]``, source token ids, ``1 <= S <= max_len``.
-            tgt: LongTensor ``[B, T]``, the decoder's input (the target without its last token),
+            src: ``[B, S]`` source token ids (int64 or int32), ``1 <= S <= max_len``.
+            tgt: ``[B, T]`` token ids, the decoder's input (the target without its last token),
                 ``1 <= T <= max_len``, on ``src``'s device.
 
         Returns:
@@ -365,7 +364,7 @@ class ConvSeq2Seq(torch.nn.Module):
         whole prefix every step.  Dropout applies as in :meth:`forward`: call ``eval()`` first.
 
         Args:
-            src: LongTensor ``[B, S]``.
+            src: ``[B, S]`` token ids.
             max_len: the longest output, ``bos_index`` included; the decoder reads prefixes of up to
                 ``max_len - 1`` tokens, whose positions the model's ``max_len`` must cover.
             bos_index, eos_index: the first token of every output, and the token that ends one.
@@ -390,7 +389,7 @@ class ConvSeq2Seq(torch.nn.Module):
         )
 
     def _check_tokens(self, name: str, tokens: Tensor) -> None:
-        check_tensor(name, tokens, ndim=2, dtypes=(torch.int64,))
+        check_tensor(name, tokens, ndim=2, dtypes=(torch.int64, torch.int32))
         if not 1 <= tokens.shape[1] <= self.max_len:
             raise ValueError(f"{name} must have 1 to max_len = {self.max_len} positions, got shape "
                              f"{tuple(tokens.shape)}")
