@@ -1,5 +1,6 @@
 """The two seed model families on the fused ops, with cached greedy and beam-search generation."""
 
+from .conv_seq2seq import ConvSeq2Seq
 from .generation import IncrementalDecoder, generate
 
-__all__ = ["IncrementalDecoder", "generate"]
+__all__ = ["ConvSeq2Seq", "IncrementalDecoder", "generate"]
