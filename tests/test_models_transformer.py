@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from _helpers import ForwardSpy, assert_close_to_reference
 
 from transformer_kernels.models import Transformer, generate
+from transformer_kernels.models.transformer import _CachedDecoder
 from transformer_kernels.ops.attention import Causal
 
 SRC_VOCAB, TGT_VOCAB = 11, 13
@@ -28,7 +29,8 @@ def tokens(vocab: int, lengths: list[int], length: int) -> torch.Tensor:
 
 
 def batch(src_lengths=(7, 4, 6), tgt_lengths=(5, 6, 3)):
-    return tokens(SRC_VOCAB, list(src_lengths), max(src_lengths)), tokens(TGT_VOCAB, list(tgt_lengths), max(tgt_lengths))
+    src = tokens(SRC_VOCAB, list(src_lengths), max(src_lengths))
+    return src, tokens(TGT_VOCAB, list(tgt_lengths), max(tgt_lengths))
 
 
 def loss_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,25 @@ def test_fused_matches_reference_outputs_loss_and_every_gradient():
     assert_close_to_reference(
         [logits, loss, *grads.values()], [expected_logits, expected_loss, *expected_grads.values()], names, tol=TOL
     )
+
+
+def test_all_padding_source_attends_to_nothing():
+    # A source of padding only: its queries see no key, so attention gives 0 (not the seeds' uniform
+    # average of the padding, not NaN) on both paths, and gradients stay finite.
+    fused = tiny_model("fused")
+    reference = tiny_model("reference")
+    reference.load_state_dict(fused.state_dict())
+    src, tgt = batch(src_lengths=(5, 0, 3))
+    logits, loss, grads = loss_and_grads(fused, src, tgt)
+    expected_logits, expected_loss, expected_grads = loss_and_grads(reference, src, tgt)
+    assert_close_to_reference(
+        [logits, loss, *grads.values()], [expected_logits, expected_loss, *expected_grads.values()],
+        ["logits", "loss", *grads], tol=TOL,
+    )
+    layer = fused.transformer.decoder.layers[0].multihead_attn
+    q, k, v = (torch.randn(3, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    out = layer.attend(q, k, v, key_padding_mask=src.eq(PAD)[:, :4])
+    torch.testing.assert_close(out[1], layer.out_proj.bias.expand(4, -1), rtol=0, atol=0)
 
 
 def test_fused_runs_on_the_ops_with_unexpanded_masks(monkeypatch):
@@ -134,10 +155,11 @@ def test_stack_is_nn_transformer(impl):
 
 def test_stack_initializes_like_nn_transformer():
     # Xavier-uniform matrices, zero attention biases, unit norms (same distributions, not values).
+    # linear2 [64, 256]: Xavier's bound is 0.137, nn.Linear's own 1 / sqrt(256) = 0.0625.
     model = Transformer(SRC_VOCAB, TGT_VOCAB, d_model=64, nhead=4, dim_feedforward=256)
     layer = model.transformer.decoder.layers[0]
     bound = (6 / (64 + 256)) ** 0.5
-    assert layer.linear1.weight.abs().max() <= bound and layer.linear1.weight.abs().max() > 0.9 * bound
+    assert 0.9 * bound < layer.linear2.weight.abs().max() <= bound
     assert torch.equal(layer.self_attn.in_proj_bias, torch.zeros(3 * 64))
     assert torch.equal(layer.norm3.weight, torch.ones(64))
 
@@ -207,8 +229,6 @@ def test_cached_generation_matches_rerunning_forward(impl, beam_size):
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 def test_cached_step_log_probs_match_forward(impl):
     # The cache, position by position along a fixed prefix (every row of every step, not only the argmax).
-    from transformer_kernels.models.transformer import _CachedDecoder
-
     model = tiny_model(impl).eval()
     src, tgt = batch()
     tgt[:, 0] = BOS

@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
         for embedding in (self.src_embedding, self.tgt_embedding):
             nn.init.normal_(embedding.weight, std=d_model**-0.5)
-        self.register_buffer("positions", _sinusoidal_positions(max_len, d_model), persistent=False)
+        self.register_buffer("positional_encoding", _sinusoidal_positions(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
         self.transformer = _EncoderDecoder(
             d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward, dropout, impl
@@ -211,7 +211,7 @@ class Transformer(nn.Module):
 
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
         """``tokens [B, L]`` at positions ``start, ..., start + L - 1`` -> ``[B, L, E]``."""
-        positions = self.positions[start : start + tokens.shape[1]]
+        positions = self.positional_encoding[start : start + tokens.shape[1]]
         return self.dropout(embedding(tokens) * math.sqrt(self.d_model) + positions)
 
     def _check_tokens(self, name: str, tokens: object) -> None:
