@@ -26,7 +26,7 @@ from . import generation
 
 __all__ = ["Transformer"]
 
-IMPLS = ("fused", "reference")
+_IMPLS = ("fused", "reference")
 
 # Row blocks of in_proj_weight (q | k | v, each E rows): (first block, end block).
 _PROJECTIONS = {"qkv": (0, 3), "q": (0, 1), "kv": (1, 3)}
@@ -45,7 +45,8 @@ class Transformer(nn.Module):
       ``torch.nn.Transformer`` computes them.
     - Source tokens equal to ``pad_index`` are padding: no encoder query and no decoder
       (cross-attention) query attends to them.  The decoder's self-attention is causal; target
-      padding needs no mask of its own, since a target position sees only the positions before it.
+      padding needs no mask of its own, since it follows a target's tokens and each position sees
+      only itself and the positions before it.
     - A linear output projection to ``tgt_vocab_size`` logits.
 
     Args:
@@ -134,8 +135,8 @@ class Transformer(nn.Module):
                 f"pad_index must be a token of both vocabularies (< {min(src_vocab_size, tgt_vocab_size)}), "
                 f"got {pad_index}"
             )
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
         self.d_model, self.max_len, self.pad_index, self._impl = d_model, max_len, pad_index, impl
         self.src_embedding = nn.Embedding(src_vocab_size, d_model)
         self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
