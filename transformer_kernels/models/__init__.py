@@ -2,5 +2,6 @@
 
 from .conv_seq2seq import ConvSeq2Seq
 from .generation import IncrementalDecoder, generate
+from .transformer import Transformer
 
-__all__ = ["ConvSeq2Seq", "IncrementalDecoder", "generate"]
+__all__ = ["ConvSeq2Seq", "IncrementalDecoder", "Transformer", "generate"]

@@ -1,0 +1,473 @@
+"""The seeds' encoder-decoder Transformer on the fused attention ops, with cached generation.
+
+``Transformer.transformer`` is the encoder-decoder stack laid out exactly as
+``torch.nn.Transformer(..., batch_first=True)`` lays out its modules (post-LN layers with
+torch's names and a final norm after each stack), so their ``state_dict``\\ s are
+interchangeable.  Each attention layer keeps its projection and its attention apart
+(:meth:`_Attention.project`, :meth:`_Attention.attend`) so that the decoder can cache keys
+and values while generating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import reference
+from ..nn import MultiheadAttention
+from ..ops.attention import scaled_dot_product_attention
+from ..ops.qkv import qkv_projection
+from . import generation
+
+__all__ = ["Transformer"]
+
+_IMPLS = ("fused", "reference")
+
+# Row blocks of in_proj_weight (q | k | v, each E rows): (first block, end block).
+_PROJECTIONS = {"qkv": (0, 3), "q": (0, 1), "kv": (1, 3)}
+
+
+class Transformer(nn.Module):
+    r"""The seeds' encoder-decoder Transformer (Vaswani et al., 2017), on
+    :func:`transformer_kernels.qkv_projection` and
+    :func:`transformer_kernels.scaled_dot_product_attention`.
+
+    - Token embeddings scaled by :math:`\sqrt{d_{model}}`, plus sinusoidal positions
+      (:math:`PE_{p, 2i} = \sin(p / 10000^{2i/d_{model}})`, :math:`PE_{p, 2i+1} = \cos(\cdot)`),
+      then dropout.
+    - Post-LN encoder and decoder layers (attention, then a ReLU feed-forward; each sublayer
+      ``norm(x + dropout(sublayer(x)))``), and a final LayerNorm after each stack, exactly as
+      ``torch.nn.Transformer`` computes them.
+    - Source tokens equal to ``pad_index`` are padding: no encoder query and no decoder
+      (cross-attention) query attends to them.  The decoder's self-attention is causal; target
+      padding needs no mask of its own, since it follows a target's tokens and each position sees
+      only itself and the positions before it.
+    - A linear output projection to ``tgt_vocab_size`` logits.
+
+    Args:
+        src_vocab_size, tgt_vocab_size: the vocabulary sizes.
+        d_model: the embedding and model width ``E``.
+        nhead: attention heads; must divide ``d_model``.
+        num_encoder_layers, num_decoder_layers: layers in each stack.
+        dim_feedforward: the feed-forward's hidden width.
+        dropout: dropout on the embedded inputs, the attention weights, the feed-forward's
+            hidden layer and every sublayer's output, as in ``torch.nn.Transformer``.
+        max_len: the longest source or target sequence (the positions' table size).
+        pad_index: the padding token of both vocabularies.
+        impl: ``"fused"`` computes attention with the fused ops
+            (:func:`~transformer_kernels.qkv_projection` with the packed ``in_proj_weight``,
+            :func:`~transformer_kernels.scaled_dot_product_attention` with the source padding as its
+            ``key_padding_mask`` and ``is_causal`` for the decoder, never an expanded mask);
+            ``"reference"`` with the seeds' naive math (:mod:`transformer_kernels.reference`:
+            three separate projections, materialized scores).  The modules and parameters are the
+            same either way, so a ``state_dict`` loads into either.  Fixed at construction.
+
+    Attributes:
+        src_embedding, tgt_embedding: :class:`torch.nn.Embedding` ``(vocab_size, d_model)``,
+            initialized from :math:`\mathcal{N}(0, 1/d_{model})` so that the scaled embeddings have
+            unit variance, like the positions.
+        transformer: the encoder-decoder stack, with the modules, parameter names and
+            initialization of ``torch.nn.Transformer(d_model, nhead, num_encoder_layers,
+            num_decoder_layers, dim_feedforward, dropout, batch_first=True)``:
+            ``transformer.load_state_dict(torch_transformer.state_dict())`` works with
+            ``strict=True``, and the other way round.  Its attention modules are
+            :class:`transformer_kernels.nn.MultiheadAttention`; calling it takes embedded inputs
+            ``(src [B, S, E], tgt [B, T, E], src_key_padding_mask [B, S])`` and returns
+            ``[B, T, E]``, what ``torch.nn.Transformer`` returns for the same key padding mask as
+            ``src_key_padding_mask`` and ``memory_key_padding_mask`` and a causal ``tgt_mask``.
+        output_projection: :class:`torch.nn.Linear` ``(d_model, tgt_vocab_size)``.
+
+    Shape:
+        - ``src``: ``[B, S]`` token ids (int64 or int32), ``1 <= S <= max_len``.
+        - ``tgt``: ``[B, T]`` token ids, the teacher-forced decoder input, ``1 <= T <= max_len``.
+        - output: ``[B, T, tgt_vocab_size]`` logits; position ``t`` predicts token ``t + 1``.
+
+    Differences from the seeds: a source that is all padding gives its decoder queries no
+    source to attend to, so their cross-attention output is 0 (the package's convention),
+    where the seeds' ``masked_fill(-1e9)`` attends uniformly to the padding.
+
+    Example::
+
+        >>> model = Transformer(1000, 1000, d_model=512, nhead=8)
+        >>> src = torch.randint(1, 1000, (32, 40))
+        >>> tgt = torch.randint(1, 1000, (32, 35))
+        >>> model(src, tgt).shape
+        torch.Size([32, 35, 1000])
+        >>> model.eval().generate(src, max_len=50, bos_index=1, eos_index=2, beam_size=4).shape[1] <= 50
+        True
+    """
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        *,
+        d_model: int = 512,
+        nhead: int = 8,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        max_len: int = 1024,
+        pad_index: int = 0,
+        impl: str = "fused",
+    ) -> None:
+        super().__init__()
+        for name, value, minimum in (
+            ("src_vocab_size", src_vocab_size, 1), ("tgt_vocab_size", tgt_vocab_size, 1), ("d_model", d_model, 1),
+            ("nhead", nhead, 1), ("num_encoder_layers", num_encoder_layers, 0),
+            ("num_decoder_layers", num_decoder_layers, 0), ("dim_feedforward", dim_feedforward, 1),
+            ("max_len", max_len, 1),
+        ):
+            _check_int(name, value, minimum)
+        if d_model % nhead != 0:
+            raise ValueError(f"d_model must be divisible by nhead, got d_model={d_model} and nhead={nhead}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        _check_int("pad_index", pad_index, 0)
+        if pad_index >= min(src_vocab_size, tgt_vocab_size):
+            raise ValueError(
+                f"pad_index must be a token of both vocabularies (< {min(src_vocab_size, tgt_vocab_size)}), "
+                f"got {pad_index}"
+            )
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+        self.d_model, self.max_len, self.pad_index, self._impl = d_model, max_len, pad_index, impl
+        self.src_embedding = nn.Embedding(src_vocab_size, d_model)
+        self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
+        for embedding in (self.src_embedding, self.tgt_embedding):
+            nn.init.normal_(embedding.weight, std=d_model**-0.5)
+        self.register_buffer("positional_encoding", _sinusoidal_positions(max_len, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = _EncoderDecoder(
+            d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward, dropout, impl
+        )
+        self.output_projection = nn.Linear(d_model, tgt_vocab_size)
+
+    @property
+    def impl(self) -> str:
+        """``"fused"`` or ``"reference"``: how attention is computed."""
+        return self._impl
+
+    def extra_repr(self) -> str:
+        return f"impl={self._impl!r}, max_len={self.max_len}, pad_index={self.pad_index}"
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """``src [B, S]``, ``tgt [B, T]`` token ids -> logits ``[B, T, tgt_vocab_size]``."""
+        self._check_tokens("src", src)
+        self._check_tokens("tgt", tgt)
+        if src.shape[0] != tgt.shape[0]:
+            raise ValueError(f"src and tgt must have the same batch size, got {src.shape[0]} and {tgt.shape[0]}")
+        padding = src.eq(self.pad_index)
+        out = self.transformer(self._embed(self.src_embedding, src), self._embed(self.tgt_embedding, tgt), padding)
+        return self.output_projection(out)
+
+    @torch.no_grad()
+    def generate(self, src: Tensor, *, max_len: int, bos_index: int, eos_index: int, beam_size: int = 1) -> Tensor:
+        r"""Decode a target for each source, greedily (``beam_size=1``) or by beam search.
+
+        Runs in evaluation mode (no dropout) whatever the module's mode, which it restores.
+        The encoder runs once; the decoder runs one position per step, with each layer's
+        self-attention keys and values cached and its cross-attention keys and values projected
+        once from the encoder output.  The tokens are those of a search that re-runs
+        :meth:`forward` on the whole prefix at every step (see
+        :func:`transformer_kernels.models.generate` for the search and its tie-breaking).
+
+        Args:
+            src: ``[B, S]`` source token ids, padded with ``pad_index``.
+            max_len: the longest output, ``bos_index`` included; at most the model's ``max_len``.
+            bos_index: the first token of every output.
+            eos_index: the token that ends a hypothesis; after it a row holds ``pad_index``.
+            beam_size: 1 for greedy search, else the number of beams.
+
+        Returns:
+            LongTensor ``[B, T]``, ``T <= max_len``, on ``src``'s device.
+        """
+        self._check_tokens("src", src)
+        _check_int("max_len", max_len, 1)
+        if max_len > self.max_len:
+            raise ValueError(f"max_len must be at most the model's max_len ({self.max_len}), got {max_len}")
+        vocab_size = self.tgt_embedding.num_embeddings
+        for name, index in (("bos_index", bos_index), ("eos_index", eos_index)):
+            _check_int(name, index, 0)
+            if index >= vocab_size:
+                raise ValueError(f"{name} must be a target token (< {vocab_size}), got {index}")
+        was_training = self.training
+        self.eval()
+        try:
+            padding = src.eq(self.pad_index)
+            memory = self.transformer.encoder(self._embed(self.src_embedding, src), padding)
+            state = self.transformer.decoder.initial_state(memory, padding)
+            return generation.generate(
+                _CachedDecoder(self), state, batch_size=src.shape[0], max_len=max_len, bos_index=bos_index,
+                eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size, device=src.device,
+            )
+        finally:
+            self.train(was_training)
+
+    def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
+        """``tokens [B, L]`` at positions ``start, ..., start + L - 1`` -> ``[B, L, E]``."""
+        positions = self.positional_encoding[start : start + tokens.shape[1]]
+        return self.dropout(embedding(tokens) * math.sqrt(self.d_model) + positions)
+
+    def _check_tokens(self, name: str, tokens: object) -> None:
+        if not isinstance(tokens, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must hold token ids (int64 or int32), got {tokens.dtype}")
+        if tokens.dim() != 2 or not 1 <= tokens.shape[1] <= self.max_len:
+            raise ValueError(
+                f"{name} must have shape [B, L] with 1 <= L <= max_len = {self.max_len}, got {tuple(tokens.shape)}"
+            )
+
+
+class _CachedDecoder:
+    """A :class:`Transformer` as :func:`generate`'s ``IncrementalDecoder``: each step embeds the
+    newest token only and runs :meth:`_Decoder.step`."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def step(self, prefix: Tensor, state: "_DecoderState") -> tuple[Tensor, "_DecoderState"]:
+        model = self.model
+        x = model._embed(model.tgt_embedding, prefix[:, -1:], start=prefix.shape[1] - 1)
+        x, state = model.transformer.decoder.step(x, state)
+        return model.output_projection(x[:, 0]).log_softmax(-1), state
+
+    def reorder(self, state: "_DecoderState", indices: Tensor) -> "_DecoderState":
+        return state.index(indices)
+
+
+# ----------------------------------------------------------------------------- the stack
+
+
+class _Attention(MultiheadAttention):
+    """One attention layer: :class:`transformer_kernels.nn.MultiheadAttention`'s parameters
+    (``batch_first``), with the projection and the attention as separate calls, so that the
+    decoder can project a memory once and cache keys and values.  ``impl`` picks the math."""
+
+    def __init__(self, d_model: int, nhead: int, dropout: float, impl: str) -> None:
+        super().__init__(d_model, nhead, dropout=dropout, batch_first=True)
+        self.impl = impl
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, [f"impl={self.impl!r}", super().extra_repr()]))
+
+    def project(self, x: Tensor, which: str) -> tuple[Tensor, ...]:
+        """``x [N, L, E]`` -> the ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) projections, each
+        head-split ``[N, H, L, E / H]``."""
+        first, end = _PROJECTIONS[which]
+        rows = slice(first * self.embed_dim, end * self.embed_dim)
+        weight, bias = self.in_proj_weight[rows], self.in_proj_bias[rows]
+        if self.impl == "fused":
+            return qkv_projection(x, weight, bias, num_heads=self.num_heads, backend=self.backend)
+        return reference.qkv_projection(x, weight, bias, self.num_heads)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None, is_causal: bool = False
+    ) -> Tensor:
+        """``q [N, H, L, Dh]``, ``k``, ``v`` ``[N, H, S, Dh]``, ``key_padding_mask`` bool ``[N, S]``
+        (True = padding) -> the heads merged and through ``out_proj``, ``[N, L, E]``."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.impl == "fused":
+            out = scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                backend=self.backend,
+            )
+        else:
+            keep = None
+            if dropout_p > 0.0:
+                keep = torch.rand(*q.shape[:-1], k.shape[-2], device=q.device) >= dropout_p
+            # -inf rather than the seeds' -1e9: a query without keys (an all-padding source) gets 0,
+            # as on the fused path, instead of a uniform average of the padding.
+            out = reference.attention(
+                q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, masked_value=float("-inf"),
+                dropout_p=dropout_p, dropout_keep_mask=keep,
+            )
+        batch, heads, length, head_dim = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))
+
+
+def _feed_forward(layer: nn.Module, x: Tensor) -> Tensor:
+    return layer.linear2(layer.dropout(F.relu(layer.linear1(x))))
+
+
+class _EncoderLayer(nn.Module):
+    """``torch.nn.TransformerEncoderLayer(norm_first=False, activation="relu")``'s modules and math."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float, impl: str) -> None:
+        super().__init__()
+        self.self_attn = _Attention(d_model, nhead, dropout, impl)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor) -> Tensor:
+        q, k, v = self.self_attn.project(x, "qkv")
+        x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v, key_padding_mask=key_padding_mask)))
+        return self.norm2(x + self.dropout2(_feed_forward(self, x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerCache:
+    """One decoder layer's keys and values, ``[N, H, length, Dh]``: its self-attention's for the
+    ``t`` positions decoded so far, its cross-attention's for the ``S`` source positions."""
+
+    key: Tensor
+    value: Tensor
+    memory_key: Tensor
+    memory_value: Tensor
+
+    def index(self, indices: Tensor) -> "_LayerCache":
+        return _LayerCache(self.key[indices], self.value[indices], self.memory_key[indices], self.memory_value[indices])
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecoderState:
+    """What the decoder carries from one generation step to the next, for ``N`` hypotheses."""
+
+    memory_key_padding_mask: Tensor  # bool [N, S], True = source padding
+    layers: tuple[_LayerCache, ...]
+
+    def index(self, indices: Tensor) -> "_DecoderState":
+        """The state of hypotheses ``indices`` (LongTensor ``[N']``), in that order."""
+        return _DecoderState(self.memory_key_padding_mask[indices], tuple(c.index(indices) for c in self.layers))
+
+
+class _DecoderLayer(nn.Module):
+    """``torch.nn.TransformerDecoderLayer(norm_first=False, activation="relu")``'s modules and math,
+    with a causal self-attention, plus :meth:`step` for one new position over cached keys."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int, dropout: float, impl: str) -> None:
+        super().__init__()
+        self.self_attn = _Attention(d_model, nhead, dropout, impl)
+        self.multihead_attn = _Attention(d_model, nhead, dropout, impl)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.norm3 = nn.LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor) -> Tensor:
+        q, k, v = self.self_attn.project(x, "qkv")
+        x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v, is_causal=True)))
+        memory_key, memory_value = self.multihead_attn.project(memory, "kv")
+        return self._cross_attention_and_feed_forward(x, memory_key, memory_value, memory_key_padding_mask)
+
+    def step(self, x: Tensor, cache: _LayerCache, memory_key_padding_mask: Tensor) -> tuple[Tensor, _LayerCache]:
+        """``x [N, 1, E]``, the newest position, attending to itself and the cached positions."""
+        q, k, v = self.self_attn.project(x, "qkv")
+        k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
+        x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v)))
+        x = self._cross_attention_and_feed_forward(x, cache.memory_key, cache.memory_value, memory_key_padding_mask)
+        return x, dataclasses.replace(cache, key=k, value=v)
+
+    def _cross_attention_and_feed_forward(
+        self, x: Tensor, memory_key: Tensor, memory_value: Tensor, memory_key_padding_mask: Tensor
+    ) -> Tensor:
+        (q,) = self.multihead_attn.project(x, "q")
+        attended = self.multihead_attn.attend(q, memory_key, memory_value, key_padding_mask=memory_key_padding_mask)
+        x = self.norm2(x + self.dropout2(attended))
+        return self.norm3(x + self.dropout3(_feed_forward(self, x)))
+
+
+class _Encoder(nn.Module):
+    """``torch.nn.TransformerEncoder``'s ``layers`` and final ``norm``."""
+
+    def __init__(self, layers: list[_EncoderLayer], d_model: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, key_padding_mask)
+        return self.norm(x)
+
+
+class _Decoder(nn.Module):
+    """``torch.nn.TransformerDecoder``'s ``layers`` and final ``norm``, run on a whole target
+    (:meth:`forward`) or one position at a time (:meth:`initial_state`, :meth:`step`)."""
+
+    def __init__(self, layers: list[_DecoderLayer], d_model: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, memory, memory_key_padding_mask)
+        return self.norm(x)
+
+    def initial_state(self, memory: Tensor, memory_key_padding_mask: Tensor) -> _DecoderState:
+        """Before the first position: every layer's cross-attention keys and values of ``memory``
+        ``[N, S, E]``, and empty self-attention caches."""
+        caches = []
+        for layer in self.layers:
+            memory_key, memory_value = layer.multihead_attn.project(memory, "kv")
+            empty = memory_key.new_empty(*memory_key.shape[:2], 0, memory_key.shape[-1])
+            caches.append(_LayerCache(empty, empty, memory_key, memory_value))
+        return _DecoderState(memory_key_padding_mask, tuple(caches))
+
+    def step(self, x: Tensor, state: _DecoderState) -> tuple[Tensor, _DecoderState]:
+        """``x [N, 1, E]``, the embedded newest token of each hypothesis -> ``[N, 1, E]`` and the state
+        with its keys and values appended."""
+        caches = []
+        for layer, cache in zip(self.layers, state.layers):
+            x, cache = layer.step(x, cache, state.memory_key_padding_mask)
+            caches.append(cache)
+        return self.norm(x), dataclasses.replace(state, layers=tuple(caches))
+
+
+class _EncoderDecoder(nn.Module):
+    """``torch.nn.Transformer(..., batch_first=True)``'s ``encoder`` and ``decoder``, parameters and
+    initialization (Xavier-uniform for every matrix)."""
+
+    def __init__(
+        self, d_model: int, nhead: int, num_encoder_layers: int, num_decoder_layers: int, dim_feedforward: int,
+        dropout: float, impl: str,
+    ) -> None:
+        super().__init__()
+        sizes = (d_model, nhead, dim_feedforward, dropout, impl)
+        self.encoder = _Encoder([_EncoderLayer(*sizes) for _ in range(num_encoder_layers)], d_model)
+        self.decoder = _Decoder([_DecoderLayer(*sizes) for _ in range(num_decoder_layers)], d_model)
+        for parameter in self.parameters():
+            if parameter.dim() > 1:
+                nn.init.xavier_uniform_(parameter)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_key_padding_mask: Tensor) -> Tensor:
+        """``src [B, S, E]``, ``tgt [B, T, E]`` embedded, ``src_key_padding_mask`` bool ``[B, S]``
+        (True = padding) -> ``[B, T, E]``."""
+        return self.decoder(tgt, self.encoder(src, src_key_padding_mask), src_key_padding_mask)
+
+
+def _sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
+    """``[max_len, d_model]``: ``sin(p / 10000^(2i / d_model))`` at column ``2i``, ``cos`` of the same
+    angle at ``2i + 1``; computed in float64, stored in the default dtype."""
+    angles = torch.arange(max_len, dtype=torch.float64)[:, None] * torch.pow(
+        10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model
+    )
+    table = torch.empty(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return table.to(torch.get_default_dtype())
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
