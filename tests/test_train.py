@@ -1,0 +1,89 @@
+"""The training command: a short run learns, the data options work, and a DistributedDataParallel
+step on two processes updates the parameters as one process on the whole batch does."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from transformer_kernels import train as train_module
+from transformer_kernels.train import TrainConfig, parse_args, train
+
+MODELS = ["transformer", "convs2s"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_short_run_lowers_the_loss_and_decodes(model, capsys):
+    summary = train(parse_args(["--model", model, "--preset", "tiny", "--steps", "150", "--batch-size", "32",
+                                "--lr", "3e-3", "--examples", "2"]))
+    out = capsys.readouterr().out
+    assert "exact match:" in out and out.count("greedy:") == 2 and len(summary["examples"]) == 2
+    # From the uniform guess, log(36 words) = 3.6, to below it: the model learned.
+    assert summary["first_loss"] > 3.5 and summary["final_loss"] < summary["first_loss"] - 0.25
+
+
+def test_tsv_data(tmp_path, capsys):
+    data = tmp_path / "pairs.tsv"
+    lines = [f"a{i % 5} b{i % 3}\tx{i % 3} y{i % 5} z\n" for i in range(100)]
+    data.write_text("".join(lines), encoding="utf-8")
+    summary = train(TrainConfig(model="convs2s", preset="tiny", steps=3, batch_size=8, data=str(data), examples=1))
+    assert summary["examples"][0][1] == "x0 y1 z"  # pair 36 is the first held out
+    assert all(torch.isfinite(torch.tensor(summary[k])) for k in ("first_loss", "final_loss"))
+
+
+def test_tsv_errors(tmp_path):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("only one column\n" * 100, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad.tsv:1: expected 'source<TAB>target'"):
+        train(TrainConfig(data=str(bad), steps=1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "rnn"], "invalid choice"),
+    (["--steps", "0"], "must be positive"),
+    (["--dtype", "int8"], "invalid choice"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_step(rank: int, world_size: int, port: int, model: str, path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_default_dtype(torch.float64)  # Adam's first step is sign-like: rounding noise must stay tiny
+    torch.set_num_threads(1)
+    summary = train(TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0))
+    if rank == 0:
+        torch.save(summary["model"].state_dict(), path)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ddp_step_matches_one_process_on_the_whole_batch(model, tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    mp.start_processes(_one_step, args=(2, _free_port(), model, str(tmp_path / "ddp.pt")), nprocs=2, start_method="spawn")
+    ddp = torch.load(tmp_path / "ddp.pt")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        config = TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0)
+        torch.manual_seed(config.seed)  # as train() seeds before it builds the model
+        initial = train_module.build_model(config, train_module.synthetic_corpus(seed=config.seed)).state_dict()
+        single = train(config)["model"].state_dict()
+    finally:
+        torch.set_default_dtype(previous)
+    assert ddp.keys() == single.keys()
+    for name, value in single.items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-9, atol=1e-9, msg=name)
+    # The step moved the weights, so the comparison is not of two untouched models.
+    assert sum(not torch.equal(single[name], initial[name]) for name in single) > len(single) // 2
