@@ -294,6 +294,16 @@ def test_cached_generation_gives_the_tokens_of_redecoding(impl, beam_size):
     assert actual[:, 1:][ended[:, :-1]].eq(PAD).all()
 
 
+def test_generate_runs_in_eval_mode_and_restores_training_mode():
+    torch.manual_seed(0)
+    model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, **(TINY | {"dropout": 0.5})).train()
+    src, _ = make_batch()
+    first = model.generate(src, max_len=6, bos_index=BOS, eos_index=3)
+    assert model.training
+    assert torch.equal(model.generate(src, max_len=6, bos_index=BOS, eos_index=3), first)  # no dropout
+    assert torch.equal(model.eval().generate(src, max_len=6, bos_index=BOS, eos_index=3), first)
+
+
 def test_generation_positions_are_bounded_by_max_len():
     model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, **TINY).eval()
     src, _ = make_batch()

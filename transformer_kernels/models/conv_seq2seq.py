@@ -361,7 +361,8 @@ class ConvSeq2Seq(torch.nn.Module):
         The encoder runs once; its output is carried with the beams.  Each decoder layer keeps a
         rolling window of its last ``kernel_size - 1`` inputs (:meth:`GLUConv1d.step`), so a step
         costs one position, and the tokens are exactly those of re-running the decoder on the
-        whole prefix every step.  Dropout applies as in :meth:`forward`: call ``eval()`` first.
+        whole prefix every step.  Runs in evaluation mode (no dropout) whatever the module's mode,
+        which it restores.
 
         Args:
             src: ``[B, S]`` token ids.
@@ -381,12 +382,17 @@ class ConvSeq2Seq(torch.nn.Module):
         for name, value in (("bos_index", bos_index), ("eos_index", eos_index)):
             if not _is_int(value) or not 0 <= value < vocab:
                 raise ValueError(f"{name} must be an int in [0, tgt_vocab_size = {vocab}), got {value!r}")
-        encoder = self.encode(src)
-        return generate(
-            self.decoder, self.decoder.initial_state(encoder), batch_size=src.shape[0], max_len=max_len,
-            bos_index=bos_index, eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size,
-            device=src.device,
-        )
+        was_training = self.training
+        self.eval()
+        try:
+            encoder = self.encode(src)
+            return generate(
+                self.decoder, self.decoder.initial_state(encoder), batch_size=src.shape[0], max_len=max_len,
+                bos_index=bos_index, eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size,
+                device=src.device,
+            )
+        finally:
+            self.train(was_training)
 
     def _check_tokens(self, name: str, tokens: Tensor) -> None:
         check_tensor(name, tokens, ndim=2, dtypes=(torch.int64, torch.int32))
