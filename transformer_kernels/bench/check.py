@@ -38,7 +38,7 @@ class Results(NamedTuple):
         return [*self.outputs, *self.grads]
 
 
-def _as_list(tensors) -> list:
+def as_list(tensors) -> list:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
@@ -58,12 +58,12 @@ def outputs_and_grads(
         if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         for t in inputs
     ]
-    outputs = _as_list(fn(*leaves))
+    outputs = as_list(fn(*leaves))
     if not backward:
         return Results(outputs, [], [])
     if grad_outputs is None:
         grad_outputs = [torch.randn_like(o) for o in outputs]
-    grad_outputs = _as_list(grad_outputs)
+    grad_outputs = as_list(grad_outputs)
     assert len(grad_outputs) == len(outputs)
     tensor_leaves = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = torch.autograd.grad(outputs, tensor_leaves, [g.to(o.dtype) for g, o in zip(grad_outputs, outputs)])
@@ -218,9 +218,10 @@ def _run_case(case: CheckCase, backend: str, dtype: torch.dtype, device: torch.d
 
 
 def run_check(device: torch.device, dtypes: Sequence[torch.dtype], ops: Optional[Sequence[str]] = None,
-              grid: Sequence[CheckCase] = GRID) -> list[CheckResult]:
+              grid: Optional[Sequence[CheckCase]] = None) -> list[CheckResult]:
+    """Every case of ``grid`` (default :data:`GRID`) of the ``ops`` (default all) in every dtype, on every backend."""
     results = []
-    for case in grid:
+    for case in GRID if grid is None else grid:
         if ops is not None and case.op not in ops:
             continue
         for dtype in dtypes:
