@@ -128,6 +128,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _peak_tflops(env: dict) -> Optional[float]:
+    return env["peak"]["tflops"] if env.get("peak") else None
+
+
 def _environment_lines(env: dict) -> list[str]:
     peak = env["peak"]
     dirty = " (uncommitted changes)" if env.get("dirty") else ""
@@ -138,7 +142,8 @@ def _environment_lines(env: dict) -> list[str]:
         f"Python {env['python']}",
         f"- {env['threads']} torch threads on {env['cpu_count']} CPUs; load average at start "
         f"{env['load_average_1min_at_start']:.2f}",
-        f"- peak: {peak['tflops']:.2f} TFLOP/s, {peak['gbps']:.0f} GB/s ({peak['source']})",
+        f"- peak: {peak['tflops']:.0f} TFLOP/s, {peak['gbps']:.0f} GB/s ({peak['source']})" if peak
+        else "- peak: not known for CPUs (no % of peak)",
     ]
 
 
@@ -168,7 +173,7 @@ def key_table(records: list[dict], peak_tflops: Optional[float]) -> list[str]:
 
 
 def write_report(path: Path, env: dict, records: list[dict], target_results: list[dict], plots: list[str]) -> None:
-    peak_tflops = env["peak"]["tflops"]
+    peak_tflops = _peak_tflops(env)
     lines = ["# transformer_kernels benchmark report", "", *_environment_lines(env), ""]
     lines += [
         "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
@@ -293,7 +298,7 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
             f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
             f"triton {env.get('triton') or '—'}: [`{folder}/report.md`]"
             f"({folder}/report.md). Targets: {counts}.", "",
-            *key_table([r for r in data["groups"] if r["ours"]], env["peak"]["tflops"]),
+            *key_table([r for r in data["groups"] if r["ours"]], _peak_tflops(env)),
         ]
     lines += ["", README_END]
     return "\n".join(lines)

@@ -82,6 +82,11 @@ class Setting:
         return "triton" if self.cuda else "eager"
 
     @property
+    def directions(self) -> tuple[str, ...]:
+        """The directions timed: a quick run leaves out ``bwd`` (``fwd+bwd`` minus ``fwd``, roughly)."""
+        return ("fwd", "fwd+bwd") if self.size == "quick" else DIRECTIONS
+
+    @property
     def exact_dtype(self) -> torch.dtype:
         """The dtype errors are measured against: float64 on CPU, float32 on GPUs (fast there)."""
         return torch.float32 if self.cuda else torch.float64

@@ -149,10 +149,10 @@ def cases(setting: Setting) -> list[AttentionCase]:
 
 
 def directions(case: AttentionCase, setting: Setting) -> tuple[str, ...]:
-    # The quick run times sweeps forward only: their plots need one direction.
+    # A quick run times the sweeps forward only: their plots need one direction.
     if setting.size == "quick" and case.family is not None and case.family.startswith(("padding_sweep", "padded_causal_")):
         return ("fwd",)
-    return DIRECTIONS
+    return setting.directions
 
 
 _SEED_NAMES = [case.name for case in _seed_cases()]
@@ -324,6 +324,8 @@ def _skip_reason(case: AttentionCase, impl: str, setting: Setting) -> Optional[s
     materialized = setting.cuda and case.length > MATERIALIZED_MAX_LENGTH
     if impl in ("torch_sdpa_math", "reference") and materialized:
         return f"materializes [B, H, L, L] scores: only L <= {MATERIALIZED_MAX_LENGTH}"
+    if impl in SDPA_BACKENDS and setting.size == "quick" and not setting.cuda:
+        return "each SDPA backend forced: --full only on CPU (torch_sdpa is torch's own choice)"
     if impl == "torch_sdpa_flash" and case.padded and setting.cuda:
         return "SDPA's CUDA flash backend takes no mask"
     if impl == "flex_attention" and not case.flex:

@@ -81,7 +81,7 @@ def cases(setting: Setting) -> list[Case]:
 def directions(case: Case, setting: Setting) -> tuple[str, ...]:
     if setting.size == "quick" and case.layers > 1:
         return ("fwd",)
-    return DIRECTIONS
+    return setting.directions
 
 
 @dataclasses.dataclass

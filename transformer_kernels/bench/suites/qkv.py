@@ -67,7 +67,7 @@ def cases(setting: Setting) -> list[QkvCase]:
 def directions(case: QkvCase, setting: Setting) -> tuple[str, ...]:
     if setting.size == "quick" and case is not SEED_CASES[0]:
         return ("fwd",)  # the length plot's points
-    return DIRECTIONS
+    return setting.directions
 
 
 @dataclasses.dataclass
