@@ -193,7 +193,9 @@ def write_report(path: Path, env: dict, records: list[dict], target_results: lis
         lines.append("")
     if target_results:
         lines += ["## Targets", "", *targets_table(target_results), ""]
-    lines += ["## Ours", "", *key_table([r for r in records if r["ours"]], peak_tflops), ""]
+    measured = [r for r in records if r["ours"]]
+    if measured:
+        lines += ["## Ours", "", *key_table(measured, peak_tflops), ""]
     missing = [r for r in records if not r["times_s"]]
     for record in missing:
         lines += [f"- {record['op']}: n/a: {reason}" for reason in record["unavailable"].values()]
