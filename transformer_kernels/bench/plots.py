@@ -67,7 +67,7 @@ def _by_length(out_dir: Path, records: list[dict], op: str, quantity: str) -> Op
 
 
 def _speedup_vs_padding(out_dir: Path, records: list[dict]) -> Optional[str]:
-    series = {key: rs for key, rs in _series(records, "padding").items() if key[1].startswith("padding_sweep")}
+    series = {key: rs for key, rs in _series(records, "padding").items() if key[1].startswith("sweep_padding")}
     if not series:
         return None
     plt, figure, axes = _figure(len(series))

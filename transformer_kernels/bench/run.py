@@ -29,6 +29,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def measure_group(group: suites.Group, device: torch.device, schedule: timing.Schedule) -> dict:
+    """Sets up every implementation of ``group`` (measuring its error), then times them interleaved."""
     calls: dict[str, Callable[[], None]] = {}
     errors: dict[str, Optional[float]] = {}
     unavailable, failed = dict(group.unavailable), {}
@@ -45,6 +46,7 @@ def measure_group(group: suites.Group, device: torch.device, schedule: timing.Sc
             unavailable[name] = str(error)
         except Exception as error:  # a peer this torch or device cannot run; ours: a failure
             (failed if name in group.ours else unavailable)[name] = _first_line(error)
+        if name in unavailable or name in failed:
             calls.pop(name, None)
     result = timing.measure(calls, device, schedule)
     return {

@@ -112,11 +112,12 @@ def _long_cases() -> list[AttentionCase]:
     return cases
 
 
-def _padding_sweep(batch: int, heads: int, length: int, fractions: tuple[float, ...]) -> list[AttentionCase]:
+def _padding_sweep(batch: int, heads: int, length: int, fractions: tuple[float, ...],
+                   head_dim: int = 64) -> list[AttentionCase]:
     """Every sequence padded by the same fraction: the speed-up vs padding fraction plot."""
     return [
-        AttentionCase(f"padfrac{round(100 * p)}_B{batch}_H{heads}_L{length}_D64", batch, heads, length, 64, False,
-                      True, padding=p, family=f"padding_sweep_B{batch}_L{length}")
+        AttentionCase(f"padfrac{round(100 * p)}_B{batch}_H{heads}_L{length}_D{head_dim}", batch, heads, length,
+                      head_dim, False, True, padding=p, family=f"sweep_padding_B{batch}_L{length}_D{head_dim}")
         for p in fractions
     ]
 
@@ -125,7 +126,7 @@ def _length_sweep(tokens: int, heads: int, lengths: tuple[int, ...], head_dim: i
     """Padded causal batches of ``tokens`` tokens: the time and memory vs sequence length plots."""
     return [
         AttentionCase(f"padded_causal_B{tokens // length}_H{heads}_L{length}_D{head_dim}", tokens // length, heads,
-                      length, head_dim, True, True, family=f"padded_causal_{tokens}_tokens_D{head_dim}")
+                      length, head_dim, True, True, family=f"sweep_length_padded_causal_{tokens}_tokens_D{head_dim}")
         for length in lengths
     ]
 
@@ -135,8 +136,7 @@ def cases(setting: Setting) -> list[AttentionCase]:
         return [
             AttentionCase("tiny_causal_B2_H2_L16_D8", 2, 2, 16, 8, True, False),
             *_length_sweep(64, 2, (16, 32), head_dim=8),
-            *[dataclasses.replace(c, head_dim=8, name=c.name.replace("D64", "D8"))
-              for c in _padding_sweep(2, 2, 16, (0.0, 0.5))],
+            *_padding_sweep(2, 2, 16, (0.0, 0.5), head_dim=8),
         ]
     if setting.cuda:
         sweep = _padding_sweep(16, 16, 2048, (0.0, 0.25, 0.5, 0.75))
@@ -150,7 +150,7 @@ def cases(setting: Setting) -> list[AttentionCase]:
 
 def directions(case: AttentionCase, setting: Setting) -> tuple[str, ...]:
     # A quick run times the sweeps forward only: their plots need one direction.
-    if setting.size == "quick" and case.family is not None and case.family.startswith(("padding_sweep", "padded_causal_")):
+    if setting.size == "quick" and case.family is not None and case.family.startswith("sweep_"):
         return ("fwd",)
     return setting.directions
 
