@@ -34,7 +34,11 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    try:  # Linux names the CPU model; platform only its architecture
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def _git(*args: str) -> Optional[str]:
