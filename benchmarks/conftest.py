@@ -41,7 +41,14 @@ def _setting(config) -> suites.Setting:
 def pytest_generate_tests(metafunc):
     if "group" in metafunc.fixturenames:
         groups = suites.load(metafunc.module.SUITE).groups(_setting(metafunc.config))
-        metafunc.parametrize("group", groups, ids=[f"{group.case}-{group.direction}" for group in groups])
+        metafunc.parametrize("group", range(len(groups)), ids=[f"{group.case}-{group.direction}" for group in groups],
+                             indirect=True)
+
+
+@pytest.fixture
+def group(request) -> suites.Group:
+    """The suite's group at the test's index, built afresh: its inputs are freed with it after the test."""
+    return suites.load(request.module.SUITE).groups(_setting(request.config))[request.param]
 
 
 @pytest.fixture

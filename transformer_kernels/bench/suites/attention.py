@@ -348,14 +348,15 @@ def _flops(case: AttentionCase, direction: str) -> float:
     return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[direction]
 
 
-def _group(case: AttentionCase, direction: str, setting: Setting) -> Group:
+def _case_groups(case: AttentionCase, setting: Setting) -> list[Group]:
+    """The case's group per direction."""
     backends = backends_for(OP, setting)
     impls = [*backends, "reference", *PEERS]
     unavailable = {name: reason for name, reason in backends.items() if reason is not None}
     unavailable.update({impl: reason for impl in impls if impl not in unavailable
                         for reason in [_skip_reason(case, impl, setting)] if reason is not None})
 
-    @functools.cache  # made when the group is measured, once for all its implementations
+    @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
         return Inputs.make(case, setting)
 
@@ -368,15 +369,15 @@ def _group(case: AttentionCase, direction: str, setting: Setting) -> Group:
     def setup(impl: str) -> Impl:
         return Impl(_forward(case, impl, inputs()), inputs().leaves)
 
-    return Group(
+    return [Group(
         op=OP, case=case.name, direction=direction,
         setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
         unavailable=unavailable,
         error=lambda outputs: max_abs_error(outputs, exact(), inputs().real_rows()), flops=_flops(case, direction),
         ours=tuple(name for name in backends if name not in unavailable),
         params={"length": case.length, "padding": case.padded_fraction(), "family": case.family},
-    )
+    ) for direction in directions(case, setting)]
 
 
 def groups(setting: Setting) -> list[Group]:
-    return [_group(case, direction, setting) for case in cases(setting) for direction in directions(case, setting)]
+    return [group for case in cases(setting) for group in _case_groups(case, setting)]

@@ -164,12 +164,13 @@ def _impl(case: Case, impl: str, inputs: Inputs) -> Impl:
     return Impl(forward, [inputs.x, *trained])
 
 
-def _group(case: Case, direction: str, setting: Setting) -> Group:
+def _case_groups(case: Case, setting: Setting) -> list[Group]:
+    """The case's group per direction."""
     backends = backends_for("glu_conv", setting)
     impls = [*backends, *PEERS]
     unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
-    @functools.cache  # made when the group is measured, once for all its implementations
+    @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
         return Inputs.make(case, setting)
 
@@ -182,15 +183,15 @@ def _group(case: Case, direction: str, setting: Setting) -> Group:
         return _impl(case, impl, inputs())
 
     forward = 2 * case.batch * case.length * case.channels * 2 * case.channels * case.kernel_size * case.layers
-    return Group(
+    return [Group(
         op=OP, case=case.name, direction=direction,
         setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
         unavailable=unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
         flops=forward * {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[direction],
         ours=tuple(name for name in backends if name not in unavailable),
         params={"length": case.length, "family": case.family}, reference="seed",
-    )
+    ) for direction in directions(case, setting)]
 
 
 def groups(setting: Setting) -> list[Group]:
-    return [_group(case, direction, setting) for case in cases(setting) for direction in directions(case, setting)]
+    return [group for case in cases(setting) for group in _case_groups(case, setting)]

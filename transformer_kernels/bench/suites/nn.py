@@ -148,12 +148,13 @@ def _exact(case: MhaCase, inputs: Inputs, dtype: torch.dtype) -> torch.Tensor:
         return exact(*args, **inputs.kwargs, need_weights=False)[0]
 
 
-def _group(case: MhaCase, direction: str, setting: Setting) -> Group:
+def _case_groups(case: MhaCase, setting: Setting) -> list[Group]:
+    """The case's group per direction."""
     backends = backends_for("attention", setting)
     impls = [*backends, "torch_mha"]
     unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
-    @functools.cache  # made when the group is measured, once for all its implementations
+    @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
         return Inputs.make(case, setting)
 
@@ -167,22 +168,21 @@ def _group(case: MhaCase, direction: str, setting: Setting) -> Group:
             rows = ~case.padding(setting.device)[:, :, None]
         return max_abs_error(outputs, exact(), rows)
 
-    def setup(impl: str) -> Impl:
+    def setup(impl: str, direction: str) -> Impl:
         return _impl(case, impl, inputs(), direction)
 
     # Four projections of 2·L·E² per token, and attention's two matmuls of 2·L·L·E (causal: half).
     tokens = case.batch * case.length
     forward = 8 * tokens * case.embed_dim**2 + 4 * tokens * case.length * case.embed_dim * (
         0.5 if case.kind == "causal" else 1.0)
-    return Group(
+    return [Group(
         op=OP, case=case.name, direction=direction,
-        setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
+        setups={impl: functools.partial(setup, impl, direction) for impl in impls if impl not in unavailable},
         unavailable=unavailable, error=error, flops=forward * {"fwd": 1.0, "fwd+bwd": 3.0}[direction],
         ours=tuple(name for name in backends if name not in unavailable),
         params={"length": case.length, "family": None}, reference="torch_mha",
-    )
+    ) for direction in DIRECTIONS if direction in setting.directions]
 
 
 def groups(setting: Setting) -> list[Group]:
-    return [_group(case, direction, setting) for case in cases(setting) for direction in DIRECTIONS
-            if direction in setting.directions]
+    return [group for case in cases(setting) for group in _case_groups(case, setting)]

@@ -107,12 +107,13 @@ def _impl(case: QkvCase, impl: str, inputs: Inputs) -> Impl:
     return Impl(lambda: tk.qkv_projection(x, weight, bias, num_heads=case.heads, backend=impl), (x, weight, bias))
 
 
-def _group(case: QkvCase, direction: str, setting: Setting) -> Group:
+def _case_groups(case: QkvCase, setting: Setting) -> list[Group]:
+    """The case's group per direction."""
     backends = backends_for("qkv", setting)
     impls = [*backends, "reference", *PEERS]
     unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
-    @functools.cache  # made when the group is measured, once for all its implementations
+    @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
         return Inputs.make(case, setting)
 
@@ -126,15 +127,15 @@ def _group(case: QkvCase, direction: str, setting: Setting) -> Group:
         return _impl(case, impl, inputs())
 
     forward = 2 * case.batch * case.length * case.embed_dim * 3 * case.embed_dim
-    return Group(
+    return [Group(
         op=OP, case=case.name, direction=direction,
         setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
         unavailable=unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
         flops=forward * {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[direction],
         ours=tuple(name for name in backends if name not in unavailable),
         params={"length": case.length, "family": case.family or None},
-    )
+    ) for direction in directions(case, setting)]
 
 
 def groups(setting: Setting) -> list[Group]:
-    return [_group(case, direction, setting) for case in cases(setting) for direction in directions(case, setting)]
+    return [group for case in cases(setting) for group in _case_groups(case, setting)]
