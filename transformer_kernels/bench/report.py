@@ -296,7 +296,8 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
         dirty = ", with uncommitted changes" if env.get("dirty") else ""
         folder = path.resolve().parent.relative_to(root).as_posix()
         lines += [
-            "", f"**{env['device']}** ({env['dtype']}, {env['size']} run), {env['date'][:10]}, "
+            "", f"**{env['device']}** ({env['dtype']}, {env['size']} run, {env['threads']} torch thread(s), load "
+            f"{env['load_average_1min_at_start']:.1f}), {env['date'][:10]}, "
             f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
             f"triton {env.get('triton') or '—'}: [`{folder}/report.md`]"
             f"({folder}/report.md). Targets: {counts}.", "",
