@@ -20,7 +20,10 @@ setup(
     python_requires=">=3.10",
     extras_require={
         "triton": [TRITON],
-        "test": [TRITON, "pytest>=8", "hypothesis>=6", "numpy"],
-        "bench": [TRITON, "pytest>=8", "numpy"],
+        # matplotlib: tests/test_bench.py checks that the report draws its plots.
+        "test": [TRITON, "pytest>=8", "hypothesis>=6", "numpy", "matplotlib"],
+        # The benchmark command's plots and progress bar; without them it skips the plots and prints plain lines.
+        "bench": [TRITON, "pytest>=8", "numpy", "matplotlib", "tqdm"],
     },
+    entry_points={"console_scripts": ["transformer-kernels-bench = transformer_kernels.bench.cli:main"]},
 )

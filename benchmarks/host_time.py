@@ -27,7 +27,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-from interleaved import Schedule, Summary, measure  # noqa: E402
+from transformer_kernels.bench.timing import Schedule, Summary, measure  # noqa: E402
 
 import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import _common  # noqa: E402

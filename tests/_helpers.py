@@ -17,7 +17,7 @@ at its parameter list: those signatures change with the kernels.
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from conftest import CUDA, TRITON_DEVICE
 
 from transformer_kernels import _backend
 from transformer_kernels._backend import backend_module
+from transformer_kernels.bench.check import Results, as_list, outputs_and_grads  # noqa: F401  (shared with --check)
 
 # The backends the tests run; "cuda" is a stub that serves no op yet.
 BACKENDS = ("eager", "triton")
@@ -100,47 +101,6 @@ def precise_dtype(backend: str) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-class Results(NamedTuple):
-    outputs: list  # fn's outputs (one tensor becomes a list of one)
-    grads: list  # gradients of the floating-point inputs, in order
-    grad_outputs: list  # the output gradients used
-
-    @property
-    def all(self) -> list:
-        return [*self.outputs, *self.grads]
-
-
-def _as_list(tensors) -> list:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def outputs_and_grads(
-    fn: Callable, inputs: Sequence, grad_outputs: Optional[Tensors] = None, *, dtype: Optional[torch.dtype] = None,
-    backward: bool = True,
-) -> Results:
-    """``fn(*leaves)`` and the gradients of its floating-point leaves.
-
-    The leaves are detached copies of the floating-point tensors in ``inputs`` (cast to ``dtype``
-    when given), each differentiated; other entries (None, bool masks, numbers) are passed as they
-    are (close over a floating-point tensor that must not be differentiated).  ``grad_outputs``: one per output (cast to its dtype), or None for ``torch.randn_like`` of
-    each output, drawn after ``fn`` ran.  ``backward=False`` computes no gradients."""
-    leaves = [
-        t.detach().to(dtype or t.dtype).requires_grad_(backward)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in inputs
-    ]
-    outputs = _as_list(fn(*leaves))
-    if not backward:
-        return Results(outputs, [], [])
-    if grad_outputs is None:
-        grad_outputs = [torch.randn_like(o) for o in outputs]
-    grad_outputs = _as_list(grad_outputs)
-    assert len(grad_outputs) == len(outputs)
-    tensor_leaves = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(outputs, tensor_leaves, [g.to(o.dtype) for g, o in zip(grad_outputs, outputs)])
-    return Results(outputs, list(grads), grad_outputs)
-
-
 def result_names(num_outputs: int, input_names: Sequence[str]) -> list[str]:
     """Names for :attr:`Results.all`: ``out`` (``out 0``, ``out 1``, ...) then ``grad <input>``."""
     outputs = ["out"] if num_outputs == 1 else [f"out {i}" for i in range(num_outputs)]
@@ -167,7 +127,7 @@ def assert_close_to_reference(
     * ``norm_tol``: ``||a - e|| / ||e|| <= norm_tol``, in float64.
 
     ``same_dtype``: ``a`` must also have ``e``'s dtype."""
-    actual, expected = _as_list(actual), _as_list(expected)
+    actual, expected = as_list(actual), as_list(expected)
     if names is None or isinstance(names, str):
         prefix = names or "out"
         names = [prefix] if len(actual) == 1 else [f"{prefix} {i}" for i in range(len(actual))]

@@ -1,4 +1,4 @@
-"""Interleaved timing and ratio statistics, shared by every benchmark suite and the report.
+"""Interleaved timing and ratio statistics, shared by the benchmark command and the pytest suites.
 
 Sequential timings (all rounds of A, then all rounds of B) on a shared machine
 drift by 2x between runs, so a ratio of two medians taken minutes apart says
@@ -11,8 +11,9 @@ apart.  The report shows the median of those per-round ratios and its spread
 or above it.
 
 A sample is ``calls`` back-to-back calls (``calls`` chosen from a timed warm-up
-call so that a sample lasts at least ``min_sample_s``), divided by ``calls``,
-with the device synchronized before and after.
+call so that a sample lasts at least ``min_sample_s``), divided by ``calls``.
+On CUDA the L2 cache is flushed before each sample (a write of ``L2_FLUSH_BYTES``)
+and the sample is timed with CUDA events; on CPU with ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import gc
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -40,25 +41,43 @@ class Schedule:
     min_sample_s: float
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "Schedule":
+    def for_device(cls, device: torch.device, size: str = "full") -> "Schedule":
+        """The schedule of a ``"full"`` run, or of a ``"quick"`` one (fewer, shorter rounds: a wider
+        spread), or ``"tiny"`` (a few rounds: the command's own tests)."""
+        if size == "tiny":
+            return cls(min_rounds=3, max_rounds=3, budget_s=0.0, min_sample_s=0.0)
         if device.type == "cuda":
+            if size == "quick":
+                return cls(min_rounds=7, max_rounds=15, budget_s=0.3, min_sample_s=1e-3)
             return cls(min_rounds=10, max_rounds=30, budget_s=1.0, min_sample_s=2e-3)
+        if size == "quick":
+            return cls(min_rounds=5, max_rounds=9, budget_s=0.6, min_sample_s=4e-3)
         return cls(min_rounds=7, max_rounds=15, budget_s=4.0, min_sample_s=10e-3)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# Several times the L2 cache of current GPUs (H100 and H200: 50 MB).
+L2_FLUSH_BYTES = 256 * 2**20
+_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def _sample(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds per call over ``calls`` back-to-back calls."""
-    _synchronize(device)
-    start = time.perf_counter()
+    """Seconds per call over ``calls`` back-to-back calls (on CUDA after flushing the L2 cache)."""
+    if device.type == "cuda":
+        buffer = _flush_buffers.get(device)
+        if buffer is None:
+            buffer = _flush_buffers[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        buffer.zero_()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    start_s = time.perf_counter()
     for _ in range(calls):
         fn()
-    _synchronize(device)
-    return (time.perf_counter() - start) / calls
+    return (time.perf_counter() - start_s) / calls
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
@@ -103,6 +122,42 @@ def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule
         if gc_was_enabled:
             gc.enable()
     return {"rounds": rounds, "calls": calls, "times_s": times, "peak_mem_bytes": peak}
+
+
+def timed_call(forward: Callable[[], object], direction: str, leaves: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """What one timed call of ``direction`` runs, given ``forward`` (returning a tensor or a tuple of
+    tensors): ``"fwd"``, the forward under ``torch.no_grad()``; ``"bwd"``, the gradients for
+    ``leaves`` of one stored forward (``retain_graph``); ``"fwd+bwd"``, a forward and its gradients.
+    Runs it once, so a failing setup raises here."""
+
+    def outputs() -> tuple:
+        out = forward()
+        return out if isinstance(out, (tuple, list)) else (out,)
+
+    if direction == "fwd":
+
+        def call():
+            with torch.no_grad():
+                forward()
+
+    elif direction == "bwd":
+        stored = outputs()
+        grads = [torch.randn_like(o) for o in stored]
+
+        def call():
+            torch.autograd.grad(stored, leaves, grads, retain_graph=True)
+
+    elif direction == "fwd+bwd":
+        with torch.no_grad():
+            grads = [torch.randn_like(o) for o in outputs()]
+
+        def call():
+            torch.autograd.grad(outputs(), leaves, grads)
+
+    else:
+        raise ValueError(f"direction must be 'fwd', 'bwd' or 'fwd+bwd', got {direction!r}")
+    call()
+    return call
 
 
 # ----------------------------------------------------------------------------- statistics

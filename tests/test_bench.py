@@ -1,0 +1,170 @@
+"""The benchmark command ``python -m transformer_kernels.bench``: a tiny run reports every case with
+a finite time and error and draws its plots, ``--check`` passes here and catches a wrong op,
+``--compare`` flags only changes beyond the measured spread, ``--readme`` writes its section."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from transformer_kernels.bench import check, cli, report, run, suites, timing
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_thread():
+    """The command runs with ``--threads 1`` (a loaded 2-core machine times tiny ops better on one
+    thread); the rest of the session keeps torch's thread count."""
+    threads = torch.get_num_threads()
+    yield ["--threads", "1"]
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One ``--tiny`` run of every suite, shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("tiny")
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(["--tiny", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return code, out
+
+
+def _expected_groups() -> list[tuple[str, str, str]]:
+    setting = suites.Setting(CPU, torch.float32, "tiny")
+    expected = []
+    for name in suites.SUITES:
+        try:
+            module = suites.load(name)
+        except suites.SuiteUnavailable:
+            continue
+        expected += [(group.op, group.case, group.direction) for group in module.groups(setting)]
+    return expected
+
+
+def test_tiny_run_reports_every_case_with_finite_time_and_error(tiny_run):
+    code, out = tiny_run
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    env = results["environment"]
+    for key in ("device", "torch", "triton", "commit", "dirty", "date", "threads"):
+        assert key in env, key
+    assert env["threads"] == 1
+    records = {(r["op"], r["case"], r["direction"]): r for r in results["groups"]}
+    expected = _expected_groups()
+    assert expected and set(expected) <= set(records)
+    report_md = (out / "report.md").read_text()
+    for key in expected:
+        record = records[key]
+        assert record["ours"] == ["eager"], (key, record["unavailable"], record["failed"])
+        for impl in record["ours"] + [record["reference"]]:
+            assert len(record["times_s"][impl]) == record["rounds"] >= 3
+            assert all(math.isfinite(t) and t > 0 for t in record["times_s"][impl]), (key, impl)
+            assert math.isfinite(record["errors"][impl]) and record["errors"][impl] < 1e-3, (key, impl)
+        median = report.median_ms(record, "eager")
+        assert f"| {key[0]} | {key[1]} | {key[2]} | eager | {median:.3f} |" in report_md
+
+
+def test_unavailable_suite_and_peers_show_why(tiny_run):
+    _, out = tiny_run
+    results = json.loads((out / "results.json").read_text())
+    report_md = (out / "report.md").read_text()
+    try:
+        suites.load("models")
+    except suites.SuiteUnavailable as error:
+        assert any(r["op"] == "models" and r["unavailable"] == {"models": str(error)} for r in results["groups"])
+        assert f"models: n/a: {error}" in report_md
+    padded = next(r for r in results["groups"] if r["op"] == "attention" and r["case"].startswith("padfrac"))
+    assert padded["unavailable"]["varlen_attn"] == "varlen_attn runs on CUDA only"
+    assert "`varlen_attn`: n/a: varlen_attn runs on CUDA only" in report_md
+
+
+def test_tiny_run_draws_plots(tiny_run):
+    _, out = tiny_run
+    for name in ("attention_time_vs_length.png", "speedup_vs_padding.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000, name
+        assert f"![{name}]({name})" in (out / "report.md").read_text()
+
+
+def test_check_passes(one_thread, capsys):
+    assert cli.main(["--check", *one_thread]) == 0
+    printed = capsys.readouterr().out
+    assert "| attention | eager | padded_causal_B2_H2_L17_D33 | float32 |" in printed
+    assert " 0 failed" in printed
+
+
+def test_check_fails_on_a_wrong_op(one_thread, monkeypatch, capsys):
+    right = check.GRID[-1]
+    wrong = check.CheckCase(right.op, "off_by_one_percent", right.inputs,
+                            lambda backend: lambda *args: right.ours(backend)(*args) * 1.01, right.reference, right.names)
+    monkeypatch.setattr(check, "GRID", [right, wrong])
+    assert cli.main(["--check", "--dtype", "float64", *one_thread]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if "| eager |" in line]
+    assert [row.rsplit("|", 2)[-2].strip() for row in rows] == ["pass", "FAIL"]
+
+
+def _results(times_by_impl: dict[str, list[float]]) -> dict:
+    env = {"device": "test", "date": "2026-01-01T00:00:00+00:00", "commit": "0" * 40}
+    group = {"op": "attention", "case": "c", "direction": "fwd", "times_s": times_by_impl}
+    return {"format": report.RESULTS_FORMAT, "environment": env, "targets": [], "groups": [group]}
+
+
+OLD_TIMES = [1.00, 1.02, 0.98, 1.05, 0.95, 1.01, 0.99, 1.03, 0.97, 1.00]
+
+
+@pytest.mark.parametrize("scale, verdict", [(1.03, "within noise"), (0.97, "within noise"), (1.5, "REGRESSION"),
+                                            (0.6, "faster")])
+def test_compare_flags_only_changes_beyond_the_spread(scale, verdict):
+    old = _results({"eager": OLD_TIMES})
+    new = _results({"eager": [t * scale for t in OLD_TIMES], "triton": OLD_TIMES})
+    (change,) = report.compare(old, new)  # triton was not in the old run
+    assert change.key == ("attention", "c", "fwd", "eager")
+    assert change.ratio == pytest.approx(scale)
+    assert change.verdict == verdict
+
+
+def test_compare_command_exits_non_zero_on_a_regression(tmp_path, capsys):
+    old, same, slower = tmp_path / "old.json", tmp_path / "same.json", tmp_path / "slower.json"
+    old.write_text(json.dumps(_results({"eager": OLD_TIMES})))
+    same.write_text(json.dumps(_results({"eager": OLD_TIMES[::-1]})))
+    slower.write_text(json.dumps(_results({"eager": [2 * t for t in OLD_TIMES]})))
+    assert cli.main(["--compare", str(old), str(same)]) == 0
+    assert cli.main(["--compare", str(old), str(slower)]) == 1
+    assert "| attention | c | fwd | eager |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("low, high, status", [(1.1, 1.3, "met"), (0.9, 1.2, "within noise"), (0.7, 0.95, "MISSED")])
+def test_target_status_from_the_ratio_spread(low, high, status):
+    assert report.target_status(timing.Summary((low + high) / 2, low, high), 1.0) == status
+
+
+def test_readme_section_names_device_date_and_commit(tiny_run, tmp_path):
+    _, out = tiny_run
+    results_dir = tmp_path / "benchmarks" / "results"
+    (results_dir / "cpu-run").mkdir(parents=True)
+    (results_dir / "cpu-run" / "results.json").write_text((out / "results.json").read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{report.README_START}\nstale\n{report.README_END}\n\nafter\n")
+    assert cli.main(["--readme", str(readme), "--results", str(results_dir)]) == 0
+    text = readme.read_text()
+    env = json.loads((out / "results.json").read_text())["environment"]
+    assert "stale" not in text and text.startswith("# title") and text.endswith("after\n")
+    assert env["device"] in text and env["date"][:10] in text and (env["commit"] or "unknown")[:7] in text
+    assert "(benchmarks/results/cpu-run/report.md)" in text
+
+
+def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    progress = run.Progress(2)
+    progress.begin("attention c fwd")
+    progress.end()
+    progress.close()
+    assert capsys.readouterr().err == "[1/2] attention c fwd\n"

@@ -1,0 +1,162 @@
+"""The command line of ``python -m transformer_kernels.bench`` (also ``transformer-kernels-bench``).
+
+    python -m transformer_kernels.bench                         # the report for this device
+    python -m transformer_kernels.bench --full --only attention,qkv --out DIR
+    python -m transformer_kernels.bench --check                 # outputs and gradients vs float64
+    python -m transformer_kernels.bench --compare OLD.json NEW.json
+    python -m transformer_kernels.bench --readme                # README's performance section
+
+Exit status: 1 when one of our implementations failed (report), a check failed (``--check``) or a
+regression beyond the measured spread was found (``--compare``); 0 otherwise.  Missed targets do
+not change it: the report's Targets table shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import check, environment, plots, report, run, suites, timing
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# --only names -> the ops --check knows them by.
+CHECK_OPS = {"attention": "attention", "qkv": "qkv", "glu": "glu_conv"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m transformer_kernels.bench",
+        description="Benchmark transformer_kernels against the naive reference and torch's own paths, or check "
+                    "its gradients.")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="size", action="store_const", const="quick",
+                      help="a subset of the cases and shorter rounds (the default on CPU; minutes on 2 cores)")
+    size.add_argument("--full", dest="size", action="store_const", const="full",
+                      help="every case of this device (the default on CUDA)")
+    size.add_argument("--tiny", dest="size", action="store_const", const="tiny", help=argparse.SUPPRESS)
+    parser.add_argument("--only", default=",".join(suites.SUITES),
+                        help=f"comma-separated suites (default all: {','.join(suites.SUITES)})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default benchmarks/results/<device>-<date> under the current folder)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="benchmark dtype (default bfloat16 on CUDA, float32 on CPU); with --check, the one "
+                             "dtype to check (default float64 and float32, and float16 and bfloat16 on CUDA)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's own choice)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="no timing: compare every op's outputs and gradients with a float64 reference")
+    mode.add_argument("--compare", nargs=2, type=Path, metavar=("OLD.json", "NEW.json"),
+                      help="per-case ratios of two results.json, flagging regressions beyond the measured spread")
+    mode.add_argument("--readme", nargs="?", type=Path, const=Path("README.md"), metavar="README",
+                      help="rewrite the performance section of README (default README.md) from the newest "
+                           "results.json per device type under --results")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"), help=argparse.SUPPRESS)
+    return parser
+
+
+def _suite_names(only: str) -> list[str]:
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in suites.SUITES]
+    if unknown:
+        raise SystemExit(f"--only: unknown suite(s) {unknown}; expected a comma-separated subset of "
+                         f"{','.join(suites.SUITES)}")
+    return names
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _benchmark(args, device: torch.device) -> int:
+    size = args.size or ("full" if device.type == "cuda" else "quick")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    names = _suite_names(args.only)
+    setting = suites.Setting(device, dtype, size)
+    env = environment.environment(device, dtype, size)
+    kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
+    out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{env['device']}, {env['dtype']}, {size} run, {env['threads']} torch threads; writing {out}",
+          file=sys.stderr)
+    targets = report.load_targets(names)
+    records: list[dict] = []
+
+    def save(record: dict) -> None:  # after every group, so a run cut short keeps what it measured
+        records.append(record)
+        report.write_results(out / "results.json", env, records, [])
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the report below
+    try:
+        run.run_suites(names, setting, timing.Schedule.for_device(device, size), save)
+    finally:
+        target_results = report.evaluate_targets(targets, records, device.type)
+        report.write_results(out / "results.json", env, records, target_results)
+        plot_names, no_plots = plots.write_plots(out, records)
+        report.write_report(out / "report.md", env, records, target_results, plot_names)
+        print(f"\nwrote {out / 'report.md'}, {out / 'results.json'} and {len(plot_names)} plot(s)"
+              + (f" (no plots: {no_plots})" if no_plots else ""))
+        for t in (t for t in target_results if t["status"] != "not measured"):
+            speedup = None if t["speedup"] is None else timing.Summary(**t["speedup"])
+            print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} "
+                  f"{report.ratio_text(speedup)} (target {t['min_speedup']}x)")
+    failed = [(r["op"], r["case"], r["direction"], impl) for r in records for impl in r["failed"]]
+    for failure in failed:
+        print("FAILED: " + " ".join(failure), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _check(args, device: torch.device) -> int:
+    dtypes = (DTYPES[args.dtype],) if args.dtype else check.check_dtypes(device)
+    ops = [CHECK_OPS[name] for name in _suite_names(args.only) if name in CHECK_OPS]
+    print(f"gradient self-check on {environment.device_name(device)}, torch {torch.__version__}", flush=True)
+    results = check.run_check(device, dtypes, ops)
+    print(check.check_table(results))
+    unavailable = {(r.backend, r.dtype, r.reason) for r in results if r.status == "n/a"}
+    for backend, dtype, reason in sorted(unavailable):
+        print(f"n/a: {backend} {dtype}: {reason}")
+    failures = sum(r.status == "FAIL" for r in results)
+    passes = sum(r.status == "pass" for r in results)
+    print(f"\n{passes} passed, {failures} failed, {len(results) - passes - failures} n/a")
+    return 1 if failures or not passes else 0
+
+
+def _compare(old_path: Path, new_path: Path) -> int:
+    old, new = report.read_results(old_path), report.read_results(new_path)
+    changes = report.compare(old, new)
+    print(report.compare_text(changes, old["environment"], new["environment"]))
+    return 1 if any(change.verdict == "REGRESSION" for change in changes) else 0
+
+
+def _readme(readme: Path, results_dir: Path) -> int:
+    latest = report.latest_results(results_dir)
+    if not latest:
+        raise SystemExit(f"--readme: no results.json under {results_dir}/*/")
+    report.update_readme(readme, report.readme_section(latest, readme.resolve().parent))
+    print(f"rewrote the performance section of {readme} from " + ", ".join(str(path) for path, _ in latest))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.compare:
+        return _compare(*args.compare)
+    if args.readme:
+        return _readme(args.readme, args.results)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
+    if args.check:
+        return _check(args, device)
+    return _benchmark(args, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

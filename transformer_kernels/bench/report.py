@@ -1,0 +1,316 @@
+"""From measured records to what a person reads: targets, ``report.md``, ``results.json``, run
+comparison and the README's performance section.
+
+Every number comes from the records of a run (see :mod:`transformer_kernels.bench.run`).  A speed-up
+is the median of the per-round ratios (the other implementation's time / this one's, same round)
+with its ``timing.SPREAD`` quantiles; a target is "met" when the lower quantile is at or above it,
+"within noise" when the spread straddles it and "MISSED" when even the upper quantile is below it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Optional
+
+from . import suites, timing
+
+LOW, HIGH = (f"p{round(q * 100)}" for q in timing.SPREAD)
+RESULTS_FORMAT = 1
+
+
+def median_ms(record: dict, impl: str) -> float:
+    return timing.quantile(record["times_s"][impl], 0.5) * 1e3
+
+
+def ratio_text(summary: Optional[timing.Summary]) -> str:
+    if summary is None:
+        return "—"
+    return f"{summary.median:.2f}x ({summary.low:.2f}–{summary.high:.2f})"
+
+
+def best_peer(record: dict) -> Optional[str]:
+    """The fastest implementation that is neither ours nor the reference (by median time)."""
+    peers = [impl for impl in record["times_s"] if impl not in record["ours"] and impl != record["reference"]]
+    return min(peers, key=lambda impl: median_ms(record, impl), default=None)
+
+
+def tflops(record: dict, impl: str) -> float:
+    return record["flops"] / (median_ms(record, impl) / 1e3) / 1e12
+
+
+def target_status(speedup: Optional[timing.Summary], minimum: float) -> str:
+    if speedup is None:
+        return "not measured"
+    if speedup.low >= minimum:
+        return "met"
+    return "within noise" if speedup.high >= minimum else "MISSED"
+
+
+def evaluate_targets(targets: Iterable[suites.Target], records: list[dict], device_type: str) -> list[dict]:
+    by_key = {(r["op"], r["case"], r["direction"]): r for r in records}
+    results = []
+    for target in targets:
+        if target.device != device_type:
+            continue
+        record = by_key.get((target.op, target.case, target.direction))
+        why_not = "not in this run (the case is in --full)" if record is None else None
+        speedup = memory_ratio = None
+        if record is not None:
+            speedup = timing.ratio_summary(record["times_s"], target.baseline, target.impl)
+            missing = [impl for impl in (target.impl, target.baseline) if impl not in record["times_s"]]
+            if missing:
+                reasons = {**record["unavailable"], **record["failed"]}
+                why_not = "; ".join(f"{impl}: {reasons.get(impl, 'not measured')}" for impl in missing)
+        status = target_status(speedup, target.min_speedup)
+        if speedup is not None and target.max_memory_ratio is not None and record["peak_mem_bytes"][target.baseline] > 0:
+            memory_ratio = record["peak_mem_bytes"][target.impl] / record["peak_mem_bytes"][target.baseline]
+            if memory_ratio > target.max_memory_ratio:
+                status = "MISSED"
+        results.append({
+            **dataclasses.asdict(target), "status": status, "why_not": why_not, "memory_ratio": memory_ratio,
+            "speedup": None if speedup is None else dataclasses.asdict(speedup),
+            "ours_ms": None if speedup is None else median_ms(record, target.impl),
+            "baseline_ms": None if speedup is None else median_ms(record, target.baseline),
+        })
+    return results
+
+
+def load_targets(names: Iterable[str]) -> list[suites.Target]:
+    targets = []
+    for name in names:
+        try:
+            targets += suites.load(name).TARGETS
+        except suites.SuiteUnavailable:
+            pass
+    return targets
+
+
+# ----------------------------------------------------------------------------- results.json
+
+
+def write_results(path: Path, env: dict, records: list[dict], target_results: list[dict]) -> None:
+    path.write_text(json.dumps({"format": RESULTS_FORMAT, "environment": env, "targets": target_results,
+                                "groups": records}, indent=1))
+
+
+def read_results(path: Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != RESULTS_FORMAT:
+        raise ValueError(f"{path}: not a results.json of `python -m transformer_kernels.bench`")
+    return data
+
+
+# ----------------------------------------------------------------------------- report.md
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "—" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def _summary_row(record: dict, impl: str, peak_tflops: Optional[float]) -> list[str]:
+    times = record["times_s"]
+    spread = timing.Summary.of([t * 1e3 for t in times[impl]])
+    rate = tflops(record, impl)
+    peer = best_peer(record)
+    vs_reference = None if impl == record["reference"] else timing.ratio_summary(times, record["reference"], impl)
+    vs_peer = None if peer in (None, impl) else timing.ratio_summary(times, peer, impl)
+    peak_mib = record["peak_mem_bytes"][impl] / 2**20 if record["device"] == "cuda" else None
+    return [impl, f"{spread.median:.3f}", f"{spread.low:.3f}–{spread.high:.3f}", _fmt(rate, ".3g"),
+            _fmt(100 * rate / peak_tflops if peak_tflops else None, ".1f"), _fmt(peak_mib, ".1f"),
+            _fmt(record["errors"].get(impl), ".1e"), ratio_text(vs_reference),
+            "—" if vs_peer is None else f"{ratio_text(vs_peer)} {peer}"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _peak_tflops(env: dict) -> Optional[float]:
+    return env["peak"]["tflops"] if env.get("peak") else None
+
+
+def _environment_lines(env: dict) -> list[str]:
+    peak = env["peak"]
+    dirty = " (uncommitted changes)" if env.get("dirty") else ""
+    return [
+        f"- device: {env['device']} ({env['device_type']}), dtype {env['dtype']}, {env['size']} run",
+        f"- date: {env['date']}; commit {env.get('commit') or 'unknown'}{dirty}",
+        f"- torch {env['torch']}, triton {env.get('triton') or 'not installed'}, CUDA {env.get('cuda') or '—'}, "
+        f"Python {env['python']}",
+        f"- {env['threads']} torch threads on {env['cpu_count']} CPUs; load average at start "
+        f"{env['load_average_1min_at_start']:.2f}",
+        f"- peak: {peak['tflops']:.0f} TFLOP/s, {peak['gbps']:.0f} GB/s ({peak['source']})" if peak
+        else "- peak: not known for CPUs (no % of peak)",
+    ]
+
+
+def targets_table(target_results: list[dict]) -> list[str]:
+    rows = []
+    for t in target_results:
+        speedup = None if t["speedup"] is None else timing.Summary(**t["speedup"])
+        memory = "—" if t["memory_ratio"] is None else f"{t['memory_ratio']:.2f}x"
+        if t["max_memory_ratio"] is not None:
+            memory += f" (≤ {t['max_memory_ratio']}x)"
+        status = t["status"] if t["why_not"] is None else f"{t['status']}: {t['why_not']}"
+        rows.append([t["op"], t["case"], t["direction"], t["impl"], t["baseline"], _fmt(t["ours_ms"], ".3f"),
+                     _fmt(t["baseline_ms"], ".3f"), ratio_text(speedup), f"≥ {t['min_speedup']}x", memory, status])
+    return _table(["op", "case", "direction", "ours", "baseline", "ours ms", "baseline ms", f"speed-up ({LOW}–{HIGH})",
+                   "target", "peak memory vs baseline", "status"], rows)
+
+
+def key_table(records: list[dict], peak_tflops: Optional[float]) -> list[str]:
+    """One row per group and implementation of ours: time, rate, error, speed-ups."""
+    rows = []
+    for record in records:
+        for impl in record["ours"]:
+            rows.append([record["op"], record["case"], record["direction"],
+                         *_summary_row(record, impl, peak_tflops)])
+    return _table(["op", "case", "direction", "ours", "median ms", f"{LOW}–{HIGH} ms", "TFLOP/s", "% of peak",
+                   "peak MiB", "max error", "vs reference", "vs best peer"], rows)
+
+
+def write_report(path: Path, env: dict, records: list[dict], target_results: list[dict], plots: list[str]) -> None:
+    peak_tflops = _peak_tflops(env)
+    lines = ["# transformer_kernels benchmark report", "", *_environment_lines(env), ""]
+    lines += [
+        "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
+        "(a sample of back-to-back calls, reported per call; on CUDA after an L2 flush, with CUDA events), in an "
+        f"order that rotates each round. Times are medians over rounds with their {LOW}–{HIGH} range; a speed-up "
+        f"is the median of the per-round ratios (the other's time / this one's, same round) with their {LOW}–{HIGH} "
+        f"range. A target is met when the ratio's {LOW} reaches it, within noise when the range straddles it, "
+        f"MISSED when even its {HIGH} falls short. TFLOP/s count useful work (padding excluded, causal halved); "
+        "max error is the largest absolute difference of the outputs from the exact math (float64 on CPU, float32 "
+        "on CUDA). Peak memory is measured on CUDA only.",
+        "",
+    ]
+    failures = [(r, impl, why) for r in records for impl, why in r["failed"].items()]
+    if failures:
+        lines += ["## Failures", ""]
+        lines += [f"- **{r['op']} {r['case']} {r['direction']}: `{impl}` failed**: {why}" for r, impl, why in failures]
+        lines.append("")
+    if target_results:
+        lines += ["## Targets", "", *targets_table(target_results), ""]
+    measured = [r for r in records if r["ours"]]
+    if measured:
+        lines += ["## Ours", "", *key_table(measured, peak_tflops), ""]
+    missing = [r for r in records if not r["times_s"]]
+    for record in missing:
+        lines += [f"- {record['op']}: n/a: {reason}" for reason in record["unavailable"].values()]
+    if missing:
+        lines.append("")
+    if plots:
+        lines += ["## Plots", "", *[f"![{name}]({name})" for name in plots], ""]
+    lines += ["## All measurements", ""]
+    for record in records:
+        if not record["times_s"]:
+            continue
+        lines += [f"### {record['op']} — {record['case']} — {record['direction']}", "",
+                  f"{record['rounds']} rounds; reference `{record['reference']}`.", ""]
+        impls = sorted(record["times_s"], key=lambda impl: median_ms(record, impl))
+        lines += _table(["impl", "median ms", f"{LOW}–{HIGH} ms", "TFLOP/s", "% of peak", "peak MiB", "max error",
+                         "vs reference", "vs best peer"], [_summary_row(record, impl, peak_tflops) for impl in impls])
+        lines += [f"- `{impl}`: n/a: {reason}" for impl, reason in record["unavailable"].items()]
+        lines += [f"- `{impl}`: FAILED: {reason}" for impl, reason in record["failed"].items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- --compare
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One implementation of one group in two runs: ``ratio`` = new median / old median; a regression
+    when the new run's whole spread lies above the old one's (an improvement: below)."""
+
+    key: tuple[str, str, str, str]
+    old: timing.Summary
+    new: timing.Summary
+
+    @property
+    def ratio(self) -> float:
+        return self.new.median / self.old.median
+
+    @property
+    def verdict(self) -> str:
+        if self.new.low > self.old.high:
+            return "REGRESSION"
+        if self.new.high < self.old.low:
+            return "faster"
+        return "within noise"
+
+
+def compare(old: dict, new: dict) -> list[Change]:
+    """Every (op, case, direction, impl) measured in both results."""
+    old_times = {(r["op"], r["case"], r["direction"], impl): times
+                 for r in old["groups"] for impl, times in r["times_s"].items()}
+    changes = []
+    for record in new["groups"]:
+        for impl, times in record["times_s"].items():
+            key = (record["op"], record["case"], record["direction"], impl)
+            if key in old_times:
+                changes.append(Change(key, timing.Summary.of(old_times[key]), timing.Summary.of(times)))
+    return changes
+
+
+def compare_text(changes: list[Change], old_env: dict, new_env: dict) -> str:
+    lines = [f"old: {old_env['device']}, {old_env['date']}, commit {old_env.get('commit')}",
+             f"new: {new_env['device']}, {new_env['date']}, commit {new_env.get('commit')}", ""]
+    rows = [[*change.key, f"{change.old.median * 1e3:.3f} ({change.old.low * 1e3:.3f}–{change.old.high * 1e3:.3f})",
+             f"{change.new.median * 1e3:.3f} ({change.new.low * 1e3:.3f}–{change.new.high * 1e3:.3f})",
+             f"{change.ratio:.2f}x", change.verdict] for change in changes]
+    lines += _table(["op", "case", "direction", "impl", f"old ms ({LOW}–{HIGH})", f"new ms ({LOW}–{HIGH})",
+                     "new / old", "verdict"], rows)
+    regressions = sum(change.verdict == "REGRESSION" for change in changes)
+    lines += ["", f"{regressions} regression(s) beyond the measured spread, {len(changes)} compared."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- --readme
+
+README_START = "<!-- performance: generated by `python -m transformer_kernels.bench --readme`; do not edit -->"
+README_END = "<!-- end of performance -->"
+
+
+def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
+    """The newest ``results.json`` under ``results_dir`` for each device type (CUDA first)."""
+    latest: dict[str, tuple[Path, dict]] = {}
+    for path in sorted(results_dir.glob("*/results.json")):
+        data = read_results(path)
+        kind = data["environment"]["device_type"]
+        if kind not in latest or data["environment"]["date"] > latest[kind][1]["environment"]["date"]:
+            latest[kind] = (path, data)
+    return [latest[kind] for kind in sorted(latest, key=lambda kind: kind != "cuda")]
+
+
+def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
+    lines = [README_START]
+    for path, data in results:
+        env = data["environment"]
+        statuses = [t["status"] for t in data["targets"]]
+        counts = ", ".join(f"{statuses.count(s)} {s}" for s in ("met", "within noise", "MISSED", "not measured")
+                           if statuses.count(s))
+        dirty = ", with uncommitted changes" if env.get("dirty") else ""
+        folder = path.resolve().parent.relative_to(root).as_posix()
+        lines += [
+            "", f"**{env['device']}** ({env['dtype']}, {env['size']} run, {env['threads']} torch thread(s), load "
+            f"{env['load_average_1min_at_start']:.1f}), {env['date'][:10]}, "
+            f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
+            f"triton {env.get('triton') or '—'}: [`{folder}/report.md`]"
+            f"({folder}/report.md). Targets: {counts}.", "",
+            *key_table([r for r in data["groups"] if r["ours"]], _peak_tflops(env)),
+        ]
+    lines += ["", README_END]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, section: str) -> None:
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme} has no performance markers ({README_START!r} ... {README_END!r})")
+    before, rest = text.split(README_START, 1)
+    _, after = rest.split(README_END, 1)
+    readme.write_text(before + section + after)

@@ -1,0 +1,119 @@
+"""Measuring the suites' groups: setup, error against the exact reference, interleaved timing.
+
+:func:`measure_group` turns one :class:`~transformer_kernels.bench.suites.Group` into a record
+(a plain dict, what ``results.json`` holds):
+
+``op``, ``case``, ``direction``, ``device``, ``ours`` (our implementations), ``reference``,
+``params``, ``flops``, ``rounds``, ``calls`` and ``times_s`` (per implementation: calls per sample
+and the per-round seconds per call, ``times_s[a][r]`` and ``times_s[b][r]`` taken in the same
+round), ``peak_mem_bytes`` (CUDA; 0 on CPU), ``errors`` (max abs error of the outputs, None where
+not comparable), ``unavailable`` (implementation -> why it did not run: "n/a") and ``failed``
+(one of ours raised: the error).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .. import BackendUnavailableError
+from . import suites, timing
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def measure_group(group: suites.Group, device: torch.device, schedule: timing.Schedule) -> dict:
+    """Sets up every implementation of ``group`` (measuring its error), then times them interleaved."""
+    calls: dict[str, Callable[[], None]] = {}
+    errors: dict[str, Optional[float]] = {}
+    unavailable, failed = dict(group.unavailable), {}
+    for name, setup in group.setups.items():
+        try:
+            impl = setup()
+            calls[name] = timing.timed_call(impl.forward, group.direction, impl.leaves)
+            if impl.comparable:
+                with torch.no_grad():
+                    errors[name] = group.error(impl.forward())
+            else:
+                errors[name] = None
+        except BackendUnavailableError as error:
+            unavailable[name] = str(error)
+        except Exception as error:  # a peer this torch or device cannot run; ours: a failure
+            (failed if name in group.ours else unavailable)[name] = _first_line(error)
+        if name in unavailable or name in failed:
+            calls.pop(name, None)
+    result = timing.measure(calls, device, schedule)
+    return {
+        "op": group.op, "case": group.case, "direction": group.direction, "device": device.type,
+        "ours": [name for name in group.ours if name in calls], "reference": group.reference,
+        "params": group.params, "flops": group.flops, **result, "errors": errors,
+        "unavailable": unavailable, "failed": failed,
+    }
+
+
+def unavailable_suite_record(name: str, reason: str, device: torch.device) -> dict:
+    """The one row a suite that cannot load leaves in the results."""
+    return {"op": name, "case": "—", "direction": "—", "device": device.type, "ours": [], "reference": None,
+            "params": {}, "flops": 0.0, "rounds": 0, "calls": {}, "times_s": {}, "peak_mem_bytes": {}, "errors": {},
+            "unavailable": {name: reason}, "failed": {}}
+
+
+class Progress:
+    """A progress bar over ``total`` groups: tqdm when installed, else one printed line per group."""
+
+    def __init__(self, total: int):
+        self.total, self.count = total, 0
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, desc="benchmarks", unit="group", file=sys.stderr, dynamic_ncols=True)
+
+    def begin(self, label: str) -> None:
+        self.count += 1
+        if self.bar is None:
+            print(f"[{self.count}/{self.total}] {label}", file=sys.stderr, flush=True)
+        else:
+            self.bar.set_postfix_str(label)
+
+    def end(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.Schedule,
+               on_record: Callable[[dict], None]) -> None:
+    """Measures every group of the suites ``names`` on ``setting``, passing each record to ``on_record``
+    as soon as it is measured; a suite that cannot load gives its one "n/a" record."""
+    planned: list[suites.Group] = []
+    for name in names:
+        try:
+            module = suites.load(name)
+        except suites.SuiteUnavailable as error:
+            on_record(unavailable_suite_record(name, str(error), setting.device))
+            continue
+        planned += module.groups(setting)
+    # Everything alive now lives through the run: keep it out of the collections timing.measure starts with.
+    gc.collect()
+    gc.freeze()
+    progress = Progress(len(planned))
+    try:
+        while planned:
+            group = planned.pop(0)  # dropped once measured: its inputs are freed with it
+            progress.begin(f"{group.op} {group.case} {group.direction}")
+            on_record(measure_group(group, setting.device, schedule))
+            progress.end()
+    finally:
+        progress.close()
+        gc.unfreeze()

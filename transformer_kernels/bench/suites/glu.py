@@ -1,0 +1,197 @@
+"""GLU convolution of the convolutional seq2seq model: ours vs the seed's path vs per-tap GEMMs.
+
+Implementations (activations enter and leave as ``[B, L, C]``, as the seed's model holds them
+between layers):
+
+* ``eager`` / ``triton`` / ``cuda``: ``transformer_kernels.glu_conv1d`` on the channel-last view,
+  no permute copies.
+* ``seed``: the notebook's layer, ``nn.Conv1d`` + ``F.glu``: permute to ``[B, C, L]``,
+  ``F.conv1d`` (cuDNN / oneDNN), ``F.glu``, ``+ residual``, ``* scale`` (a tensor, as in the seed),
+  permute back; the decoder concatenates a pad-index filled prefix first.
+* ``per_tap_gemm``: fairseq's ConvTBC (``torch.conv_tbc``: one GEMM per tap on ``[T, B, C]``),
+  then GLU, residual and scale.
+
+Cases: the seed's shapes (B=128, C=512, k=3, L 20-60, a 10-layer encoder stack and the causal
+decoder layer) and long sequences (L 1k-8k, CUDA only).  On a CPU the batch shrinks (the case name
+says so).  Errors are measured against ``transformer_kernels.reference.glu_conv1d`` in float64
+(CPU) or float32 (CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+import transformer_kernels as tk
+from transformer_kernels.reference import glu_conv1d as reference_glu_conv1d
+
+from . import DIRECTIONS, Group, Impl, Setting, Target, backends_for, max_abs_error
+
+OP = "glu_conv1d"
+PEERS = ("seed", "per_tap_gemm")
+PAD_INDEX = 1.0  # the decoder's left padding holds the target pad index
+SCALE = math.sqrt(0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    length: int
+    channels: int = 512
+    kernel_size: int = 3
+    layers: int = 1
+    decoder: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "dec" if self.decoder else (f"stack{self.layers}" if self.layers > 1 else "enc")
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_B{self.batch}_C{self.channels}_L{self.length}_k{self.kernel_size}"
+
+    @property
+    def family(self) -> str:
+        return f"{self.kind}_B{self.batch}_C{self.channels}_k{self.kernel_size}"
+
+
+GPU_SEED_CASES = [Case(128, 20), Case(128, 60), Case(128, 40, decoder=True), Case(128, 40, layers=10)]
+GPU_LONG_CASES = [Case(16, 1024), Case(8, 4096), Case(4, 8192)]
+CPU_CASES = [Case(16, 20), Case(16, 60), Case(16, 40, decoder=True), Case(4, 40, layers=10), Case(2, 1024)]
+
+# Issue 4: GPU forward+backward >= 1.5x the seed path with peak memory <= 0.6x of it;
+# CPU eager never slower than the seed path.
+TARGETS = [
+    Target(OP, case.name, "fwd+bwd", "triton", "seed", 1.5, "cuda", max_memory_ratio=0.6) for case in GPU_SEED_CASES
+] + [Target(OP, case.name, direction, "eager", "seed", 1.0, "cpu") for case in CPU_CASES for direction in DIRECTIONS]
+
+
+def cases(setting: Setting) -> list[Case]:
+    if setting.size == "tiny":
+        return [Case(2, 8, channels=16), Case(2, 16, channels=16), Case(2, 8, channels=16, decoder=True)]
+    if setting.cuda:
+        return GPU_SEED_CASES + GPU_LONG_CASES
+    return CPU_CASES
+
+
+def directions(case: Case, setting: Setting) -> tuple[str, ...]:
+    if setting.size == "quick" and case.layers > 1:
+        return ("fwd",)
+    return setting.directions
+
+
+@dataclasses.dataclass
+class Inputs:
+    """``x`` ``[B, L, C]`` and per layer an ``nn.Conv1d``-shaped weight and bias, plus the same
+    weight as ConvTBC's ``[k, C_in, 2C]`` (its own leaf: the path that trains it)."""
+
+    x: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def make(cls, case: Case, setting: Setting) -> "Inputs":
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(case.batch, case.length, case.channels, generator=generator)
+        layers = []
+        for _ in range(case.layers):
+            weight = torch.randn(2 * case.channels, case.channels, case.kernel_size, generator=generator)
+            weight = weight / math.sqrt(case.channels * case.kernel_size)
+            bias = torch.randn(2 * case.channels, generator=generator) * 0.1
+            layers.append((weight, bias, weight.permute(2, 1, 0).contiguous()))
+        to = functools.partial(torch.Tensor.to, device=setting.device, dtype=setting.dtype)
+        return cls(to(x).requires_grad_(), [tuple(to(t).requires_grad_() for t in layer) for layer in layers])
+
+
+def _ours(case: Case, backend: str, inputs: Inputs) -> torch.Tensor:
+    h = inputs.x.transpose(1, 2)  # [B, C, L] channel-last view
+    for weight, bias, _ in inputs.layers:
+        if case.decoder:
+            h = tk.glu_conv1d(h, weight, bias, padding="causal", pad_value=PAD_INDEX, backend=backend)
+        else:
+            h = tk.glu_conv1d(h, weight, bias, residual=h, residual_scale=SCALE, backend=backend)
+    return h.transpose(1, 2)
+
+
+def _seed(case: Case, inputs: Inputs, scale: torch.Tensor) -> torch.Tensor:
+    h = inputs.x.permute(0, 2, 1)
+    for weight, bias, _ in inputs.layers:
+        if case.decoder:
+            padding = torch.zeros(h.shape[0], h.shape[1], case.kernel_size - 1, device=h.device, dtype=h.dtype)
+            h = F.glu(F.conv1d(torch.cat((padding.fill_(PAD_INDEX), h), dim=2), weight, bias), dim=1)
+        else:
+            h = (F.glu(F.conv1d(h, weight, bias, padding=(case.kernel_size - 1) // 2), dim=1) + h) * scale
+    return h.permute(0, 2, 1)
+
+
+def _per_tap_gemm(case: Case, inputs: Inputs) -> torch.Tensor:
+    h = inputs.x.transpose(0, 1)  # [T, B, C]
+    for _, bias, weight_tbc in inputs.layers:
+        if case.decoder:
+            padded = F.pad(h, (0, 0, 0, 0, case.kernel_size - 1, 0), value=PAD_INDEX)
+            h = F.glu(torch.conv_tbc(padded.contiguous(), weight_tbc, bias, 0), dim=2)
+        else:
+            z = torch.conv_tbc(h.contiguous(), weight_tbc, bias, (case.kernel_size - 1) // 2)
+            h = (F.glu(z, dim=2) + h) * SCALE
+    return h.transpose(0, 1)
+
+
+def _exact(case: Case, inputs: Inputs, dtype: torch.dtype) -> torch.Tensor:
+    h = inputs.x.detach().to(dtype).transpose(1, 2)
+    for weight, bias, _ in inputs.layers:
+        weight, bias = weight.detach().to(dtype), bias.detach().to(dtype)
+        if case.decoder:
+            h = reference_glu_conv1d(h, weight, bias, padding="causal", pad_value=PAD_INDEX)
+        else:
+            h = reference_glu_conv1d(h, weight, bias, residual=h, residual_scale=SCALE)
+    return h.transpose(1, 2)
+
+
+def _impl(case: Case, impl: str, inputs: Inputs) -> Impl:
+    # ConvTBC's weight is its own parameter; the other paths train the nn.Conv1d weight.
+    trained = [t for weight, bias, weight_tbc in inputs.layers
+               for t in ((weight_tbc if impl == "per_tap_gemm" else weight), bias)]
+    if impl == "seed":
+        scale = torch.sqrt(torch.tensor([0.5], device=inputs.x.device, dtype=inputs.x.dtype))
+        forward = functools.partial(_seed, case, inputs, scale)
+    elif impl == "per_tap_gemm":
+        forward = functools.partial(_per_tap_gemm, case, inputs)
+    else:
+        forward = functools.partial(_ours, case, impl, inputs)
+    return Impl(forward, [inputs.x, *trained])
+
+
+def _case_groups(case: Case, setting: Setting) -> list[Group]:
+    """The case's group per direction."""
+    backends = backends_for("glu_conv", setting)
+    impls = [*backends, *PEERS]
+    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
+
+    @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
+    def inputs() -> Inputs:
+        return Inputs.make(case, setting)
+
+    @functools.cache
+    def exact() -> torch.Tensor:
+        with torch.no_grad():
+            return _exact(case, inputs(), setting.exact_dtype)
+
+    def setup(impl: str) -> Impl:
+        return _impl(case, impl, inputs())
+
+    forward = 2 * case.batch * case.length * case.channels * 2 * case.channels * case.kernel_size * case.layers
+    return [Group(
+        op=OP, case=case.name, direction=direction,
+        setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
+        unavailable=unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
+        flops=forward * {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[direction],
+        ours=tuple(name for name in backends if name not in unavailable),
+        params={"length": case.length, "family": case.family}, reference="seed",
+    ) for direction in directions(case, setting)]
+
+
+def groups(setting: Setting) -> list[Group]:
+    return [group for case in cases(setting) for group in _case_groups(case, setting)]
