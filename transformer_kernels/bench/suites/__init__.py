@@ -11,17 +11,15 @@ A suite module provides:
   :class:`Group` per (case, direction).  Building a group allocates nothing: its setups run
   when the group is measured.
 
-Adding a suite is adding a module here and a line to :data:`SUITES` (plus :data:`REQUIRES` when
-it needs a part of the package that may be absent), and for pytest a ``benchmarks/bench_<name>.py``
-naming it.  A suite that cannot load is reported as one "n/a" row with the reason: ``models`` (the
-seed models' training step and generation) is registered before its module exists.
+Adding a suite is adding a module here and a line to :data:`SUITES`, and for pytest a
+``benchmarks/bench_<name>.py`` naming it.  A suite that cannot load (a peer library it imports is
+missing) is reported as one "n/a" row with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -36,8 +34,6 @@ SUITES = {
     "nn": "transformer_kernels.bench.suites.nn",
     "models": "transformer_kernels.bench.suites.models",
 }
-# Suite name -> the module it benchmarks, when that may not exist (yet).
-REQUIRES = {"models": "transformer_kernels.models"}
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
@@ -52,11 +48,6 @@ def load(name: str):
     """The suite module registered as ``name``; raises :class:`SuiteUnavailable` with the reason."""
     if name not in SUITES:
         raise ValueError(f"suite must be one of {tuple(SUITES)}, got {name!r}")
-    required = REQUIRES.get(name)
-    if required is not None and importlib.util.find_spec(required) is None:
-        raise SuiteUnavailable(f"{required} not available")
-    if importlib.util.find_spec(SUITES[name]) is None:
-        raise SuiteUnavailable(f"{SUITES[name]} is not written yet")
     try:
         return importlib.import_module(SUITES[name])
     except ImportError as error:  # a dependency of the suite this installation lacks
