@@ -214,6 +214,141 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, con
   return {out, preactivation};
 }
 
+tk::glu_conv::Strides3 strides3(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// The whole-sequence kernels' problem from xpad [B, Lp, C_in] and the packed weight [2C, k * C_in].
+tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::Tensor& packed_weight, int64_t length_in,
+                                       int64_t pad_left, double residual_scale, const char* op) {
+  check_like(packed_weight, xpad, op, "packed_weight");
+  TORCH_CHECK(xpad.dim() == 3 && xpad.is_contiguous(), op, ": xpad must be a contiguous [B, Lp, C_in] tensor, got shape ",
+              xpad.sizes(), " and strides ", xpad.strides());
+  const int64_t channels_in = xpad.size(2);
+  TORCH_CHECK(channels_in % 8 == 0 && channels_in > 0, op, ": C_in must be a positive multiple of 8, got ", channels_in);
+  TORCH_CHECK(packed_weight.dim() == 2 && packed_weight.is_contiguous() && packed_weight.size(1) % channels_in == 0 &&
+                  packed_weight.size(0) % 8 == 0 && packed_weight.size(0) > 0,
+              op, ": packed_weight must be a contiguous [2*C, k * C_in] tensor with C a multiple of 4, got shape ",
+              packed_weight.sizes());
+  const int64_t kernel_size = packed_weight.size(1) / channels_in;
+  const int64_t length_out = xpad.size(1) - kernel_size + 1;
+  TORCH_CHECK(kernel_size >= 1 && length_out >= 1 && length_in >= 1 && pad_left >= 0 && pad_left + length_in <= xpad.size(1),
+              op, ": xpad of length ", xpad.size(1), " does not hold ", length_in, " positions after ", pad_left,
+              " of padding for kernel size ", kernel_size);
+  TORCH_CHECK(xpad.numel() < (int64_t(1) << 31) && packed_weight.numel() < (int64_t(1) << 31) &&
+                  xpad.size(0) * length_out * packed_weight.size(0) < (int64_t(1) << 31),
+              op, ": tensors must have fewer than 2**31 elements");
+  check_chunks(xpad, op, "xpad");
+  check_chunks(packed_weight, op, "packed_weight");
+  tk::glu_conv::ConvProblem p;
+  p.dtype = dtype_of(xpad, op, "xpad");
+  p.batch = int(xpad.size(0));
+  p.channels_in = int(channels_in);
+  p.channels_out = int(packed_weight.size(0) / 2);
+  p.kernel_size = int(kernel_size);
+  p.length_in = int(length_in);
+  p.length_out = int(length_out);
+  p.pad_left = int(pad_left);
+  p.residual_scale = float(residual_scale);
+  return p;
+}
+
+const void* packed_bias_ptr(const std::optional<at::Tensor>& packed_bias, const at::Tensor& packed_weight,
+                            const char* op) {
+  if (!packed_bias.has_value()) return nullptr;
+  check_like(*packed_bias, packed_weight, op, "packed_bias");
+  TORCH_CHECK(packed_bias->dim() == 1 && packed_bias->size(0) == packed_weight.size(0) && packed_bias->is_contiguous(), op,
+              ": packed_bias must be a contiguous [2*C] tensor, got shape ", packed_bias->sizes());
+  return packed_bias->data_ptr();
+}
+
+void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t channels, int64_t length, const char* op,
+               const char* name) {
+  check_like(t, reference, op, name);
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == reference.size(0) && t.size(1) == channels && t.size(2) == length, op, ": ",
+              name, " must be [B, C, L] = [", reference.size(0), ", ", channels, ", ", length, "], got shape ", t.sizes());
+}
+
+void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
+                        const std::optional<at::Tensor>& packed_bias, const std::optional<at::Tensor>& residual,
+                        at::Tensor& out, int64_t length_in, int64_t pad_left, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_forward";
+  check_like(xpad, xpad, op, "xpad");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
+  check_bcl(out, xpad, p.channels_out, p.length_out, op, "out");
+  const void* residual_ptr = nullptr;
+  tk::glu_conv::Strides3 residual_strides{0, 0, 0};
+  if (residual.has_value()) {
+    check_bcl(*residual, xpad, p.channels_out, p.length_out, op, "residual");
+    residual_ptr = residual->data_ptr();
+    residual_strides = strides3(*residual);
+  }
+  check_launch(tk::glu_conv::forward(p, xpad.data_ptr(), packed_weight.data_ptr(),
+                                     packed_bias_ptr(packed_bias, packed_weight, op), residual_ptr, residual_strides,
+                                     out.data_ptr(), strides3(out), c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+at::Tensor glu_conv1d_grad_preactivation(const at::Tensor& xpad, const at::Tensor& packed_weight,
+                                         const std::optional<at::Tensor>& packed_bias, const at::Tensor& grad_out,
+                                         int64_t length_in, int64_t pad_left, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_grad_preactivation";
+  check_like(xpad, xpad, op, "xpad");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
+  check_bcl(grad_out, xpad, p.channels_out, p.length_out, op, "grad_out");
+  at::Tensor grad_z = at::empty({int64_t(p.batch) * p.length_out, packed_weight.size(0)}, xpad.options());
+  check_launch(tk::glu_conv::grad_preactivation(p, xpad.data_ptr(), packed_weight.data_ptr(),
+                                                packed_bias_ptr(packed_bias, packed_weight, op), grad_out.data_ptr(),
+                                                strides3(grad_out), grad_z.data_ptr(),
+                                                c10::cuda::getCurrentCUDAStream()),
+               op);
+  return grad_z;
+}
+
+void glu_conv1d_grad_input(const at::Tensor& grad_z, const at::Tensor& xpad, const at::Tensor& packed_weight,
+                           at::Tensor& grad_x, int64_t pad_left) {
+  constexpr const char* op = "glu_conv1d_grad_input";
+  check_like(xpad, xpad, op, "xpad");
+  check_like(grad_z, xpad, op, "grad_z");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  TORCH_CHECK(grad_x.dim() == 3, op, ": grad_x must be [B, C_in, L], got shape ", grad_x.sizes());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, grad_x.size(2), pad_left, 1.0, op);
+  check_bcl(grad_x, xpad, p.channels_in, p.length_in, op, "grad_x");
+  TORCH_CHECK(grad_z.dim() == 2 && grad_z.is_contiguous() && grad_z.size(0) == int64_t(p.batch) * p.length_out &&
+                  grad_z.size(1) == packed_weight.size(0),
+              op, ": grad_z must be a contiguous [B * L_out, 2*C] tensor, got shape ", grad_z.sizes());
+  check_chunks(grad_z, op, "grad_z");
+  check_launch(tk::glu_conv::grad_input(p, grad_z.data_ptr(), packed_weight.data_ptr(), grad_x.data_ptr(),
+                                        strides3(grad_x), c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+std::tuple<at::Tensor, at::Tensor> glu_conv1d_grad_weight(const at::Tensor& grad_z, const at::Tensor& xpad,
+                                                          const at::Tensor& packed_weight, int64_t length_in,
+                                                          int64_t pad_left, bool with_bias) {
+  constexpr const char* op = "glu_conv1d_grad_weight";
+  check_like(xpad, xpad, op, "xpad");
+  check_like(grad_z, xpad, op, "grad_z");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, 1.0, op);
+  TORCH_CHECK(grad_z.dim() == 2 && grad_z.is_contiguous() && grad_z.size(0) == int64_t(p.batch) * p.length_out &&
+                  grad_z.size(1) == packed_weight.size(0),
+              op, ": grad_z must be a contiguous [B * L_out, 2*C] tensor, got shape ", grad_z.sizes());
+  check_chunks(grad_z, op, "grad_z");
+  at::Tensor grad_weight = at::empty(packed_weight.sizes(), packed_weight.options());
+  at::Tensor grad_bias = at::empty({with_bias ? packed_weight.size(0) : 0}, packed_weight.options());
+  if (p.batch == 0) {  // no positions: the sums are empty
+    grad_weight.zero_();
+    grad_bias.zero_();
+    return {grad_weight, grad_bias};
+  }
+  check_launch(tk::glu_conv::grad_weight(p, grad_z.data_ptr(), xpad.data_ptr(), grad_weight.data_ptr(),
+                                         with_bias ? grad_bias.data_ptr() : nullptr,
+                                         c10::cuda::getCurrentCUDAStream()),
+               op);
+  return {grad_weight, grad_bias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(transformer_kernels_C, m) {
@@ -222,6 +357,13 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
   m.def("glu_conv1d_step(Tensor window, Tensor weight, Tensor? bias, Tensor? residual, float residual_scale) "
         "-> (Tensor, Tensor)");
+  m.def("glu_conv1d_forward(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor? residual, "
+        "Tensor(a!) out, int length_in, int pad_left, float residual_scale) -> ()");
+  m.def("glu_conv1d_grad_preactivation(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor grad_out, "
+        "int length_in, int pad_left, float residual_scale) -> Tensor");
+  m.def("glu_conv1d_grad_input(Tensor grad_z, Tensor xpad, Tensor packed_weight, Tensor(a!) grad_x, int pad_left) -> ()");
+  m.def("glu_conv1d_grad_weight(Tensor grad_z, Tensor xpad, Tensor packed_weight, int length_in, int pad_left, "
+        "bool with_bias) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
@@ -229,6 +371,10 @@ TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
   m.impl("qkv_grad_input", &qkv_grad_input);
   m.impl("qkv_grad_weight", &qkv_grad_weight);
   m.impl("glu_conv1d_step", &glu_conv1d_step);
+  m.impl("glu_conv1d_forward", &glu_conv1d_forward);
+  m.impl("glu_conv1d_grad_preactivation", &glu_conv1d_grad_preactivation);
+  m.impl("glu_conv1d_grad_input", &glu_conv1d_grad_input);
+  m.impl("glu_conv1d_grad_weight", &glu_conv1d_grad_weight);
 }
 
 // Importing transformer_kernels._C registers the ops above; the module itself holds nothing.
