@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, con
   return {out, preactivation};
 }
 
-tk::glu_conv::Strides3 strides3(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+tk::Strides3 strides3(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // The whole-sequence kernels' problem from xpad [B, Lp, C_in] and the packed weight [2C, k * C_in].
 tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::Tensor& packed_weight, int64_t length_in,
@@ -276,7 +276,7 @@ void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
   tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
   check_bcl(out, xpad, p.channels_out, p.length_out, op, "out");
   const void* residual_ptr = nullptr;
-  tk::glu_conv::Strides3 residual_strides{0, 0, 0};
+  tk::Strides3 residual_strides{0, 0, 0};
   if (residual.has_value()) {
     check_bcl(*residual, xpad, p.channels_out, p.length_out, op, "residual");
     residual_ptr = residual->data_ptr();

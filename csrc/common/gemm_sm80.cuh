@@ -1,9 +1,9 @@
-// The sm_80 tensor-core GEMM every kernel of this extension is built from: one CTA computes a
-// BM x BN tile of C = A B^T (A: M x K, B: N x K, fp16/bf16 in, fp32 accumulate) with CuTe's
-// mma.sync m16n8k16 atoms, ldmatrix from swizzled shared memory, and a multistage cp.async
-// pipeline.  The kernels differ only in how their operands are addressed in global memory (an
-// Operand: a pointer to 8 contiguous elements per (mn, k) chunk, so head-split and transposed
-// tensors are read in place) and in their epilogue (a functor taking pairs of adjacent columns).
+// The sm_80 tensor-core GEMM every GEMM kernel of this extension is: one CTA computes a BM x BN tile
+// of C = A B^T (A: M x K, B: N x K, fp16/bf16 in, fp32 accumulate) with CuTe's mma.sync m16n8k16
+// atoms, ldmatrix from swizzled shared memory, and a multistage cp.async pipeline.  The kernels
+// differ only in their Args (see gemm_kernel): how the operands are addressed in global memory (a
+// pointer to 8 contiguous elements per (mn, k) chunk, so head-split and transposed tensors are read
+// in place) and their epilogue (a store taking pairs of adjacent columns).
 //
 // Operands are K-major (8 elements contiguous along K, e.g. x rows in the QKV forward) or
 // MN-major (contiguous along M or N, e.g. the weight in the input gradient); each gets the swizzled
@@ -20,8 +20,6 @@
 namespace tk {
 
 using namespace cute;
-
-enum class Major { K, MN };
 
 template <class T>
 struct Sm80MmaAtom;
@@ -189,17 +187,54 @@ __device__ __forceinline__ void for_each_column_pair(const Acc& acc, int m0, int
   }
 }
 
-// A stand-in for the on_stage hook when a kernel needs none.
-struct NoStageHook {
-  template <class Tile>
-  __device__ void operator()(const Tile&, int) const {}
-};
+// The kernel of every GEMM.  Args provides:
+//   using A, B            the operand types (each with kMajor and chunk(mn, k, valid));
+//   a(), b()              the operands;
+//   rows(), cols(), depth()  M, N and K;
+//   store(m, n, v0, v1)   the epilogue for columns n, n + 1 of row m (it checks the bounds);
+//   kSumsRowsOfA, sums_rows_of_a(), store_row_sum(m, sum)
+//                         a bias gradient fused into the first column of tiles: its CTAs also sum
+//                         the rows of A from the tiles already in shared memory.
+// Tiles are visited in grouped order (index.h) for L2 reuse.
+constexpr int kTileGroupM = 8;
 
-// fp32 -> two packed 16-bit values, for the epilogues' paired stores.
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  T l(lo), h(hi);
-  return uint32_t(reinterpret_cast<const uint16_t&>(l)) | (uint32_t(reinterpret_cast<const uint16_t&>(h)) << 16);
+template <class Traits, class Args>
+__global__ void __launch_bounds__(Traits::kThreads, 1) gemm_kernel(const __grid_constant__ Args args) {
+  using T = typename Traits::Element;
+  extern __shared__ __align__(128) unsigned char smem[];
+  TileCoord tile = grouped_tile(blockIdx.x, ceil_div(args.rows(), Traits::kBlockM),
+                                ceil_div(args.cols(), Traits::kBlockN), kTileGroupM);
+  const int m0 = tile.m * Traits::kBlockM, n0 = tile.n * Traits::kBlockN;
+
+  float row_sum = 0.f;
+  bool sums_rows = false;
+  if constexpr (Args::kSumsRowsOfA) sums_rows = args.sums_rows_of_a() && tile.n == 0;
+  auto sum_rows = [&](const auto& a_tile, int) {
+    if constexpr (Args::kSumsRowsOfA) {
+      if (sums_rows && threadIdx.x < Traits::kBlockM) {
+        CUTE_UNROLL
+        for (int k = 0; k < Traits::kBlockK; ++k) row_sum += float(a_tile(threadIdx.x, k));  // zero-filled past K
+      }
+    }
+  };
+
+  auto acc = make_accumulator<Traits>();
+  gemm_mainloop<Traits>(args.a(), args.b(), m0, n0, args.depth(), reinterpret_cast<T*>(smem), acc, sum_rows);
+  for_each_column_pair<Traits>(acc, m0, n0, [&](int m, int n, float v0, float v1) { args.store(m, n, v0, v1); });
+  if constexpr (Args::kSumsRowsOfA) {
+    if (sums_rows && threadIdx.x < Traits::kBlockM) args.store_row_sum(m0 + threadIdx.x, row_sum);
+  }
+}
+
+// Launches gemm_kernel for Args on elements T, one CTA per tile.
+template <class T, class Args>
+cudaError_t launch_gemm(const Args& args, cudaStream_t stream) {
+  using Traits = GemmTraits<T, Args::A::kMajor, Args::B::kMajor>;
+  static_assert(Traits::kSmemBytes <= 48 * 1024, "within the default dynamic shared memory limit");
+  const int tiles = ceil_div(args.rows(), Traits::kBlockM) * ceil_div(args.cols(), Traits::kBlockN);
+  if (tiles == 0) return cudaSuccess;
+  gemm_kernel<Traits, Args><<<tiles, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 }  // namespace tk

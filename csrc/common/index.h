@@ -15,6 +15,11 @@ namespace tk {
 
 TK_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// How a GEMM operand lies in global memory: 8 elements contiguous along K (K-major) or along its M or
+// N dimension (MN-major).  Every operand type declares its kMajor and a chunk(mn, k, valid) returning
+// the address of the 8 contiguous elements starting at (mn, k).
+enum class Major { K, MN };
+
 // ------------------------------------------------------------------------------------------------
 // Tile order: tiles are visited in groups of `group_m` tile rows, column by column inside a group,
 // so the CTAs running at one time share A row blocks and B column blocks in L2 (grouped ordering).
@@ -58,6 +63,13 @@ TK_HOST_DEVICE HeadSplitIndex head_split_index(const HeadSplitShape& s, int toke
   int l = token - b * s.seq_len;
   return HeadSplitIndex{proj, b * s.stride_b + head * s.stride_h + l * s.stride_l + d};
 }
+
+// ------------------------------------------------------------------------------------------------
+// The strides of a [B, C, L] tensor (contiguous, channel-last or any other).
+
+struct Strides3 {
+  int64_t b, c, l;
+};
 
 // ------------------------------------------------------------------------------------------------
 // Convolution taps: output position `s` reads, through tap `tap`, input position

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/dtype.h"
+#include "../common/index.h"
 
 namespace tk::glu_conv {
 
@@ -34,10 +35,6 @@ cudaError_t step(const StepProblem& p, const void* window, const void* weight, c
 //   grad_z        [B * L_out, 2C] contiguous, columns interleaved the same way
 // [B, C, L]-shaped tensors (out, residual, grad_out, grad_x) are addressed through their strides.
 // Requires C_in % 8 == 0, C % 4 == 0 and 16-byte aligned contiguous buffers.
-struct Strides3 {
-  int64_t b, c, l;
-};
-
 struct ConvProblem {
   DType dtype;
   int batch, channels_in, channels_out, kernel_size;
