@@ -111,3 +111,156 @@ def test_step_window_is_state_then_input_and_new_state_drops_the_oldest(index_h,
         assert (state[0, 0, tap].item() if from_state else 100.0) == window[tap]
     sources = index_h([("step_window", slot, kernel_size) for slot in range(kernel_size - 1)])
     assert [window[source] for _, source in sources] == new_state.flatten().tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GEMM kernels' operands and epilogues (qkv_tiles.h, glu_conv_tiles.h), run on the host by
+# tests/csrc/gemm_emulator.cpp in place of the tensor-core main loop, against the eager backend.
+# Inputs go through the cuda backend's own Python glue (packing, padding, unpacking).
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """``emulator(kernel, numbers, tensors) -> list of 1-D float64 tensors``; built with
+    AddressSanitizer where the compiler has it, so an epilogue writing out of bounds fails."""
+    binary = tmp_path_factory.mktemp("emulator") / "gemm_emulator"
+    base = [COMPILER, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", "-o", str(binary),
+            str(ROOT / "tests" / "csrc" / "gemm_emulator.cpp")]
+    if subprocess.run([*base, "-fsanitize=address"], capture_output=True).returncode != 0:
+        subprocess.run(base, check=True, capture_output=True)
+
+    def run(kernel, numbers, tensors):
+        parts = [kernel, *map(str, numbers)]
+        for t in tensors:
+            values = t.detach().double().flatten().tolist()
+            parts += [str(len(values)), *map(repr, values)]
+        result = subprocess.run([str(binary)], input=" ".join(parts), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs = []
+        for line in result.stdout.splitlines():
+            size, *values = line.split()
+            assert len(values) == int(size)
+            outputs.append(torch.tensor([float(v) for v in values], dtype=torch.float64))
+        return outputs
+
+    return run
+
+
+def storage(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t``'s storage from its first element on, as a 1-D tensor."""
+    size = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return torch.as_strided(t, (size,), (1,), t.storage_offset())
+
+
+def from_storage(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_strided(flat, like.shape, like.stride())
+
+
+def assert_close(actual, expected, name):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+QKV_CASES = [
+    # num_proj, batch, seq_len, embed, heads, x padded along E (strided rows), bias
+    (3, 2, 70, 16, 2, False, True),
+    (2, 1, 9, 24, 3, True, False),
+    (1, 3, 50, 136, 1, True, True),
+]
+
+
+@pytest.mark.parametrize("num_proj, batch, seq_len, embed, heads, strided_x, with_bias", QKV_CASES)
+def test_qkv_kernels_on_the_host_match_the_eager_backend(
+    emulator, num_proj, batch, seq_len, embed, heads, strided_x, with_bias
+):
+    from transformer_kernels.backends.cuda import qkv as cuda_qkv
+
+    args = QkvProjectionArgs(heads)
+    x = torch.randn(batch, seq_len, embed + (8 if strided_x else 0), dtype=torch.float64)[..., :embed]
+    weight = torch.randn(num_proj * embed, embed, dtype=torch.float64)
+    bias = torch.randn(num_proj * embed, dtype=torch.float64) if with_bias else None
+    expected = eager_qkv.forward(x, weight, bias, args)
+    grads = [torch.randn_like(out) for out in expected]
+    expected_grads = eager_qkv.backward(grads, x, weight, args, with_bias, True, True, True)
+
+    shape = (num_proj, batch, seq_len, embed, heads)
+    x3 = cuda_qkv._as_3d(x)
+    assert x3.data_ptr() == x.data_ptr()  # read in place: strided rows need no copy
+    outputs = emulator(
+        "qkv_forward", [*shape, x3.stride(0), x3.stride(1), weight.stride(0), int(with_bias)],
+        [storage(x3), weight, *([bias] if with_bias else [])],
+    )
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert_close(out.view(want.shape), want, f"out {i}")
+
+    grads4 = cuda_qkv._head_split_4d(grads)
+    g_strides = grads4[0].stride()[:3]
+    (grad_x,) = emulator("qkv_grad_input", [*shape, *g_strides, weight.stride(0)], [*map(storage, grads4), weight])
+    assert_close(grad_x.view(x.shape), expected_grads[0], "grad x")
+    grad_weight, grad_bias = emulator(
+        "qkv_grad_weight", [*shape, *g_strides, x3.stride(0), x3.stride(1), int(with_bias)],
+        [*map(storage, grads4), storage(x3)],
+    )
+    assert_close(grad_weight.view(weight.shape), expected_grads[1], "grad weight")
+    if with_bias:
+        assert_close(grad_bias, expected_grads[2], "grad bias")
+
+
+GLU_CASES = [
+    # batch, C_in, C, k, L, padding, pad_value, channel-last x, residual, bias
+    (2, 16, 8, 3, 70, "same", 0.0, False, True, True),
+    (1, 24, 68, 4, 33, "same", 1.5, True, False, True),
+    (3, 8, 4, 3, 45, "causal", 1.0, False, True, False),
+    (2, 16, 12, 5, 9, "causal", 0.0, True, True, True),
+    (2, 8, 4, 3, 3, "step", 0.0, False, False, True),  # one position, no padding: a step's window
+]
+
+
+@pytest.mark.parametrize("batch, channels_in, channels, kernel_size, length, padding, pad_value, channel_last, "
+                         "with_residual, with_bias", GLU_CASES)
+def test_glu_conv_kernels_on_the_host_match_the_eager_backend(
+    emulator, batch, channels_in, channels, kernel_size, length, padding, pad_value, channel_last, with_residual,
+    with_bias,
+):
+    from transformer_kernels.backends.cuda import glu_conv as cuda_glu
+    from transformer_kernels.ops.glu_conv import empty_output
+
+    pad_left = {"same": (kernel_size - 1) // 2, "causal": kernel_size - 1, "step": 0}[padding]
+    pad_right = {"same": kernel_size // 2, "causal": 0, "step": 0}[padding]
+    args = GluConvArgs(pad_left, pad_right, pad_value, 0.7)
+    length_out = args.output_length(length, kernel_size)
+    x = torch.randn(batch, channels_in, length, dtype=torch.float64)
+    if channel_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    weight = torch.randn(2 * channels, channels_in, kernel_size, dtype=torch.float64)
+    bias = torch.randn(2 * channels, dtype=torch.float64) if with_bias else None
+    residual = torch.randn(batch, length_out, channels, dtype=torch.float64).transpose(1, 2) if with_residual else None
+    expected, z = eager_glu_conv.forward(x, weight, bias, residual, args)
+    grad_out = torch.randn(batch, channels, length_out, dtype=torch.float64)
+    expected_grads = eager_glu_conv.backward(grad_out, x, weight, bias, z, args, True, True, True)
+
+    xpad = cuda_glu._xpad(x, args)
+    packed = cuda_glu._packed_weight(weight)
+    packed_bias = cuda_glu._packed_bias(bias)
+    shape = [batch, channels_in, 2 * channels, kernel_size, length, length_out, pad_left]
+    out = empty_output(x, channels, length_out)
+    bias_inputs = [packed_bias] if with_bias else []
+    (out_flat,) = emulator(
+        "glu_forward",
+        [*shape, args.residual_scale, int(with_bias), int(with_residual),
+         *(residual.stride() if with_residual else (0, 0, 0)), *out.stride(), out.numel()],
+        [xpad, packed, *bias_inputs, *([storage(residual)] if with_residual else [])],
+    )
+    assert_close(from_storage(out_flat, out), expected, "out")
+
+    (grad_z,) = emulator(
+        "glu_grad_preactivation",
+        [*shape, args.residual_scale, int(with_bias), 1, *grad_out.stride(), 0, 0, 0, batch * length_out * 2 * channels],
+        [xpad, packed, *bias_inputs, grad_out],
+    )
+    grad_x_like = empty_output(x, channels_in, length)
+    (grad_x,) = emulator("glu_grad_input", [*shape, *grad_x_like.stride(), grad_x_like.numel()], [grad_z, packed])
+    assert_close(from_storage(grad_x, grad_x_like), expected_grads[0], "grad x")
+    grad_packed, grad_packed_bias = emulator("glu_grad_weight", [*shape, int(with_bias)], [grad_z, xpad])
+    assert_close(cuda_glu._unpacked_weight(grad_packed.view(packed.shape), weight), expected_grads[1], "grad weight")
+    if with_bias:
+        assert_close(cuda_glu._unpacked_bias(grad_packed_bias), expected_grads[2], "grad bias")

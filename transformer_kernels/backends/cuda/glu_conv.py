@@ -76,11 +76,16 @@ def _packed_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if bias is None else bias.view(2, -1).t().contiguous().view(-1)
 
 
-def _unpacked(grad_packed_weight: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_packed_weight`, contiguous ``[2C, C_in, k]``."""
+def _unpacked_weight(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_packed_weight`, contiguous ``[2C, C_in, k]`` (``weight`` gives the shape)."""
     channels_z, channels_in, kernel_size = weight.shape
-    grad = grad_packed_weight.view(channels_z // 2, 2, kernel_size, channels_in).permute(1, 0, 3, 2)
-    return grad.reshape(channels_z, channels_in, kernel_size)
+    unpacked = packed.view(channels_z // 2, 2, kernel_size, channels_in).permute(1, 0, 3, 2)
+    return unpacked.reshape(channels_z, channels_in, kernel_size)
+
+
+def _unpacked_bias(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_packed_bias`."""
+    return packed.view(-1, 2).t().reshape(-1)
 
 
 def _xpad(x: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
@@ -142,7 +147,7 @@ def backward(
     if needs_grad_weight or with_bias:
         grad_packed, grad_packed_bias = ops.glu_conv1d_grad_weight(grad_z, xpad, saved, length_in, pad_left, with_bias)
         if needs_grad_weight:
-            grad_weight = _unpacked(grad_packed, weight)
+            grad_weight = _unpacked_weight(grad_packed, weight)
         if with_bias:
-            grad_bias = grad_packed_bias.view(-1, 2).t().reshape(-1)
+            grad_bias = _unpacked_bias(grad_packed_bias)
     return grad_x, grad_weight, grad_bias
