@@ -69,7 +69,8 @@ def cuda_extension() -> dict:
         "transformer_kernels._C",
         ["csrc/bindings.cpp", *BUILD_CONFIG["KERNEL_SOURCES"]],
         include_dirs=[os.path.join(ROOT, "csrc"), BUILD_CONFIG["cutlass_include"]()],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": BUILD_CONFIG["NVCC_FLAGS"]},
+        # --threads: each source compiles its architectures in parallel, besides MAX_JOBS sources at once.
+        extra_compile_args={"cxx": ["-O3"], "nvcc": [*BUILD_CONFIG["NVCC_FLAGS"], "--threads=2"]},
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 

@@ -5,6 +5,7 @@ model holds them between layers):
 
 * ``triton`` (CUDA) / ``eager`` (CPU): ``transformer_kernels.glu_conv1d`` on the
   channel-last view, no permute copies.
+* ``cuda`` (CUDA): the same on the CUDA extension's kernels (unmeasured when it is not built).
 * ``seed``: the notebook's layer: permute to ``[B, C, L]``, ``F.conv1d`` (cuDNN /
   oneDNN), ``F.glu``, ``+ residual``, ``* scale`` (a tensor, as in the seed),
   permute back; the decoder concatenates a pad-index filled prefix first.
@@ -17,6 +18,10 @@ CPU the batch shrinks (the case name says so) to keep the suite short.
 Directions: ``fwd``, ``bwd`` (gradients for x, weights and biases of one
 stored forward) and ``fwd+bwd``.  Each (case, direction) is one group whose
 implementations are timed interleaved (``benchmarks/interleaved.py``).
+
+Decoding steps (CUDA): one ``glu_conv1d_step`` of the decoder layer (C=512, k=3) at batch x beam
+1-64, Triton vs the CUDA extension vs the seed's step (the convolution of the cached window with
+``F.conv1d``, then GLU): where a C++ launch's few microseconds should beat a Python-launched kernel.
 """
 
 from __future__ import annotations
@@ -60,14 +65,15 @@ else:
     SEED_CASES = [Case(16, 20), Case(16, 60), Case(16, 40, decoder=True), Case(4, 40, layers=10)]
     LONG_CASES = [Case(2, 1024)]
 CASES = SEED_CASES + LONG_CASES
-IMPLS = [OURS, "seed", "per_tap_gemm"]
+IMPLS = [OURS, "cuda", "seed", "per_tap_gemm"] if DEVICE.type == "cuda" else [OURS, "seed", "per_tap_gemm"]
 DIRECTIONS = ["fwd", "bwd", "fwd+bwd"]
 
 # Issue 4: GPU forward+backward >= 1.5x the seed path with peak memory <= 0.6x of it;
 # CPU eager never slower than the seed path.
 TARGETS = [
-    {"op": OP, "case": case.name, "direction": "fwd+bwd", "impl": "triton", "baseline": "seed", "min_speedup": 1.5,
+    {"op": OP, "case": case.name, "direction": "fwd+bwd", "impl": impl, "baseline": "seed", "min_speedup": 1.5,
      "max_memory_ratio": 0.6, "device": "cuda"}
+    for impl in ("triton", "cuda")
     for case in [Case(128, 20), Case(128, 60), Case(128, 40, decoder=True), Case(128, 40, layers=10)]
 ] + [
     {"op": OP, "case": case.name, "direction": direction, "impl": "eager", "baseline": "seed", "min_speedup": 1.0,
@@ -88,16 +94,16 @@ def _layer_weights(case: Case, generator: torch.Generator):
     return weights
 
 
-def _ours(case: Case):
+def _ours(case: Case, backend: str):
     scale = math.sqrt(0.5)
 
     def run(x, weights):
         h = x.transpose(1, 2)  # [B, C, L] channel-last view
         for weight, bias, _ in weights:
             if case.decoder:
-                h = tk.glu_conv1d(h, weight, bias, padding="causal", pad_value=PAD_INDEX, backend=OURS)
+                h = tk.glu_conv1d(h, weight, bias, padding="causal", pad_value=PAD_INDEX, backend=backend)
             else:
-                h = tk.glu_conv1d(h, weight, bias, residual=h, residual_scale=scale, backend=OURS)
+                h = tk.glu_conv1d(h, weight, bias, residual=h, residual_scale=scale, backend=backend)
         return h.transpose(1, 2)
 
     return run
@@ -136,7 +142,10 @@ def _per_tap_gemm(case: Case):
     return run
 
 
-_IMPLEMENTATIONS = {OURS: _ours, "seed": _seed, "per_tap_gemm": _per_tap_gemm}
+_IMPLEMENTATIONS = {
+    OURS: functools.partial(_ours, backend=OURS), "cuda": functools.partial(_ours, backend="cuda"), "seed": _seed,
+    "per_tap_gemm": _per_tap_gemm,
+}
 
 
 def _setup(case: Case, impl: str, direction: str):
@@ -158,3 +167,35 @@ def _setup(case: Case, impl: str, direction: str):
 def test_glu_conv1d(compare, case: Case, direction: str):
     factories = {impl: functools.partial(_setup, case, impl, direction) for impl in IMPLS}
     compare(factories, op=OP, case=case.name, direction=direction, ours=OURS)
+
+
+# Decoding steps: batch x beam sizes, and a ~1 ms budget per group is plenty for µs-scale calls.
+STEP_BATCHES = [1, 8, 64] if DEVICE.type == "cuda" else []
+STEP_IMPLS = ["triton", "cuda", "seed"]
+TARGETS += [
+    {"op": "glu_conv1d_step", "case": f"dec_step_B{batch}_C512_k3", "direction": "fwd", "impl": "cuda",
+     "baseline": "triton", "min_speedup": 2.0, "device": "cuda"}
+    for batch in STEP_BATCHES
+]
+
+
+def _setup_step(batch: int, impl: str):
+    case = Case(batch, 1, decoder=True)
+    generator = torch.Generator().manual_seed(0)
+    ((weight, bias, _),) = _layer_weights(case, generator)
+    x_t = torch.randn(batch, case.channels, generator=generator).to(DEVICE, DTYPE)
+    state = torch.full((batch, case.channels, case.kernel_size - 1), PAD_INDEX, device=DEVICE, dtype=DTYPE)
+    if impl == "seed":
+        def step():
+            window = torch.cat((state, x_t.unsqueeze(2)), dim=2)
+            return F.glu(F.conv1d(window, weight, bias), dim=1).squeeze(2), window[:, :, 1:]
+    else:
+        def step():
+            return tk.glu_conv1d_step(x_t, state, weight, bias, pad_value=PAD_INDEX, backend=impl)
+    return timed_call(lambda: step, "fwd", [])
+
+
+@pytest.mark.parametrize("batch", STEP_BATCHES)
+def test_glu_conv1d_step(compare, batch: int):
+    factories = {impl: functools.partial(_setup_step, batch, impl) for impl in STEP_IMPLS}
+    compare(factories, op="glu_conv1d_step", case=f"dec_step_B{batch}_C512_k3", direction="fwd", ours="cuda")

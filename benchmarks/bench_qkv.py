@@ -4,6 +4,7 @@ packed linear + chunk, and (CUDA) a bare torch.matmul of the same GEMM.
 Implementations:
 
 - ``eager`` (CPU) / ``triton`` (CUDA): ``transformer_kernels.qkv_projection``.
+- ``cuda`` (CUDA): the same on the CUDA extension's kernels (unmeasured when it is not built).
 - ``reference``: the seeds' path, three ``nn.Linear``-style weights (separate
   leaf tensors), each ``F.linear`` + ``view`` + ``transpose`` + ``contiguous``.
 - ``mha_packed``: ``F.linear`` with the packed weight, ``chunk(3)``, ``view`` +
@@ -41,7 +42,7 @@ LARGE_CASES = [("tok4k_E1024", 4, 1024, 1024, 16), ("tok16k_E2048", 8, 2048, 204
 CPU_CASES = [SEEDS_CASES[0], SEEDS_CASES[2], ("tok4k_E1024", 4, 1024, 1024, 16)]
 CASES = SEEDS_CASES + LARGE_CASES if CUDA else CPU_CASES
 
-IMPLS = [OURS, "reference", "mha_packed", "cublas_matmul"] if CUDA else [OURS, "reference", "mha_packed"]
+IMPLS = [OURS, "cuda", "reference", "mha_packed", "cublas_matmul"] if CUDA else [OURS, "reference", "mha_packed"]
 DIRECTIONS = ["fwd", "bwd", "fwd+bwd"]
 
 TARGETS = (
@@ -52,13 +53,15 @@ TARGETS = (
         for direction in DIRECTIONS
     ]
     + [
-        {"op": OP, "case": name, "direction": "fwd", "impl": "triton", "baseline": "cublas_matmul",
+        {"op": OP, "case": name, "direction": "fwd", "impl": impl, "baseline": "cublas_matmul",
          "min_speedup": 0.9, "device": "cuda"}
+        for impl in ("triton", "cuda")
         for name, *_ in SEEDS_CASES + LARGE_CASES
     ]
     + [
-        {"op": OP, "case": name, "direction": "fwd+bwd", "impl": "triton", "baseline": "reference",
+        {"op": OP, "case": name, "direction": "fwd+bwd", "impl": impl, "baseline": "reference",
          "min_speedup": 1.3, "device": "cuda"}
+        for impl in ("triton", "cuda")
         for name, *_ in SEEDS_CASES + LARGE_CASES
     ]
 )
@@ -74,7 +77,7 @@ def _make_case(batch, seq_len, embed_dim, num_heads, impl):
     def head_split(y):
         return y.view(batch, seq_len, num_heads, head_dim).transpose(1, 2)
 
-    if impl in ("eager", "triton"):
+    if impl in ("eager", "triton", "cuda"):
         return (lambda: tk.qkv_projection(x, weight, bias, num_heads=num_heads, backend=impl)), (x, weight, bias)
     if impl == "reference":
         weights = [w.detach().clone().requires_grad_() for w in weight.chunk(3)]
