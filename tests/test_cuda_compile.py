@@ -75,8 +75,10 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
 @pytest.mark.parametrize("source", BUILD_CONFIG["KERNEL_SOURCES"])
 def test_kernel_source_compiles_without_spills(source, arch, tmp_path):
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what the extension build passes too
+
     command = [
-        NVCC, "-std=c++20", *BUILD_CONFIG["NVCC_FLAGS"], f"-I{CUTLASS_INCLUDE}", f"-I{ROOT / 'csrc'}",
+        NVCC, "-std=c++20", *COMMON_NVCC_FLAGS, *BUILD_CONFIG["NVCC_FLAGS"], f"-I{CUTLASS_INCLUDE}", f"-I{ROOT / 'csrc'}",
         *([] if ALL_DTYPES else ["-DTK_COMPILE_CHECK_ONE_DTYPE"]), f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
         "-cubin", "-keep", f"-keep-dir={tmp_path}", "-o", str(tmp_path / "kernel.cubin"), str(ROOT / source),
     ]
