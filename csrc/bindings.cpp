@@ -34,8 +34,8 @@ void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op
 // The 16-byte chunks the kernels load: unit stride along the last dim, the other strides multiples of
 // 8 elements, a 16-byte aligned start.
 void check_chunks(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name, " must have unit stride along its last dim, got strides ",
-              t.strides());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name,
+              " must have unit stride along its last dim, got strides ", t.strides());
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {
     TORCH_CHECK(t.stride(d) % 8 == 0 || t.size(d) == 1, op, ": ", name,
                 " must have strides that are multiples of 8 elements (16 bytes), got strides ", t.strides());
@@ -84,8 +84,8 @@ tk::qkv::Problem qkv_problem(const at::Tensor& x, const at::Tensor& weight, cons
   return p;
 }
 
-std::vector<at::Tensor> qkv_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                    int64_t num_heads) {
+std::vector<at::Tensor> qkv_forward(const at::Tensor& x, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, int64_t num_heads) {
   constexpr const char* op = "qkv_forward";
   check_like(x, x, op, "x");
   check_like(weight, x, op, "weight");
@@ -164,12 +164,13 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, con
   constexpr const char* op = "glu_conv1d_step";
   check_like(window, window, op, "window");
   check_like(weight, window, op, "weight");
-  TORCH_CHECK(window.dim() == 3 && window.is_contiguous(), op, ": window must be a contiguous [B, C_in, k] tensor, got shape ",
-              window.sizes(), " and strides ", window.strides());
+  TORCH_CHECK(window.dim() == 3 && window.is_contiguous(), op,
+              ": window must be a contiguous [B, C_in, k] tensor, got shape ", window.sizes(), " and strides ",
+              window.strides());
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(1) == window.size(1) &&
                   weight.size(2) == window.size(2) && weight.size(0) % 2 == 0,
-              op, ": weight must be a contiguous [2*C, C_in, k] tensor matching window ", window.sizes(), ", got shape ",
-              weight.sizes());
+              op, ": weight must be a contiguous [2*C, C_in, k] tensor matching window ", window.sizes(),
+              ", got shape ", weight.sizes());
   TORCH_CHECK(window.size(1) * window.size(2) % 8 == 0, op, ": C_in * k must be a multiple of 8, got ",
               window.size(1) * window.size(2));
   TORCH_CHECK(weight.numel() < (int64_t(1) << 31) && window.numel() < (int64_t(1) << 31), op,
@@ -220,17 +221,20 @@ tk::Strides3 strides3(const at::Tensor& t) { return {t.stride(0), t.stride(1), t
 tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::Tensor& packed_weight, int64_t length_in,
                                        int64_t pad_left, double residual_scale, const char* op) {
   check_like(packed_weight, xpad, op, "packed_weight");
-  TORCH_CHECK(xpad.dim() == 3 && xpad.is_contiguous(), op, ": xpad must be a contiguous [B, Lp, C_in] tensor, got shape ",
-              xpad.sizes(), " and strides ", xpad.strides());
+  TORCH_CHECK(xpad.dim() == 3 && xpad.is_contiguous(), op,
+              ": xpad must be a contiguous [B, Lp, C_in] tensor, got shape ", xpad.sizes(), " and strides ",
+              xpad.strides());
   const int64_t channels_in = xpad.size(2);
-  TORCH_CHECK(channels_in % 8 == 0 && channels_in > 0, op, ": C_in must be a positive multiple of 8, got ", channels_in);
+  TORCH_CHECK(channels_in % 8 == 0 && channels_in > 0, op, ": C_in must be a positive multiple of 8, got ",
+              channels_in);
   TORCH_CHECK(packed_weight.dim() == 2 && packed_weight.is_contiguous() && packed_weight.size(1) % channels_in == 0 &&
                   packed_weight.size(0) % 8 == 0 && packed_weight.size(0) > 0,
               op, ": packed_weight must be a contiguous [2*C, k * C_in] tensor with C a multiple of 4, got shape ",
               packed_weight.sizes());
   const int64_t kernel_size = packed_weight.size(1) / channels_in;
   const int64_t length_out = xpad.size(1) - kernel_size + 1;
-  TORCH_CHECK(kernel_size >= 1 && length_out >= 1 && length_in >= 1 && pad_left >= 0 && pad_left + length_in <= xpad.size(1),
+  TORCH_CHECK(kernel_size >= 1 && length_out >= 1 && length_in >= 1 && pad_left >= 0 &&
+                  pad_left + length_in <= xpad.size(1),
               op, ": xpad of length ", xpad.size(1), " does not hold ", length_in, " positions after ", pad_left,
               " of padding for kernel size ", kernel_size);
   TORCH_CHECK(xpad.numel() < (int64_t(1) << 31) && packed_weight.numel() < (int64_t(1) << 31) &&
@@ -255,8 +259,9 @@ const void* packed_bias_ptr(const std::optional<at::Tensor>& packed_bias, const 
                             const char* op) {
   if (!packed_bias.has_value()) return nullptr;
   check_like(*packed_bias, packed_weight, op, "packed_bias");
-  TORCH_CHECK(packed_bias->dim() == 1 && packed_bias->size(0) == packed_weight.size(0) && packed_bias->is_contiguous(), op,
-              ": packed_bias must be a contiguous [2*C] tensor, got shape ", packed_bias->sizes());
+  TORCH_CHECK(packed_bias->dim() == 1 && packed_bias->size(0) == packed_weight.size(0) &&
+                  packed_bias->is_contiguous(),
+              op, ": packed_bias must be a contiguous [2*C] tensor, got shape ", packed_bias->sizes());
   return packed_bias->data_ptr();
 }
 
@@ -264,7 +269,8 @@ void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t channel
                const char* name) {
   check_like(t, reference, op, name);
   TORCH_CHECK(t.dim() == 3 && t.size(0) == reference.size(0) && t.size(1) == channels && t.size(2) == length, op, ": ",
-              name, " must be [B, C, L] = [", reference.size(0), ", ", channels, ", ", length, "], got shape ", t.sizes());
+              name, " must be [B, C, L] = [", reference.size(0), ", ", channels, ", ", length, "], got shape ",
+              t.sizes());
 }
 
 void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
@@ -361,7 +367,8 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
         "Tensor(a!) out, int length_in, int pad_left, float residual_scale) -> ()");
   m.def("glu_conv1d_grad_preactivation(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor grad_out, "
         "int length_in, int pad_left, float residual_scale) -> Tensor");
-  m.def("glu_conv1d_grad_input(Tensor grad_z, Tensor xpad, Tensor packed_weight, Tensor(a!) grad_x, int pad_left) -> ()");
+  m.def("glu_conv1d_grad_input(Tensor grad_z, Tensor xpad, Tensor packed_weight, Tensor(a!) grad_x, "
+        "int pad_left) -> ()");
   m.def("glu_conv1d_grad_weight(Tensor grad_z, Tensor xpad, Tensor packed_weight, int length_in, int pad_left, "
         "bool with_bias) -> (Tensor, Tensor)");
 }

@@ -2,7 +2,8 @@
 
 * Every kernel source (``csrc/build_config.py``'s ``KERNEL_SOURCES``) compiles with nvcc for sm_80
   and sm_90a in its representative instantiation (float16 only, ``TK_COMPILE_CHECK_ONE_DTYPE``), or
-  with both dtypes when ``TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1`` (``benchmarks/gpu_check.sh``).  ptxas ``-v`` reports each
+  with both dtypes when ``TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1`` (``benchmarks/gpu_check.sh``).
+  ptxas ``-v`` reports each
   kernel's registers, spills and shared memory: a spill or a stack frame fails the test, and the
   report is kept under ``build/ptxas/``.  The PTX of the same compilation shows what the GEMM
   kernels are made of: mma.sync m16n8k16, ldmatrix and cp.async.
@@ -78,8 +79,9 @@ def test_kernel_source_compiles_without_spills(source, arch, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what the extension build passes too
 
     command = [
-        NVCC, "-std=c++20", *COMMON_NVCC_FLAGS, *BUILD_CONFIG["NVCC_FLAGS"], f"-I{CUTLASS_INCLUDE}", f"-I{ROOT / 'csrc'}",
-        *([] if ALL_DTYPES else ["-DTK_COMPILE_CHECK_ONE_DTYPE"]), f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+        NVCC, "-std=c++20", *COMMON_NVCC_FLAGS, *BUILD_CONFIG["NVCC_FLAGS"], f"-I{CUTLASS_INCLUDE}",
+        f"-I{ROOT / 'csrc'}", *([] if ALL_DTYPES else ["-DTK_COMPILE_CHECK_ONE_DTYPE"]),
+        f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
         "-cubin", "-keep", f"-keep-dir={tmp_path}", "-o", str(tmp_path / "kernel.cubin"), str(ROOT / source),
     ]
     result = subprocess.run(command, capture_output=True, text=True)

@@ -54,8 +54,11 @@ def test_grouped_tile_order_visits_every_tile_once_group_by_group(index_h, tiles
         assert tiles[1] == ((1, 0) if tiles_m > 1 else (0, 1))
 
 
-@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, num_proj", [(2, 5, 3, 8, 3), (1, 7, 2, 16, 2), (3, 1, 1, 8, 1)])
-def test_head_split_index_is_where_the_op_puts_each_packed_column(index_h, batch, seq_len, num_heads, head_dim, num_proj):
+@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, num_proj",
+                         [(2, 5, 3, 8, 3), (1, 7, 2, 16, 2), (3, 1, 1, 8, 1)])
+def test_head_split_index_is_where_the_op_puts_each_packed_column(
+    index_h, batch, seq_len, num_heads, head_dim, num_proj
+):
     """The packed GEMM result's element (token t, feature f) lands at output ``proj``, element
     ``offset``, exactly where the eager backend's head split puts it."""
     embed = num_heads * head_dim
@@ -254,7 +257,8 @@ def test_glu_conv_kernels_on_the_host_match_the_eager_backend(
 
     (grad_z,) = emulator(
         "glu_grad_preactivation",
-        [*shape, args.residual_scale, int(with_bias), 1, *grad_out.stride(), 0, 0, 0, batch * length_out * 2 * channels],
+        [*shape, args.residual_scale, int(with_bias), 1, *grad_out.stride(), 0, 0, 0,
+         batch * length_out * 2 * channels],
         [xpad, packed, *bias_inputs, grad_out],
     )
     grad_x_like = empty_output(x, channels_in, length)

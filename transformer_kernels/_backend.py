@@ -13,8 +13,9 @@ context, then the ``TRANSFORMER_KERNELS_BACKEND`` environment variable, then
 ``"auto"``.
 
 ``"auto"`` tries the backends in rank order, each only on the device types it
-is auto-chosen for: CUDA tensors go to the CUDA extension when it is built and
-able, else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
+is auto-chosen for and where its ``auto_reason`` does not pass it over: CUDA
+tensors go to the CUDA extension when it is built, able and preferred on the
+GPU's architecture, else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
 backend over, the reason is logged once at DEBUG level on the
 ``transformer_kernels`` logger.  An explicitly requested backend that cannot
 serve a call raises :class:`BackendUnavailableError` carrying the reason.

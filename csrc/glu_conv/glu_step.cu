@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kWarps * 32) glu_step_kernel(const __grid_cons
       const int64_t b = b0 + r;
       a.preactivation[b * 2 * p.channels_out + c] = T(value);
       a.preactivation[b * 2 * p.channels_out + p.channels_out + c] = T(gate);
-      float residual = a.residual != nullptr ? float(a.residual[b * p.residual_stride_b + c * p.residual_stride_c]) : 0.f;
+      const float residual =
+          a.residual != nullptr ? float(a.residual[b * p.residual_stride_b + c * p.residual_stride_c]) : 0.f;
       a.out[b * p.out_stride_b + c * p.out_stride_c] = T(glu_residual(value, gate, residual, p.residual_scale));
     }
   }

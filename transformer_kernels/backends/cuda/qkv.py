@@ -27,7 +27,9 @@ def unsupported_reason(
     embed_dim = x.shape[-1]
     head_dim = embed_dim // args.num_heads
     if embed_dim % 8 != 0 or head_dim % 8 != 0:
-        return f"the CUDA kernels need E and the head dim to be multiples of 8, got E = {embed_dim}, head dim {head_dim}"
+        return (
+            f"the CUDA kernels need E and the head dim to be multiples of 8, got E = {embed_dim}, head dim {head_dim}"
+        )
     return None
 
 
