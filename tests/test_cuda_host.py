@@ -268,3 +268,32 @@ def test_glu_conv_kernels_on_the_host_match_the_eager_backend(
     assert_close(cuda_glu._unpacked_weight(grad_packed.view(packed.shape), weight), expected_grads[1], "grad weight")
     if with_bias:
         assert_close(cuda_glu._unpacked_bias(grad_packed_bias), expected_grads[2], "grad bias")
+
+
+@pytest.mark.parametrize("batch, channels_in, channels, kernel_size, with_residual, with_bias", [
+    (3, 16, 8, 3, True, True),     # C_in * k = 48: lanes past the row's end add nothing
+    (11, 64, 12, 4, False, True),  # two CTAs of batch rows, the second partial; 256 = 32 lanes x 8
+    (1, 8, 4, 1, True, False),
+])
+def test_glu_step_kernel_on_the_host_matches_the_eager_step(
+    emulator, batch, channels_in, channels, kernel_size, with_residual, with_bias
+):
+    x_t = torch.randn(batch, channels_in, dtype=torch.float64)
+    state = torch.randn(batch, channels_in, kernel_size - 1, dtype=torch.float64)
+    weight = torch.randn(2 * channels, channels_in, kernel_size, dtype=torch.float64)
+    bias = torch.randn(2 * channels, dtype=torch.float64) if with_bias else None
+    residual = torch.randn(channels, batch, dtype=torch.float64).t() if with_residual else None  # strided
+    expected, _ = transformer_kernels.glu_conv1d_step(
+        x_t, state, weight, bias, residual=residual, residual_scale=0.7, backend="eager"
+    )
+    window = torch.cat([state, x_t.unsqueeze(2)], dim=2)  # what the op hands the backend
+    args = GluConvArgs(0, 0, 0.0, 0.7)
+    _, expected_z = eager_glu_conv.forward(window, weight, bias, None, args)
+    out, z = emulator(
+        "glu_step",
+        [batch, channels_in, channels, kernel_size, 0.7, int(with_bias), int(with_residual),
+         *(residual.stride() if with_residual else (0, 0))],
+        [window, weight, *([bias] if with_bias else []), *([storage(residual)] if with_residual else [])],
+    )
+    assert_close(out.view(batch, channels), expected, "out")
+    assert_close(z.view(batch, 1, 2 * channels), expected_z, "pre-activation")

@@ -1,6 +1,7 @@
-// Host emulation of the extension's GEMM kernels for tests/test_cuda_host.py: the kernels' own
+// Host emulation of the extension's kernels for tests/test_cuda_host.py: the GEMM kernels' own
 // operand addressing and epilogues (qkv_tiles.h, glu_conv_tiles.h, instantiated with T = float) driven
-// by a plain loop in place of the tensor-core main loop.  The loop covers whole 128 x 128 tiles, as
+// by a plain loop in place of the tensor-core main loop, and the decoding step's (glu_step_tiles.h)
+// with the lanes' partial sums added up in place of the warp reduction.  The loop covers whole 128 x 128 tiles, as
 // the kernels do, so the epilogues' bounds checks are exercised (the tests build it with
 // AddressSanitizer where available), and reads each operand element through chunk(), 8 elements
 // at a time along the operand's contiguous dimension, zero where a chunk is not valid (cp.async's
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "glu_conv/glu_conv_tiles.h"
+#include "glu_conv/glu_step_tiles.h"
 #include "qkv/qkv_tiles.h"
 
 namespace {
@@ -215,6 +217,31 @@ void glu_grad_weight() {
   write_tensor(grad_bias);
 }
 
+// The step kernel's grid: CTAs of 8 channels x 8 batch rows, 32 lanes per channel.
+void glu_step() {
+  constexpr int kRows = 8, kLanes = 32;
+  int batch = read_int(), channels_in = read_int(), channels = read_int(), kernel_size = read_int();
+  float scale;
+  std::cin >> scale;
+  int has_bias = read_int(), has_residual = read_int();
+  int64_t rb = read_int(), rc = read_int();
+  Tensor window = read_tensor(), weight = read_tensor(), bias = has_bias ? read_tensor() : Tensor();
+  Tensor residual = has_residual ? read_tensor() : Tensor();
+  Tensor out(size_t(batch) * channels, 0.f), z(size_t(batch) * 2 * channels, 0.f);
+  tk::glu_conv::StepArgs<float> args{window.data(), weight.data(), has_bias ? bias.data() : nullptr,
+                                     has_residual ? residual.data() : nullptr, out.data(), z.data(),
+                                     batch, channels_in, channels, kernel_size, rb, rc, channels, 1, scale};
+  for (int c = 0; c < channels; ++c) {
+    for (int b0 = 0; b0 < batch; b0 += kRows) {
+      float value[kRows] = {}, gate[kRows] = {};
+      for (int lane = 0; lane < kLanes; ++lane) args.partial_sums<kRows>(c, b0, lane, kLanes, value, gate);
+      for (int r = 0; r < kRows && b0 + r < batch; ++r) args.store(b0 + r, c, value[r], gate[r]);
+    }
+  }
+  write_tensor(out);
+  write_tensor(z);
+}
+
 }  // namespace
 
 int main() {
@@ -228,6 +255,7 @@ int main() {
   else if (kernel == "glu_grad_preactivation") glu_preactivation<true>();
   else if (kernel == "glu_grad_input") glu_grad_input();
   else if (kernel == "glu_grad_weight") glu_grad_weight();
+  else if (kernel == "glu_step") glu_step();
   else {
     std::cerr << "unknown kernel " << kernel << '\n';
     return 1;
