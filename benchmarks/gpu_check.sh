@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # One-shot verification on a CUDA machine without network access:
-#   bash benchmarks/gpu_check.sh [OUTDIR]      # default benchmarks/results/<gpu>-<date>/
-# Installs the package (building the CUDA extension when there is one), runs the GPU tests, runs
-# every Triton kernel under compute-sanitizer, the gradient self-check (--check) and the full
-# benchmark report.  Everything lands in OUTDIR, which is what gets committed:
+#   bash benchmarks/gpu_check.sh [OUTDIR [STEPS]]     # OUTDIR default: benchmarks/results/<gpu>-<date>/
+# Installs the package and builds the CUDA extension (both dtypes, sm_80 and sm_90a: the full set),
+# runs the GPU tests (the cuda backend included), every Triton kernel under compute-sanitizer
+# memcheck and one small case per CUDA extension kernel under memcheck and racecheck, the gradient
+# self-check (--check) and the full benchmark report.  Everything lands in OUTDIR, which is what
+# gets committed:
 #   gpu_check.log  tests.xml  check.md  report.md  results.json  *.png
-# Budget: about 10 minutes on one H100; each step has its own time limit.
+# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,benchmarks (default: all).
+# All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
+# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,benchmarks" (the
+# second install is a no-op rebuild check on a warm machine).
+# The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
+# wheel along in .whl/ (git-ignored; pass it with the tree):
+#   pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
+# and it is installed from there (--no-deps: the headers need none of its dependencies).
 set -u
 cd "$(dirname "$0")/.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:upper:]' '[:lower:]' \
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
+steps=",${2:-install,nvcc,tests,sanitizers,check,benchmarks},"
 mkdir -p "$out"
 log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -26,17 +36,33 @@ step() {  # step NAME SECONDS COMMAND...
     [ "$rc" -eq 0 ] || status=1
     return $rc
 }
+wanted() { [[ $steps == *",$1,"* ]]; }
 
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
-step install 150 python3 -m pip install --no-build-isolation --no-deps -e .
+if wanted install; then
+    if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+        step cutlass 60 python3 -m pip install --no-index --no-deps .whl/nvidia_cutlass-*.whl
+    fi
+    # Forced: a missing CUTLASS or nvcc fails the install instead of skipping the extension.
+    TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install 420 \
+        python3 -m pip install --no-build-isolation --no-deps -v -e .
+fi
 # Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-step tests 240 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider $parallel -rf --junitxml="$out/tests.xml"
-step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
-step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
+# Every kernel source with both dtypes for sm_80 and sm_90a: ptxas spills or local memory fail it.
+wanted nvcc && step nvcc 300 env TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1 python3 -m pytest tests/test_cuda_compile.py \
+    -q -p no:cacheprovider $parallel
+wanted tests && step tests 300 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider $parallel -rf \
+    --junitxml="$out/tests.xml"
+if wanted sanitizers; then
+    step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
+    step cuda-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+    step cuda-racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+fi
+wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
-step benchmarks 360 python3 -m transformer_kernels.bench --full --out "$out"
+wanted benchmarks && step benchmarks 360 python3 -m transformer_kernels.bench --full --out "$out"
 tail -n 40 "$out/report.md" 2>/dev/null
 grep -E "^=== .*exit" "$log"
 exit $status

@@ -27,8 +27,9 @@ from transformer_kernels import _backend
 from transformer_kernels._backend import backend_module
 from transformer_kernels.bench.check import Results, as_list, outputs_and_grads  # noqa: F401  (shared with --check)
 
-# The backends the tests run; "cuda" is a stub that serves no op yet.
-BACKENDS = ("eager", "triton")
+# The backends the tests run.  A "cuda" case its backend cannot serve is reported as skipped with the
+# reason (conftest.py's pytest_runtest_makereport).
+BACKENDS = ("eager", "triton", "cuda")
 OPS = ("attention", "glu_conv", "qkv")
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]

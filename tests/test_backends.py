@@ -101,8 +101,10 @@ def test_backend_names_in_auto_order():
     assert backend_names() == ("auto", "cuda", "triton", "eager")
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("op, backend", [
+    pytest.param(op, *param.values, marks=param.marks, id=f"{op}-{param.id}")
+    for op in OPS for param in backend_params(op)
+])
 def test_backend_modules_provide_forward_backward_and_reason(op, backend):
     module = backend_module(op, backend)
     for name in ("forward", "backward", "unsupported_reason"):

@@ -440,6 +440,7 @@ def test_errors_name_the_argument():
 
 
 @requires_cuda
+@pytest.mark.parametrize("backend", backend_params("glu_conv", names=("triton", "cuda")))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("k,length,channels,padding,channels_last", [
     (3, 60, 512, "same", True),
@@ -447,11 +448,11 @@ def test_errors_name_the_argument():
     (5, 1000, 256, "causal", True),
     (2, 3, 24, "same", False),
 ])
-def test_gpu_error_within_twice_pytorch(dtype, k, length, channels, padding, channels_last):
+def test_gpu_error_within_twice_pytorch(backend, dtype, k, length, channels, padding, channels_last):
     """Error of ours in dtype vs an fp32 reference <= 2x the error of PyTorch's own dtype math (+1e-5)."""
     inputs = _make_inputs(16, k, length, channels, channels, dtype=dtype, device="cuda", channels_last=channels_last)
     grad = torch.randn(16, channels, length, device="cuda", dtype=dtype)
-    ours, reference = _functions("triton", padding=padding, pad_value=1.0, residual_scale=SCALE)
+    ours, reference = _functions(backend, padding=padding, pad_value=1.0, residual_scale=SCALE)
     assert_low_precision_within_2x(ours, reference, inputs, grad, names=["out", *(f"grad {n}" for n in INPUT_NAMES)])
 
 

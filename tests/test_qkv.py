@@ -384,18 +384,19 @@ def test_triton_refuses_int32_overflow_before_launching():
 
 
 @requires_cuda
+@pytest.mark.parametrize("backend", backend_params("qkv", names=("triton", "cuda")))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "shape,num_heads,num_proj", [((4, 128, 512), 8, 3), ((3, 77, 40), 5, 2), ((2, 16, 4), 2, 3), ((2, 1000, 768), 12, 1)]
 )
-def test_cuda_error_within_twice_pytorch(dtype, shape, num_heads, num_proj):
+def test_cuda_error_within_twice_pytorch(backend, dtype, shape, num_heads, num_proj):
     inputs = _inputs(shape, num_proj, torch.float32, device="cuda")
     *batch, seq_len, embed_dim = shape
     grad_outputs = [torch.randn(*batch, num_heads, seq_len, embed_dim // num_heads, device="cuda")
                     for _ in range(num_proj)]
     # The float64 reference runs on the float32 inputs themselves, before rounding to dtype.
     assert_low_precision_within_2x(
-        lambda *a: tk.qkv_projection(*a, num_heads=num_heads, backend="triton"), lambda *a: reference_qkv(*a, num_heads),
+        lambda *a: tk.qkv_projection(*a, num_heads=num_heads, backend=backend), lambda *a: reference_qkv(*a, num_heads),
         [t.to(dtype) for t in inputs], grad_outputs, exact_dtype=torch.float64, exact_inputs=inputs,
     )
 

@@ -13,8 +13,9 @@ context, then the ``TRANSFORMER_KERNELS_BACKEND`` environment variable, then
 ``"auto"``.
 
 ``"auto"`` tries the backends in rank order, each only on the device types it
-is auto-chosen for: CUDA tensors go to the CUDA extension when it is built and
-able, else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
+is auto-chosen for and where its ``auto_reason`` does not pass it over: CUDA
+tensors go to the CUDA extension when it is built, able and preferred on the
+GPU's architecture, else to Triton, else to eager; CPU tensors go to eager.  When auto passes a
 backend over, the reason is logged once at DEBUG level on the
 ``transformer_kernels`` logger.  An explicitly requested backend that cannot
 serve a call raises :class:`BackendUnavailableError` carrying the reason.
@@ -56,6 +57,7 @@ class Backend:
     device_reason: Callable[[torch.device, torch.dtype], Optional[str]]
     ops: tuple[str, ...]
     load: Callable[[str], ModuleType]
+    auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None
 
 
 # Name -> backend, in "auto"'s order: sorted by rank at registration, not on every call.
@@ -70,6 +72,7 @@ def register_backend(
     ops: tuple[str, ...],
     load: Callable[[str], ModuleType],
     auto_device_types: Optional[tuple[str, ...]] = None,
+    auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None,
 ) -> None:
     """Register backend ``name``.
 
@@ -86,11 +89,14 @@ def register_backend(
             dependencies only once the backend is chosen.
         auto_device_types: the device types ``"auto"`` may choose it for;
             ``None`` for every device.
+        auto_reason: ``(op, device) -> reason or None``: why ``"auto"`` should pass
+            it over for ``op`` on this device although it could serve the call
+            (another backend measured faster there); explicit requests ignore it.
     """
     global _registry
     if name == "auto" or name in _registry:
         raise ValueError(f"backend name {name!r} is taken")
-    backends = [*_registry.values(), Backend(name, rank, auto_device_types, device_reason, tuple(ops), load)]
+    backends = [*_registry.values(), Backend(name, rank, auto_device_types, device_reason, tuple(ops), load, auto_reason)]
     _registry = {backend.name: backend for backend in sorted(backends, key=lambda backend: backend.rank)}
 
 
@@ -168,6 +174,8 @@ def select_backend(op: str, public_name: str, backend: Optional[str], reference:
         candidates = [_registry[requested]]
     for candidate in candidates:
         why_not = _reason(candidate, op, public_name, reference, forward_args)
+        if why_not is None and requested == "auto" and candidate.auto_reason is not None:
+            why_not = candidate.auto_reason(op, reference.device)
         if why_not is None:
             return candidate.name
         if requested != "auto":

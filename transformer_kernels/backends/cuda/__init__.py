@@ -1,9 +1,14 @@
 """The compiled CUDA C++ extension ``transformer_kernels._C``, when it was built.
 
-The extension is optional at build time, and it serves no op yet: every call
-gets a reason (not a CUDA tensor, not built, no kernel for the op), and
-``backend="auto"`` moves on to Triton.  An op served here gets a module in this
-package and an entry in ``ops`` and ``_load``.
+The extension is optional at build time (see ``setup.py``).  Importing it registers raw CUDA ops as
+``torch.ops.transformer_kernels_C.*``; the op modules here (``qkv``, ``glu_conv``) call them behind
+the registered ops of ``transformer_kernels.ops``, which keep the autograd and fake kernels.  Each
+op module's ``unsupported_reason`` says which calls it cannot serve (float32, sizes its kernels do not
+handle, GLU convolutions other than a decoding step), and ``backend="auto"`` moves on to Triton.
+
+``"auto"`` prefers these kernels over Triton per (op, architecture) only where a measurement says
+so; until GPU measurements are committed, it prefers them on sm_80 (mma.sync is what both emit
+there) and Triton on sm_90 (whose Triton kernels use wgmma, these do not yet).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import torch
 
 from ..._backend import register_backend
 
+# The compute capabilities (major) on which "auto" prefers this backend to Triton.
+AUTO_PREFERRED_MAJORS = (8,)
+
 
 @functools.lru_cache(maxsize=None)
 def extension() -> Optional[ModuleType]:
@@ -28,6 +36,11 @@ def extension() -> Optional[ModuleType]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if device.type != "cuda":
         return f"the cuda backend needs CUDA tensors, got device {device}"
@@ -36,8 +49,26 @@ def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def _auto_reason(op: str, device: torch.device) -> Optional[str]:
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if major not in AUTO_PREFERRED_MAJORS:
+        return f"auto prefers triton on sm_{major}{minor} until a GPU measurement shows the CUDA kernels faster"
+    return None
+
+
+_modules: dict[str, ModuleType] = {}
+
+
 def _load(op: str) -> ModuleType:
-    raise AssertionError(f"the cuda backend serves no {op} kernel")
+    if not _modules:  # once: an import statement costs microseconds even when done
+        # An import statement, not importlib: torch.compile traces it.
+        from . import glu_conv, qkv
+
+        _modules.update(glu_conv=glu_conv, qkv=qkv)
+    return _modules[op]
 
 
-register_backend("cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason, ops=(), load=_load)
+register_backend(
+    "cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason, ops=("glu_conv", "qkv"),
+    load=_load, auto_reason=_auto_reason,
+)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "uses_onednn"]
+__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "uses_onednn", "padded_rows"]
 
 # Up to these many output positions (B * L_out) the im2col GEMM beats oneDNN's
 # convolution (its per-call weight reorder dominates), forward and backward;
@@ -79,7 +79,7 @@ def unsupported_reason(
     return None
 
 
-def _padded_rows(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
+def padded_rows(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
     """``x`` padded with ``pad_value`` along positions, as a contiguous ``[B, Lp, C_in]``."""
     batch, channels_in, length = x.shape
     padded = x.new_empty(batch, pad_left + length + pad_right, channels_in)
@@ -91,7 +91,7 @@ def _padded_rows(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: floa
 
 def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
     """im2col ``[B * L_out, C_in * k]``: row ``b * L_out + s``, column ``ci * k + tap`` holds ``xpad[b, s + tap, ci]``."""
-    padded = _padded_rows(x, pad_left, pad_right, pad_value)
+    padded = padded_rows(x, pad_left, pad_right, pad_value)
     batch, padded_length, channels_in = padded.shape
     length_out = padded_length - kernel_size + 1
     return padded.unfold(1, kernel_size, 1).reshape(batch * length_out, channels_in * kernel_size)

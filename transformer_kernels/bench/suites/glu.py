@@ -15,6 +15,10 @@ Cases: the seed's shapes (B=128, C=512, k=3, L 20-60, a 10-layer encoder stack a
 decoder layer) and long sequences (L 1k-8k, CUDA only).  On a CPU the batch shrinks (the case name
 says so).  Errors are measured against ``transformer_kernels.reference.glu_conv1d`` in float64
 (CPU) or float32 (CUDA).
+
+Decoding steps (op ``glu_conv1d_step``, CUDA): one step of the decoder layer (C=512, k=3) at
+batch x beam 1-64, ours vs the seed's step (the cached window convolved with ``F.conv1d``, then
+GLU): microsecond calls, where a C++ launch should beat a Python-launched kernel.
 """
 
 from __future__ import annotations
@@ -65,9 +69,21 @@ CPU_CASES = [Case(16, 20), Case(16, 60), Case(16, 40, decoder=True), Case(4, 40,
 
 # Issue 4: GPU forward+backward >= 1.5x the seed path with peak memory <= 0.6x of it;
 # CPU eager never slower than the seed path.
-TARGETS = [
-    Target(OP, case.name, "fwd+bwd", "triton", "seed", 1.5, "cuda", max_memory_ratio=0.6) for case in GPU_SEED_CASES
-] + [Target(OP, case.name, direction, "eager", "seed", 1.0, "cpu") for case in CPU_CASES for direction in DIRECTIONS]
+STEP_OP = "glu_conv1d_step"
+STEP_BATCHES = (1, 8, 64)
+
+
+def _step_case(batch: int, channels: int = 512) -> str:
+    return f"dec_step_B{batch}_C{channels}_k3"
+
+
+TARGETS = (
+    [Target(OP, case.name, "fwd+bwd", impl, "seed", 1.5, "cuda", max_memory_ratio=0.6)
+     for impl in ("triton", "cuda") for case in GPU_SEED_CASES]
+    + [Target(OP, case.name, direction, "eager", "seed", 1.0, "cpu") for case in CPU_CASES for direction in DIRECTIONS]
+    # The CUDA extension's decoding step 2x Triton's at batch x beam <= 64.
+    + [Target(STEP_OP, _step_case(batch), "fwd", "cuda", "triton", 2.0, "cuda") for batch in STEP_BATCHES]
+)
 
 
 def cases(setting: Setting) -> list[Case]:
@@ -193,5 +209,49 @@ def _case_groups(case: Case, setting: Setting) -> list[Group]:
     ) for direction in directions(case, setting)]
 
 
+def _step_group(batch: int, channels: int, setting: Setting) -> Group:
+    """One decoding step of the causal decoder layer, ``state`` a window of ``pad_index``."""
+    backends = backends_for("glu_conv", setting)
+    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
+
+    @functools.cache
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(2 * channels, channels, 3, generator=generator) / math.sqrt(3 * channels)
+        bias = torch.randn(2 * channels, generator=generator) * 0.1
+        x_t = torch.randn(batch, channels, generator=generator)
+        state = torch.full((batch, channels, 2), PAD_INDEX)
+        return tuple(t.to(setting.device, setting.dtype) for t in (x_t, state, weight, bias))
+
+    def setup(impl: str) -> Impl:
+        x_t, state, weight, bias = inputs()
+        if impl == "seed":
+            def step():
+                window = torch.cat((state, x_t.unsqueeze(2)), dim=2)
+                return F.glu(F.conv1d(window, weight, bias), dim=1).squeeze(2)
+        else:
+            def step():
+                return tk.glu_conv1d_step(x_t, state, weight, bias, pad_value=PAD_INDEX, backend=impl)[0]
+        return Impl(step, [])
+
+    def error(y_t: torch.Tensor) -> float:
+        x_t, state, weight, bias = (t.to(setting.exact_dtype) for t in inputs())
+        window = torch.cat((state, x_t.unsqueeze(2)), dim=2)
+        # The causal convolution's last position sees exactly the window.
+        return max_abs_error(y_t, reference_glu_conv1d(window, weight, bias, padding="causal")[:, :, -1])
+
+    return Group(
+        op=STEP_OP, case=_step_case(batch, channels), direction="fwd",
+        setups={impl: functools.partial(setup, impl) for impl in [*backends, "seed"] if impl not in unavailable},
+        unavailable=unavailable, error=error, flops=2.0 * batch * channels * 2 * channels * 3,
+        ours=tuple(name for name in backends if name not in unavailable), params={"family": None}, reference="seed",
+    )
+
+
 def groups(setting: Setting) -> list[Group]:
-    return [group for case in cases(setting) for group in _case_groups(case, setting)]
+    step_groups = []
+    if setting.cuda:
+        step_groups = [_step_group(batch, 512, setting) for batch in STEP_BATCHES]
+    elif setting.size == "tiny":
+        step_groups = [_step_group(2, 16, setting)]
+    return [group for case in cases(setting) for group in _case_groups(case, setting)] + step_groups

@@ -49,8 +49,10 @@ CPU_CASES = [SEED_CASES[0], SEED_CASES[2], LARGE_CASES[0]]
 
 TARGETS = (
     [Target(OP, case.name, direction, "eager", "reference", 1.0, "cpu") for case in CPU_CASES for direction in DIRECTIONS]
-    + [Target(OP, case.name, "fwd", "triton", "torch_matmul", 0.9, "cuda") for case in SEED_CASES + LARGE_CASES]
-    + [Target(OP, case.name, "fwd+bwd", "triton", "reference", 1.3, "cuda") for case in SEED_CASES + LARGE_CASES]
+    + [Target(OP, case.name, "fwd", impl, "torch_matmul", 0.9, "cuda")
+       for impl in ("triton", "cuda") for case in SEED_CASES + LARGE_CASES]
+    + [Target(OP, case.name, "fwd+bwd", impl, "reference", 1.3, "cuda")
+       for impl in ("triton", "cuda") for case in SEED_CASES + LARGE_CASES]
 )
 
 

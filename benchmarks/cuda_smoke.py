@@ -1,0 +1,47 @@
+"""Run every kernel of the CUDA extension once, forward and backward, on one small case each.
+
+Meant to run under ``compute-sanitizer`` memcheck and racecheck (see gpu_check.sh): sizes that leave
+partial tiles in every dimension, both GLU paddings and layouts, and a decoding step.  Exits non-zero
+when the extension is not built.
+"""
+
+import sys
+
+import torch
+
+import transformer_kernels as tk
+from transformer_kernels.backends.cuda import extension
+
+
+def main() -> int:
+    if extension() is None:
+        print("cuda_smoke: the CUDA extension transformer_kernels._C is not built", file=sys.stderr)
+        return 1
+    device, dtype = torch.device("cuda"), torch.float16
+    # QKV: forward, grad_input, grad_weight + grad_bias; 150 tokens, n*E = 144 (partial 128-tiles).
+    x = torch.randn(2, 75, 48, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(144, 48, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(144, device=device, dtype=dtype, requires_grad=True)
+    outs = tk.qkv_projection(x, weight, bias, num_heads=6, backend="cuda")
+    sum((o * torch.randn_like(o)).sum() for o in outs).backward()
+    # GLU convolution: forward, grad_z, grad_x, grad_weight + grad_bias, both paddings and layouts.
+    weight = torch.randn(136, 24, 3, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(136, device=device, dtype=dtype, requires_grad=True)
+    channel_last = torch.randn(2, 70, 24, device=device, dtype=dtype).transpose(1, 2)
+    residual = torch.randn(2, 68, 70, device=device, dtype=dtype)
+    for x, padding in ((channel_last, "same"), (channel_last.contiguous(), "causal")):
+        x = x.detach().requires_grad_()
+        out = tk.glu_conv1d(x, weight, bias, padding=padding, pad_value=1.0, residual=residual, residual_scale=0.7,
+                            backend="cuda")
+        out.backward(torch.randn_like(out))
+    # The decoding step, forward and backward.
+    x_t = torch.randn(3, 24, device=device, dtype=dtype, requires_grad=True)
+    out_t, _ = tk.glu_conv1d_step(x_t, None, weight, bias, pad_value=1.0, backend="cuda")
+    out_t.sum().backward()
+    torch.cuda.synchronize()
+    print("cuda_smoke: every CUDA extension kernel ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

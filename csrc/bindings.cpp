@@ -1,0 +1,391 @@
+// The raw ops of the CUDA extension, registered with the dispatcher as torch.ops.transformer_kernels_C.*
+// (CUDA kernels only: the autograd, fakes and the public ops live in Python, ops/*.py, which call
+// these through backends/cuda/).  Each op checks what its launcher relies on (device, dtype,
+// shapes, unit stride along the last dim, 16-byte alignment), makes the tensors' device current
+// and launches on torch's current stream.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "glu_conv/glu_conv.h"
+#include "qkv/qkv.h"
+
+namespace {
+
+tk::DType dtype_of(const at::Tensor& t, const char* op, const char* name) {
+  if (t.scalar_type() == at::kHalf) return tk::DType::kHalf;
+  if (t.scalar_type() == at::kBFloat16) return tk::DType::kBFloat16;
+  TORCH_CHECK(false, op, ": ", name, " must be float16 or bfloat16, got ", t.scalar_type());
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == reference.device(), op, ": ", name, " must be on ", reference.device(), ", got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == reference.scalar_type(), op, ": ", name, " must have dtype ",
+              reference.scalar_type(), ", got ", t.scalar_type());
+}
+
+// The 16-byte chunks the kernels load: unit stride along the last dim, the other strides multiples of
+// 8 elements, a 16-byte aligned start.
+void check_chunks(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name,
+              " must have unit stride along its last dim, got strides ", t.strides());
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    TORCH_CHECK(t.stride(d) % 8 == 0 || t.size(d) == 1, op, ": ", name,
+                " must have strides that are multiples of 8 elements (16 bytes), got strides ", t.strides());
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
+}
+
+void check_launch(cudaError_t error, const char* op) {
+  TORCH_CHECK(error == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(error));
+}
+
+// ------------------------------------------------------------------------------------------------ qkv
+
+// grads: the n head-split tensors [B, H, L, Dh], sharing strides.
+tk::qkv::Problem qkv_problem(const at::Tensor& x, const at::Tensor& weight, const std::vector<at::Tensor>& heads,
+                             const char* op) {
+  TORCH_CHECK(x.dim() == 3, op, ": x must be [B, L, E], got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(2) && weight.size(0) % x.size(2) == 0, op,
+              ": weight must be [n*E, E] with E = x.size(2) = ", x.size(2), ", got shape ", weight.sizes());
+  const int64_t embed = x.size(2), num_proj = weight.size(0) / embed;
+  TORCH_CHECK(num_proj >= 1 && num_proj <= 3 && int64_t(heads.size()) == num_proj, op, ": expected ", num_proj,
+              " head-split tensors, got ", heads.size());
+  TORCH_CHECK(embed % 8 == 0, op, ": E must be a multiple of 8, got ", embed);
+  const at::Tensor& h0 = heads[0];
+  TORCH_CHECK(h0.dim() == 4 && h0.size(0) == x.size(0) && h0.size(2) == x.size(1) && h0.size(1) * h0.size(3) == embed,
+              op, ": head-split tensors must be [B, H, L, Dh] with H * Dh = E, got shape ", h0.sizes());
+  TORCH_CHECK(h0.size(3) % 8 == 0, op, ": the head dim must be a multiple of 8, got ", h0.size(3));
+  TORCH_CHECK(x.numel() < (int64_t(1) << 31) && weight.numel() < (int64_t(1) << 31), op,
+              ": tensors must have fewer than 2**31 elements");
+  check_chunks(x, op, "x");
+  check_chunks(weight, op, "weight");
+  for (const at::Tensor& h : heads) {
+    check_like(h, x, op, "head-split tensor");
+    TORCH_CHECK(h.sizes() == h0.sizes() && h.strides() == h0.strides(), op,
+                ": the head-split tensors must share shape and strides");
+    check_chunks(h, op, "head-split tensor");
+  }
+  tk::qkv::Problem p;
+  p.dtype = dtype_of(x, op, "x");
+  p.num_proj = int(num_proj);
+  p.batch = int(x.size(0));
+  p.heads = tk::HeadSplitShape{int(x.size(1)), int(embed), int(h0.size(3)), h0.stride(0), h0.stride(1), h0.stride(2)};
+  p.x_stride_b = x.stride(0);
+  p.x_stride_l = x.stride(1);
+  p.weight_stride = weight.stride(0);
+  return p;
+}
+
+std::vector<at::Tensor> qkv_forward(const at::Tensor& x, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, int64_t num_heads) {
+  constexpr const char* op = "qkv_forward";
+  check_like(x, x, op, "x");
+  check_like(weight, x, op, "weight");
+  TORCH_CHECK(x.dim() == 3 && num_heads > 0 && x.size(2) % num_heads == 0, op,
+              ": x must be [B, L, E] with E divisible by num_heads = ", num_heads, ", got shape ", x.sizes());
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int64_t num_proj = weight.dim() == 2 && x.size(2) > 0 ? weight.size(0) / x.size(2) : 0;
+  std::vector<at::Tensor> outputs;
+  for (int64_t i = 0; i < num_proj; ++i) {
+    outputs.push_back(at::empty({x.size(0), num_heads, x.size(1), x.size(2) / num_heads}, x.options()));
+  }
+  tk::qkv::Problem p = qkv_problem(x, weight, outputs, op);
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_like(*bias, x, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(), op,
+                ": bias must be a contiguous [n*E] tensor, got shape ", bias->sizes());
+    bias_ptr = bias->data_ptr();
+  }
+  void* out_ptrs[3] = {outputs[0].data_ptr(), outputs[0].data_ptr(), outputs[0].data_ptr()};
+  for (int64_t i = 0; i < num_proj; ++i) out_ptrs[i] = outputs[i].data_ptr();
+  check_launch(tk::qkv::forward(p, x.data_ptr(), weight.data_ptr(), bias_ptr, out_ptrs,
+                                c10::cuda::getCurrentCUDAStream()),
+               op);
+  return outputs;
+}
+
+void head_pointers(const std::vector<at::Tensor>& grads, const void* (&ptrs)[3]) {
+  for (int i = 0; i < 3; ++i) ptrs[i] = grads[i < int(grads.size()) ? i : 0].data_ptr();
+}
+
+at::Tensor qkv_grad_input(const std::vector<at::Tensor>& grads, const at::Tensor& x, const at::Tensor& weight) {
+  constexpr const char* op = "qkv_grad_input";
+  TORCH_CHECK(!grads.empty(), op, ": grads must not be empty");
+  check_like(x, grads[0], op, "x");
+  check_like(weight, grads[0], op, "weight");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);
+  at::Tensor grad_x = at::empty(x.sizes(), x.options());
+  const void* grad_ptrs[3];
+  head_pointers(grads, grad_ptrs);
+  check_launch(tk::qkv::grad_input(p, grad_ptrs, weight.data_ptr(), grad_x.data_ptr(),
+                                   c10::cuda::getCurrentCUDAStream()),
+               op);
+  return grad_x;
+}
+
+std::tuple<at::Tensor, at::Tensor> qkv_grad_weight(const std::vector<at::Tensor>& grads, const at::Tensor& x,
+                                                   const at::Tensor& weight, bool with_bias) {
+  constexpr const char* op = "qkv_grad_weight";
+  TORCH_CHECK(!grads.empty(), op, ": grads must not be empty");
+  check_like(x, grads[0], op, "x");
+  check_like(weight, grads[0], op, "weight");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);
+  at::Tensor grad_weight = at::empty(weight.sizes(), weight.options());
+  at::Tensor grad_bias = with_bias ? at::empty({weight.size(0)}, weight.options()) : at::empty({0}, weight.options());
+  const void* grad_ptrs[3];
+  head_pointers(grads, grad_ptrs);
+  if (p.batch * p.heads.seq_len == 0) {  // no tokens: the sums are empty
+    grad_weight.zero_();
+    grad_bias.zero_();
+    return {grad_weight, grad_bias};
+  }
+  check_launch(tk::qkv::grad_weight(p, grad_ptrs, x.data_ptr(), grad_weight.data_ptr(),
+                                    with_bias ? grad_bias.data_ptr() : nullptr, c10::cuda::getCurrentCUDAStream()),
+               op);
+  return {grad_weight, grad_bias};
+}
+
+// ------------------------------------------------------------------------------------------------ glu_conv
+
+std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias,
+                                                   const std::optional<at::Tensor>& residual, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_step";
+  check_like(window, window, op, "window");
+  check_like(weight, window, op, "weight");
+  TORCH_CHECK(window.dim() == 3 && window.is_contiguous(), op,
+              ": window must be a contiguous [B, C_in, k] tensor, got shape ", window.sizes(), " and strides ",
+              window.strides());
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(1) == window.size(1) &&
+                  weight.size(2) == window.size(2) && weight.size(0) % 2 == 0,
+              op, ": weight must be a contiguous [2*C, C_in, k] tensor matching window ", window.sizes(),
+              ", got shape ", weight.sizes());
+  TORCH_CHECK(window.size(1) * window.size(2) % 8 == 0, op, ": C_in * k must be a multiple of 8, got ",
+              window.size(1) * window.size(2));
+  TORCH_CHECK(weight.numel() < (int64_t(1) << 31) && window.numel() < (int64_t(1) << 31), op,
+              ": tensors must have fewer than 2**31 elements");
+  check_chunks(window, op, "window");
+  check_chunks(weight, op, "weight");
+  const c10::cuda::OptionalCUDAGuard guard(window.device());
+  const int64_t batch = window.size(0), channels = weight.size(0) / 2;
+
+  tk::glu_conv::StepProblem p;
+  p.dtype = dtype_of(window, op, "window");
+  p.batch = int(batch);
+  p.channels_in = int(window.size(1));
+  p.channels_out = int(channels);
+  p.kernel_size = int(window.size(2));
+  p.residual_scale = float(residual_scale);
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_like(*bias, window, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(), op,
+                ": bias must be a contiguous [2*C] tensor, got shape ", bias->sizes());
+    bias_ptr = bias->data_ptr();
+  }
+  const void* residual_ptr = nullptr;
+  p.residual_stride_b = p.residual_stride_c = 0;
+  if (residual.has_value()) {
+    check_like(*residual, window, op, "residual");
+    TORCH_CHECK(residual->dim() == 3 && residual->size(0) == batch && residual->size(1) == channels &&
+                    residual->size(2) == 1,
+                op, ": residual must be [B, C, 1] = [", batch, ", ", channels, ", 1], got shape ", residual->sizes());
+    residual_ptr = residual->data_ptr();
+    p.residual_stride_b = residual->stride(0);
+    p.residual_stride_c = residual->stride(1);
+  }
+  at::Tensor out = at::empty({batch, channels, 1}, window.options());
+  at::Tensor preactivation = at::empty({batch, 1, 2 * channels}, window.options());
+  p.out_stride_b = out.stride(0);
+  p.out_stride_c = out.stride(1);
+  check_launch(tk::glu_conv::step(p, window.data_ptr(), weight.data_ptr(), bias_ptr, residual_ptr, out.data_ptr(),
+                                  preactivation.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               op);
+  return {out, preactivation};
+}
+
+tk::Strides3 strides3(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// The whole-sequence kernels' problem from xpad [B, Lp, C_in] and the packed weight [2C, k * C_in].
+tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::Tensor& packed_weight, int64_t length_in,
+                                       int64_t pad_left, double residual_scale, const char* op) {
+  check_like(packed_weight, xpad, op, "packed_weight");
+  TORCH_CHECK(xpad.dim() == 3 && xpad.is_contiguous(), op,
+              ": xpad must be a contiguous [B, Lp, C_in] tensor, got shape ", xpad.sizes(), " and strides ",
+              xpad.strides());
+  const int64_t channels_in = xpad.size(2);
+  TORCH_CHECK(channels_in % 8 == 0 && channels_in > 0, op, ": C_in must be a positive multiple of 8, got ",
+              channels_in);
+  TORCH_CHECK(packed_weight.dim() == 2 && packed_weight.is_contiguous() && packed_weight.size(1) % channels_in == 0 &&
+                  packed_weight.size(0) % 8 == 0 && packed_weight.size(0) > 0,
+              op, ": packed_weight must be a contiguous [2*C, k * C_in] tensor with C a multiple of 4, got shape ",
+              packed_weight.sizes());
+  const int64_t kernel_size = packed_weight.size(1) / channels_in;
+  const int64_t length_out = xpad.size(1) - kernel_size + 1;
+  TORCH_CHECK(kernel_size >= 1 && length_out >= 1 && length_in >= 1 && pad_left >= 0 &&
+                  pad_left + length_in <= xpad.size(1),
+              op, ": xpad of length ", xpad.size(1), " does not hold ", length_in, " positions after ", pad_left,
+              " of padding for kernel size ", kernel_size);
+  TORCH_CHECK(xpad.numel() < (int64_t(1) << 31) && packed_weight.numel() < (int64_t(1) << 31) &&
+                  xpad.size(0) * length_out * packed_weight.size(0) < (int64_t(1) << 31),
+              op, ": tensors must have fewer than 2**31 elements");
+  check_chunks(xpad, op, "xpad");
+  check_chunks(packed_weight, op, "packed_weight");
+  tk::glu_conv::ConvProblem p;
+  p.dtype = dtype_of(xpad, op, "xpad");
+  p.batch = int(xpad.size(0));
+  p.channels_in = int(channels_in);
+  p.channels_out = int(packed_weight.size(0) / 2);
+  p.kernel_size = int(kernel_size);
+  p.length_in = int(length_in);
+  p.length_out = int(length_out);
+  p.pad_left = int(pad_left);
+  p.residual_scale = float(residual_scale);
+  return p;
+}
+
+const void* packed_bias_ptr(const std::optional<at::Tensor>& packed_bias, const at::Tensor& packed_weight,
+                            const char* op) {
+  if (!packed_bias.has_value()) return nullptr;
+  check_like(*packed_bias, packed_weight, op, "packed_bias");
+  TORCH_CHECK(packed_bias->dim() == 1 && packed_bias->size(0) == packed_weight.size(0) &&
+                  packed_bias->is_contiguous(),
+              op, ": packed_bias must be a contiguous [2*C] tensor, got shape ", packed_bias->sizes());
+  return packed_bias->data_ptr();
+}
+
+void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t channels, int64_t length, const char* op,
+               const char* name) {
+  check_like(t, reference, op, name);
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == reference.size(0) && t.size(1) == channels && t.size(2) == length, op, ": ",
+              name, " must be [B, C, L] = [", reference.size(0), ", ", channels, ", ", length, "], got shape ",
+              t.sizes());
+}
+
+void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
+                        const std::optional<at::Tensor>& packed_bias, const std::optional<at::Tensor>& residual,
+                        at::Tensor& out, int64_t length_in, int64_t pad_left, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_forward";
+  check_like(xpad, xpad, op, "xpad");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
+  check_bcl(out, xpad, p.channels_out, p.length_out, op, "out");
+  const void* residual_ptr = nullptr;
+  tk::Strides3 residual_strides{0, 0, 0};
+  if (residual.has_value()) {
+    check_bcl(*residual, xpad, p.channels_out, p.length_out, op, "residual");
+    residual_ptr = residual->data_ptr();
+    residual_strides = strides3(*residual);
+  }
+  check_launch(tk::glu_conv::forward(p, xpad.data_ptr(), packed_weight.data_ptr(),
+                                     packed_bias_ptr(packed_bias, packed_weight, op), residual_ptr, residual_strides,
+                                     out.data_ptr(), strides3(out), c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+at::Tensor glu_conv1d_grad_preactivation(const at::Tensor& xpad, const at::Tensor& packed_weight,
+                                         const std::optional<at::Tensor>& packed_bias, const at::Tensor& grad_out,
+                                         int64_t length_in, int64_t pad_left, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_grad_preactivation";
+  check_like(xpad, xpad, op, "xpad");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
+  check_bcl(grad_out, xpad, p.channels_out, p.length_out, op, "grad_out");
+  at::Tensor grad_z = at::empty({int64_t(p.batch) * p.length_out, packed_weight.size(0)}, xpad.options());
+  check_launch(tk::glu_conv::grad_preactivation(p, xpad.data_ptr(), packed_weight.data_ptr(),
+                                                packed_bias_ptr(packed_bias, packed_weight, op), grad_out.data_ptr(),
+                                                strides3(grad_out), grad_z.data_ptr(),
+                                                c10::cuda::getCurrentCUDAStream()),
+               op);
+  return grad_z;
+}
+
+void glu_conv1d_grad_input(const at::Tensor& grad_z, const at::Tensor& xpad, const at::Tensor& packed_weight,
+                           at::Tensor& grad_x, int64_t pad_left) {
+  constexpr const char* op = "glu_conv1d_grad_input";
+  check_like(xpad, xpad, op, "xpad");
+  check_like(grad_z, xpad, op, "grad_z");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  TORCH_CHECK(grad_x.dim() == 3, op, ": grad_x must be [B, C_in, L], got shape ", grad_x.sizes());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, grad_x.size(2), pad_left, 1.0, op);
+  check_bcl(grad_x, xpad, p.channels_in, p.length_in, op, "grad_x");
+  TORCH_CHECK(grad_z.dim() == 2 && grad_z.is_contiguous() && grad_z.size(0) == int64_t(p.batch) * p.length_out &&
+                  grad_z.size(1) == packed_weight.size(0),
+              op, ": grad_z must be a contiguous [B * L_out, 2*C] tensor, got shape ", grad_z.sizes());
+  check_chunks(grad_z, op, "grad_z");
+  check_launch(tk::glu_conv::grad_input(p, grad_z.data_ptr(), packed_weight.data_ptr(), grad_x.data_ptr(),
+                                        strides3(grad_x), c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+std::tuple<at::Tensor, at::Tensor> glu_conv1d_grad_weight(const at::Tensor& grad_z, const at::Tensor& xpad,
+                                                          const at::Tensor& packed_weight, int64_t length_in,
+                                                          int64_t pad_left, bool with_bias) {
+  constexpr const char* op = "glu_conv1d_grad_weight";
+  check_like(xpad, xpad, op, "xpad");
+  check_like(grad_z, xpad, op, "grad_z");
+  const c10::cuda::OptionalCUDAGuard guard(xpad.device());
+  tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, 1.0, op);
+  TORCH_CHECK(grad_z.dim() == 2 && grad_z.is_contiguous() && grad_z.size(0) == int64_t(p.batch) * p.length_out &&
+                  grad_z.size(1) == packed_weight.size(0),
+              op, ": grad_z must be a contiguous [B * L_out, 2*C] tensor, got shape ", grad_z.sizes());
+  check_chunks(grad_z, op, "grad_z");
+  at::Tensor grad_weight = at::empty(packed_weight.sizes(), packed_weight.options());
+  at::Tensor grad_bias = at::empty({with_bias ? packed_weight.size(0) : 0}, packed_weight.options());
+  if (p.batch == 0) {  // no positions: the sums are empty
+    grad_weight.zero_();
+    grad_bias.zero_();
+    return {grad_weight, grad_bias};
+  }
+  check_launch(tk::glu_conv::grad_weight(p, grad_z.data_ptr(), xpad.data_ptr(), grad_weight.data_ptr(),
+                                         with_bias ? grad_bias.data_ptr() : nullptr,
+                                         c10::cuda::getCurrentCUDAStream()),
+               op);
+  return {grad_weight, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(transformer_kernels_C, m) {
+  m.def("qkv_forward(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor[]");
+  m.def("qkv_grad_input(Tensor[] grads, Tensor x, Tensor weight) -> Tensor");
+  m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
+  m.def("glu_conv1d_step(Tensor window, Tensor weight, Tensor? bias, Tensor? residual, float residual_scale) "
+        "-> (Tensor, Tensor)");
+  m.def("glu_conv1d_forward(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor? residual, "
+        "Tensor(a!) out, int length_in, int pad_left, float residual_scale) -> ()");
+  m.def("glu_conv1d_grad_preactivation(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor grad_out, "
+        "int length_in, int pad_left, float residual_scale) -> Tensor");
+  m.def("glu_conv1d_grad_input(Tensor grad_z, Tensor xpad, Tensor packed_weight, Tensor(a!) grad_x, "
+        "int pad_left) -> ()");
+  m.def("glu_conv1d_grad_weight(Tensor grad_z, Tensor xpad, Tensor packed_weight, int length_in, int pad_left, "
+        "bool with_bias) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
+  m.impl("qkv_forward", &qkv_forward);
+  m.impl("qkv_grad_input", &qkv_grad_input);
+  m.impl("qkv_grad_weight", &qkv_grad_weight);
+  m.impl("glu_conv1d_step", &glu_conv1d_step);
+  m.impl("glu_conv1d_forward", &glu_conv1d_forward);
+  m.impl("glu_conv1d_grad_preactivation", &glu_conv1d_grad_preactivation);
+  m.impl("glu_conv1d_grad_input", &glu_conv1d_grad_input);
+  m.impl("glu_conv1d_grad_weight", &glu_conv1d_grad_weight);
+}
+
+// Importing transformer_kernels._C registers the ops above; the module itself holds nothing.
+PyMODINIT_FUNC PyInit__C() {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "transformer_kernels._C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,158 @@
+"""The cuda backend (the compiled extension): which calls it serves, auto's choice per architecture,
+agreement with Triton and eager on identical inputs, the decoding step, and the raw ops' errors.
+
+What needs no GPU runs everywhere: the reasons the backend gives for calls it does not serve.  The
+rest needs a CUDA device and the built extension; the op suites (test_qkv.py, test_glu_conv.py) run
+the cuda backend too, through ``backend_params``.
+"""
+
+import pytest
+import torch
+from _helpers import assert_close_to_reference, backend_param
+
+import transformer_kernels as tk
+from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS
+from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
+from transformer_kernels.backends.cuda import qkv as cuda_qkv
+from transformer_kernels.ops.glu_conv import GluConvArgs
+from transformer_kernels.ops.qkv import QkvProjectionArgs
+from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
+from transformer_kernels.reference.qkv import qkv_projection as reference_qkv
+
+
+def _cuda_case(*values, op, id=None):
+    return backend_param("cuda", *values, op=op, id=id)
+
+
+# --------------------------------------------------------------------------- what it serves (no GPU needed)
+
+
+def test_qkv_reasons():
+    x = torch.empty(2, 5, 64, dtype=torch.float16)
+    weight = torch.empty(192, 64, dtype=torch.float16)
+    assert cuda_qkv.unsupported_reason(x, weight, None, QkvProjectionArgs(8)) is None
+    assert "float16 and bfloat16, got torch.float32" in cuda_qkv.unsupported_reason(
+        x.float(), weight.float(), None, QkvProjectionArgs(8))
+    assert "multiples of 8, got E = 64, head dim 4" in cuda_qkv.unsupported_reason(
+        x, weight, None, QkvProjectionArgs(16))
+
+
+def test_glu_conv_reasons():
+    half = dict(dtype=torch.bfloat16)
+    weight = torch.empty(16, 24, 3, **half)
+    same = GluConvArgs(1, 1, 0.0, 1.0)
+    assert cuda_glu_conv.unsupported_reason(torch.empty(2, 24, 9, **half), weight, None, None, same) is None
+    assert "float16 and bfloat16" in cuda_glu_conv.unsupported_reason(
+        torch.empty(2, 24, 9), weight.float(), None, None, same)
+    odd = torch.empty(16, 12, 3, **half)
+    assert "C_in a multiple of 8 and C a multiple of 4, got C_in = 12, C = 8" in cuda_glu_conv.unsupported_reason(
+        torch.empty(2, 12, 9, **half), odd, None, None, same)
+    # A decoding step's window (k positions, no padding) goes to the step kernel when C_in * k % 8 == 0.
+    step = GluConvArgs(0, 0, 0.0, 1.0)
+    assert cuda_glu_conv._uses_step_kernel(torch.empty(2, 12, 2, **half), torch.empty(16, 12, 2, **half), step)
+    assert not cuda_glu_conv._uses_step_kernel(torch.empty(2, 12, 3, **half), odd, step)
+    assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 3, **half), weight, step).shape == (2, 1, 16)
+    assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 9, **half), weight, same).shape == (16, 72)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="qkv", id="cuda")])
+def test_auto_prefers_cuda_only_where_measured(backend, monkeypatch):
+    from _helpers import ForwardSpy
+
+    spy = ForwardSpy(monkeypatch, ops=["qkv"], names=["cuda", "triton"])
+    x = torch.randn(2, 64, 128, device="cuda", dtype=torch.float16)
+    weight = torch.randn(384, 128, device="cuda", dtype=torch.float16)
+    tk.qkv_projection(x, weight, num_heads=4)
+    major = torch.cuda.get_device_capability()[0]
+    assert spy.backends == ["cuda" if major in AUTO_PREFERRED_MAJORS else "triton"]
+    tk.qkv_projection(x, weight, num_heads=4, backend="cuda")  # explicit: any architecture
+    assert spy.backends[-1] == "cuda"
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="qkv", id="cuda")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,num_heads,num_proj", [((3, 200, 256), 4, 3), ((1, 130, 96), 3, 2), ((300, 64), 1, 1)])
+def test_qkv_agrees_with_triton_and_eager(backend, dtype, shape, num_heads, num_proj):
+    embed = shape[-1]
+    x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(num_proj * embed, embed, device="cuda", dtype=dtype) / embed**0.5).requires_grad_()
+    bias = torch.randn(num_proj * embed, device="cuda", dtype=dtype, requires_grad=True)
+    results = {}
+    for name in ("cuda", "triton", "eager"):
+        outputs = tk.qkv_projection(x, weight, bias, num_heads=num_heads, backend=name)
+        grads = torch.autograd.grad(outputs, (x, weight, bias), [torch.ones_like(o) for o in outputs])
+        results[name] = [*outputs, *grads]
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=tol, same_dtype=True)
+    assert_close_to_reference(results["cuda"], results["eager"], "cuda vs eager", tol=tol, same_dtype=True)
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="glu_conv", id="cuda")])
+@pytest.mark.parametrize("padding,channels_last", [("same", False), ("causal", True)])
+def test_glu_conv_agrees_with_triton_and_eager(backend, padding, channels_last):
+    x = torch.randn(3, 48, 150, device="cuda", dtype=torch.float16)
+    if channels_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    weight = (torch.randn(64, 48, 3, device="cuda", dtype=torch.float16) / 12).requires_grad_()
+    bias = torch.randn(64, device="cuda", dtype=torch.float16, requires_grad=True)
+    residual = torch.randn(3, 32, 150, device="cuda", dtype=torch.float16, requires_grad=True)
+    x.requires_grad_()
+    results = {}
+    for name in ("cuda", "triton", "eager"):
+        out = tk.glu_conv1d(x, weight, bias, padding=padding, pad_value=0.5, residual=residual,
+                            residual_scale=0.7, backend=name)
+        results[name] = [out, *torch.autograd.grad(out, (x, weight, bias, residual), torch.ones_like(out))]
+    assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=2e-2, same_dtype=True)
+    assert_close_to_reference(results["cuda"], results["eager"], "cuda vs eager", tol=2e-2, same_dtype=True)
+    assert results["cuda"][0].stride() == results["eager"][0].stride()
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="glu_conv", id="cuda")])
+@pytest.mark.parametrize("kernel_size", [2, 4])
+def test_decoding_steps_on_cuda_equal_the_causal_convolution(backend, monkeypatch, kernel_size):
+    from _helpers import ForwardSpy
+
+    spy = ForwardSpy(monkeypatch, ops=["glu_conv"], names=["cuda"])
+    x = torch.randn(5, 32, 12, device="cuda", dtype=torch.float16)
+    weight = torch.randn(48, 32, kernel_size, device="cuda", dtype=torch.float16) / 8
+    bias = torch.randn(48, device="cuda", dtype=torch.float16)
+    residual = torch.randn(5, 24, 12, device="cuda", dtype=torch.float16)
+    state, outs = None, []
+    for t in range(x.shape[2]):
+        out_t, state = tk.glu_conv1d_step(x[:, :, t], state, weight, bias, pad_value=1.0,
+                                          residual=residual[:, :, t], residual_scale=0.5, backend="cuda")
+        outs.append(out_t)
+    expected = reference_glu_conv1d(x.float(), weight.float(), bias.float(), padding="causal", pad_value=1.0,
+                                    residual=residual.float(), residual_scale=0.5)
+    assert_close_to_reference(torch.stack(outs, dim=2).float(), expected, tol=1e-2)
+    assert spy.calls == [("glu_conv", "cuda")] * x.shape[2]
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="qkv", id="cuda")])
+def test_opcheck(backend):
+    x = torch.randn(2, 9, 32, device="cuda", dtype=torch.float16)
+    weight = torch.randn(96, 32, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.transformer_kernels.qkv_projection_forward, (x, weight, None, 4, "cuda"))
+    xc = torch.randn(2, 16, 20, device="cuda", dtype=torch.float16)
+    weight_c = torch.randn(16, 16, 3, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.transformer_kernels.glu_conv1d_forward,
+                          (xc, weight_c, None, None, 1, 1, 0.0, 1.0, "cuda"))
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="qkv", id="cuda")])
+def test_raw_ops_name_what_is_wrong(backend):
+    raw = torch.ops.transformer_kernels_C
+    x = torch.randn(2, 9, 32, device="cuda", dtype=torch.float16)
+    weight = torch.randn(96, 32, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="qkv_forward: x must be float16 or bfloat16, got Float"):
+        raw.qkv_forward(x.float(), weight.float(), None, 4)
+    with pytest.raises(RuntimeError, match="qkv_forward: weight must be a CUDA tensor"):
+        raw.qkv_forward(x, weight.cpu(), None, 4)
+    with pytest.raises(RuntimeError, match="qkv_forward: x must have unit stride along its last dim"):
+        raw.qkv_forward(torch.randn_like(x).transpose(1, 2).contiguous().transpose(1, 2), weight, None, 4)
+    with pytest.raises(RuntimeError, match="weight must be \\[n\\*E, E\\]"):
+        raw.qkv_forward(x, weight[:, :16], None, 4)
+

@@ -1,0 +1,299 @@
+"""The index arithmetic of the CUDA kernels (``csrc/common/index.h``, ``__host__ __device__``
+functions) compiled for the host and checked against the Python definitions it implements: the op
+layer's head-split layout, the eager backend's padded windows, the decoding step's window and state.
+No GPU and no nvcc needed: the header compiles with the host C++ compiler.
+"""
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import transformer_kernels
+from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+from transformer_kernels.backends.eager import qkv as eager_qkv
+from transformer_kernels.ops.glu_conv import GluConvArgs
+from transformer_kernels.ops.qkv import QkvProjectionArgs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPILER = shutil.which("c++") or shutil.which("g++")
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def index_h(tmp_path_factory):
+    """``index_h(queries) -> list of result tuples``, each query ``(function, *ints)``."""
+    binary = tmp_path_factory.mktemp("index") / "index_driver"
+    subprocess.run(
+        [COMPILER, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", "-o", str(binary),
+         str(ROOT / "tests" / "csrc" / "index_driver.cpp")],
+        check=True, capture_output=True,
+    )
+
+    def run(queries):
+        text = "".join(" ".join(map(str, query)) + "\n" for query in queries)
+        result = subprocess.run([str(binary)], input=text, capture_output=True, text=True, check=True)
+        return [tuple(int(v) for v in line.split()) for line in result.stdout.splitlines()]
+
+    return run
+
+
+@pytest.mark.parametrize("tiles_m, tiles_n, group_m", [(1, 1, 8), (5, 3, 8), (17, 4, 8), (16, 7, 8), (3, 9, 2)])
+def test_grouped_tile_order_visits_every_tile_once_group_by_group(index_h, tiles_m, tiles_n, group_m):
+    count = tiles_m * tiles_n
+    tiles = index_h([("grouped_tile", i, tiles_m, tiles_n, group_m) for i in range(count)])
+    assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+    # Tile i belongs to group i // (group_m * tiles_n), the tile rows [group * group_m, ... + group_m).
+    for i, (m, _) in enumerate(tiles):
+        assert m // group_m == i // (group_m * tiles_n)
+    # Inside a group, consecutive tiles walk down a column of tiles first.
+    if count > 1:
+        assert tiles[1] == ((1, 0) if tiles_m > 1 else (0, 1))
+
+
+@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, num_proj",
+                         [(2, 5, 3, 8, 3), (1, 7, 2, 16, 2), (3, 1, 1, 8, 1)])
+def test_head_split_index_is_where_the_op_puts_each_packed_column(
+    index_h, batch, seq_len, num_heads, head_dim, num_proj
+):
+    """The packed GEMM result's element (token t, feature f) lands at output ``proj``, element
+    ``offset``, exactly where the eager backend's head split puts it."""
+    embed = num_heads * head_dim
+    tokens, features = batch * seq_len, num_proj * embed
+    # weight = the identity times (i + 1) in row block i: packed[t, f] = (f // E + 1) * x[t, f % E],
+    # distinct for every (t, f) since x holds distinct positive values.
+    x = torch.arange(1, tokens * embed + 1, dtype=torch.float64).view(batch, seq_len, embed)
+    weight = torch.cat([torch.eye(embed, dtype=torch.float64) * (i + 1) for i in range(num_proj)])
+    outputs = eager_qkv.forward(x, weight, None, QkvProjectionArgs(num_heads))
+    stride_b, stride_h, stride_l, stride_d = outputs[0].stride()
+    assert stride_d == 1
+    queries = [
+        ("head_split_index", seq_len, embed, head_dim, stride_b, stride_h, stride_l, t, f)
+        for t in range(tokens) for f in range(features)
+    ]
+    found = [outputs[proj].flatten()[offset].item() for proj, offset in index_h(queries)]
+    x_rows = x.view(tokens, embed)
+    assert found == [(f // embed + 1) * x_rows[t, f % embed].item() for t in range(tokens) for f in range(features)]
+
+
+@pytest.mark.parametrize("kernel_size, padding", [(3, "same"), (4, "same"), (3, "causal"), (1, "same"), (5, "causal")])
+def test_tap_position_reads_the_padded_window_the_eager_backend_builds(index_h, kernel_size, padding):
+    batch, channels_in, length = 2, 3, 6
+    pad_left = (kernel_size - 1) // 2 if padding == "same" else kernel_size - 1
+    pad_right = kernel_size // 2 if padding == "same" else 0
+    pad_value = -1.0
+    x = torch.arange(batch * channels_in * length, dtype=torch.float64).view(batch, channels_in, length)
+    cols = eager_glu_conv._windows(x, kernel_size, pad_left, pad_right, pad_value)
+    length_out = GluConvArgs(pad_left, pad_right, pad_value, 1.0).output_length(length, kernel_size)
+    assert index_h([("conv_output_length", length, kernel_size, pad_left, pad_right)]) == [(length_out,)]
+    queries = [("tap_position", s, tap, pad_left, length) for s in range(length_out) for tap in range(kernel_size)]
+    positions = dict(zip([(q[1], q[2]) for q in queries], index_h(queries)))
+    for b in range(batch):
+        for s in range(length_out):
+            for ci in range(channels_in):
+                for tap in range(kernel_size):
+                    position, inside = positions[(s, tap)]
+                    expected = x[b, ci, position].item() if inside else pad_value
+                    assert cols[b * length_out + s, ci * kernel_size + tap].item() == expected
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 4])
+def test_step_window_is_state_then_input_and_new_state_drops_the_oldest(index_h, kernel_size):
+    """``glu_conv1d_step``'s window is ``cat(state, x_t)`` and its new state ``window[:, :, 1:]``."""
+    state = torch.arange(kernel_size - 1, dtype=torch.float64).view(1, 1, -1)
+    x_t = torch.tensor([[100.0]], dtype=torch.float64)
+    weight = torch.zeros(2, 1, kernel_size, dtype=torch.float64)
+    _, new_state = transformer_kernels.glu_conv1d_step(x_t, state, weight, backend="eager")
+    window = [state[0, 0, tap].item() if tap < kernel_size - 1 else 100.0 for tap in range(kernel_size)]
+    results = index_h([("step_window", tap, kernel_size) for tap in range(kernel_size)])
+    for tap, (from_state, _) in enumerate(results):
+        assert bool(from_state) == (tap < kernel_size - 1)
+        assert (state[0, 0, tap].item() if from_state else 100.0) == window[tap]
+    sources = index_h([("step_window", slot, kernel_size) for slot in range(kernel_size - 1)])
+    assert [window[source] for _, source in sources] == new_state.flatten().tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GEMM kernels' operands and epilogues (qkv_tiles.h, glu_conv_tiles.h), run on the host by
+# tests/csrc/gemm_emulator.cpp in place of the tensor-core main loop, against the eager backend.
+# Inputs go through the cuda backend's own Python glue (packing, padding, unpacking).
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """``emulator(kernel, numbers, tensors) -> list of 1-D float64 tensors``; built with
+    AddressSanitizer where the compiler has it, so an epilogue writing out of bounds fails."""
+    binary = tmp_path_factory.mktemp("emulator") / "gemm_emulator"
+    base = [COMPILER, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", "-o", str(binary),
+            str(ROOT / "tests" / "csrc" / "gemm_emulator.cpp")]
+    if subprocess.run([*base, "-fsanitize=address"], capture_output=True).returncode != 0:
+        subprocess.run(base, check=True, capture_output=True)
+
+    def run(kernel, numbers, tensors):
+        parts = [kernel, *map(str, numbers)]
+        for t in tensors:
+            values = t.detach().double().flatten().tolist()
+            parts += [str(len(values)), *map(repr, values)]
+        result = subprocess.run([str(binary)], input=" ".join(parts), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs = []
+        for line in result.stdout.splitlines():
+            size, *values = line.split()
+            assert len(values) == int(size)
+            outputs.append(torch.tensor([float(v) for v in values], dtype=torch.float64))
+        return outputs
+
+    return run
+
+
+def storage(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t``'s storage from its first element on, as a 1-D tensor."""
+    size = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return torch.as_strided(t, (size,), (1,), t.storage_offset())
+
+
+def from_storage(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_strided(flat, like.shape, like.stride())
+
+
+def assert_close(actual, expected, name):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+QKV_CASES = [
+    # num_proj, batch, seq_len, embed, heads, x padded along E (strided rows), bias
+    (3, 2, 70, 16, 2, False, True),
+    (2, 1, 9, 24, 3, True, False),
+    (1, 3, 50, 136, 1, True, True),
+]
+
+
+@pytest.mark.parametrize("num_proj, batch, seq_len, embed, heads, strided_x, with_bias", QKV_CASES)
+def test_qkv_kernels_on_the_host_match_the_eager_backend(
+    emulator, num_proj, batch, seq_len, embed, heads, strided_x, with_bias
+):
+    from transformer_kernels.backends.cuda import qkv as cuda_qkv
+
+    args = QkvProjectionArgs(heads)
+    x = torch.randn(batch, seq_len, embed + (8 if strided_x else 0), dtype=torch.float64)[..., :embed]
+    weight = torch.randn(num_proj * embed, embed, dtype=torch.float64)
+    bias = torch.randn(num_proj * embed, dtype=torch.float64) if with_bias else None
+    expected = eager_qkv.forward(x, weight, bias, args)
+    grads = [torch.randn_like(out) for out in expected]
+    expected_grads = eager_qkv.backward(grads, x, weight, args, with_bias, True, True, True)
+
+    shape = (num_proj, batch, seq_len, embed, heads)
+    x3 = cuda_qkv._as_3d(x)
+    assert x3.data_ptr() == x.data_ptr()  # read in place: strided rows need no copy
+    outputs = emulator(
+        "qkv_forward", [*shape, x3.stride(0), x3.stride(1), weight.stride(0), int(with_bias)],
+        [storage(x3), weight, *([bias] if with_bias else [])],
+    )
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert_close(out.view(want.shape), want, f"out {i}")
+
+    grads4 = cuda_qkv._head_split_4d(grads)
+    g_strides = grads4[0].stride()[:3]
+    (grad_x,) = emulator("qkv_grad_input", [*shape, *g_strides, weight.stride(0)], [*map(storage, grads4), weight])
+    assert_close(grad_x.view(x.shape), expected_grads[0], "grad x")
+    grad_weight, grad_bias = emulator(
+        "qkv_grad_weight", [*shape, *g_strides, x3.stride(0), x3.stride(1), int(with_bias)],
+        [*map(storage, grads4), storage(x3)],
+    )
+    assert_close(grad_weight.view(weight.shape), expected_grads[1], "grad weight")
+    if with_bias:
+        assert_close(grad_bias, expected_grads[2], "grad bias")
+
+
+GLU_CASES = [
+    # batch, C_in, C, k, L, padding, pad_value, channel-last x, residual, bias
+    (2, 16, 8, 3, 70, "same", 0.0, False, True, True),
+    (1, 24, 68, 4, 33, "same", 1.5, True, False, True),
+    (3, 8, 4, 3, 45, "causal", 1.0, False, True, False),
+    (2, 16, 12, 5, 9, "causal", 0.0, True, True, True),
+    (2, 8, 4, 3, 3, "step", 0.0, False, False, True),  # one position, no padding: a step's window
+]
+
+
+@pytest.mark.parametrize("batch, channels_in, channels, kernel_size, length, padding, pad_value, channel_last, "
+                         "with_residual, with_bias", GLU_CASES)
+def test_glu_conv_kernels_on_the_host_match_the_eager_backend(
+    emulator, batch, channels_in, channels, kernel_size, length, padding, pad_value, channel_last, with_residual,
+    with_bias,
+):
+    from transformer_kernels.backends.cuda import glu_conv as cuda_glu
+    from transformer_kernels.ops.glu_conv import empty_output
+
+    pad_left = {"same": (kernel_size - 1) // 2, "causal": kernel_size - 1, "step": 0}[padding]
+    pad_right = {"same": kernel_size // 2, "causal": 0, "step": 0}[padding]
+    args = GluConvArgs(pad_left, pad_right, pad_value, 0.7)
+    length_out = args.output_length(length, kernel_size)
+    x = torch.randn(batch, channels_in, length, dtype=torch.float64)
+    if channel_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    weight = torch.randn(2 * channels, channels_in, kernel_size, dtype=torch.float64)
+    bias = torch.randn(2 * channels, dtype=torch.float64) if with_bias else None
+    residual = torch.randn(batch, length_out, channels, dtype=torch.float64).transpose(1, 2) if with_residual else None
+    expected, z = eager_glu_conv.forward(x, weight, bias, residual, args)
+    grad_out = torch.randn(batch, channels, length_out, dtype=torch.float64)
+    expected_grads = eager_glu_conv.backward(grad_out, x, weight, bias, z, args, True, True, True)
+
+    xpad = cuda_glu._xpad(x, args)
+    packed = cuda_glu._packed_weight(weight)
+    packed_bias = cuda_glu._packed_bias(bias)
+    shape = [batch, channels_in, 2 * channels, kernel_size, length, length_out, pad_left]
+    out = empty_output(x, channels, length_out)
+    bias_inputs = [packed_bias] if with_bias else []
+    (out_flat,) = emulator(
+        "glu_forward",
+        [*shape, args.residual_scale, int(with_bias), int(with_residual),
+         *(residual.stride() if with_residual else (0, 0, 0)), *out.stride(), out.numel()],
+        [xpad, packed, *bias_inputs, *([storage(residual)] if with_residual else [])],
+    )
+    assert_close(from_storage(out_flat, out), expected, "out")
+
+    (grad_z,) = emulator(
+        "glu_grad_preactivation",
+        [*shape, args.residual_scale, int(with_bias), 1, *grad_out.stride(), 0, 0, 0,
+         batch * length_out * 2 * channels],
+        [xpad, packed, *bias_inputs, grad_out],
+    )
+    grad_x_like = empty_output(x, channels_in, length)
+    (grad_x,) = emulator("glu_grad_input", [*shape, *grad_x_like.stride(), grad_x_like.numel()], [grad_z, packed])
+    assert_close(from_storage(grad_x, grad_x_like), expected_grads[0], "grad x")
+    grad_packed, grad_packed_bias = emulator("glu_grad_weight", [*shape, int(with_bias)], [grad_z, xpad])
+    assert_close(cuda_glu._unpacked_weight(grad_packed.view(packed.shape), weight), expected_grads[1], "grad weight")
+    if with_bias:
+        assert_close(cuda_glu._unpacked_bias(grad_packed_bias), expected_grads[2], "grad bias")
+
+
+@pytest.mark.parametrize("batch, channels_in, channels, kernel_size, with_residual, with_bias", [
+    (3, 16, 8, 3, True, True),     # C_in * k = 48: lanes past the row's end add nothing
+    (11, 64, 12, 4, False, True),  # two CTAs of batch rows, the second partial; 256 = 32 lanes x 8
+    (1, 8, 4, 1, True, False),
+])
+def test_glu_step_kernel_on_the_host_matches_the_eager_step(
+    emulator, batch, channels_in, channels, kernel_size, with_residual, with_bias
+):
+    x_t = torch.randn(batch, channels_in, dtype=torch.float64)
+    state = torch.randn(batch, channels_in, kernel_size - 1, dtype=torch.float64)
+    weight = torch.randn(2 * channels, channels_in, kernel_size, dtype=torch.float64)
+    bias = torch.randn(2 * channels, dtype=torch.float64) if with_bias else None
+    residual = torch.randn(channels, batch, dtype=torch.float64).t() if with_residual else None  # strided
+    expected, _ = transformer_kernels.glu_conv1d_step(
+        x_t, state, weight, bias, residual=residual, residual_scale=0.7, backend="eager"
+    )
+    window = torch.cat([state, x_t.unsqueeze(2)], dim=2)  # what the op hands the backend
+    args = GluConvArgs(0, 0, 0.0, 0.7)
+    _, expected_z = eager_glu_conv.forward(window, weight, bias, None, args)
+    out, z = emulator(
+        "glu_step",
+        [batch, channels_in, channels, kernel_size, 0.7, int(with_bias), int(with_residual),
+         *(residual.stride() if with_residual else (0, 0))],
+        [window, weight, *([bias] if with_bias else []), *([storage(residual)] if with_residual else [])],
+    )
+    assert_close(out.view(batch, channels), expected, "out")
+    assert_close(z.view(batch, 1, 2 * channels), expected_z, "pre-activation")
