@@ -4,7 +4,7 @@ The extension is optional at build time (see ``setup.py``).  Importing it regist
 ``torch.ops.transformer_kernels_C.*``; the op modules here (``qkv``, ``glu_conv``) call them behind
 the registered ops of ``transformer_kernels.ops``, which keep the autograd and fake kernels.  Each
 op module's ``unsupported_reason`` says which calls it cannot serve (float32, sizes its kernels do not
-handle, GLU convolutions other than a decoding step), and ``backend="auto"`` moves on to Triton.
+handle), and ``backend="auto"`` moves on to Triton.
 
 ``"auto"`` prefers these kernels over Triton per (op, architecture) only where a measurement says
 so; until GPU measurements are committed, it prefers them on sm_80 (mma.sync is what both emit
