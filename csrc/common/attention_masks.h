@@ -151,7 +151,9 @@ TK_HOST_DEVICE DropoutKey dropout_key(int64_t seed, int64_t offset) {
 }
 
 TK_HOST_DEVICE uint32_t dropout_bits(const Philox4& group, int key) {
-  uint32_t word = group.r[(key & 7) >> 1];
+  // Selected, not indexed: a runtime index into r would put the group in local memory.
+  const int which = (key & 7) >> 1;
+  const uint32_t word = which < 2 ? (which == 0 ? group.r[0] : group.r[1]) : (which == 2 ? group.r[2] : group.r[3]);
   return (key & 1) ? word >> 16 : word & 0xFFFFu;
 }
 
