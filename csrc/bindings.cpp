@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "attention/attention.h"
 #include "glu_conv/glu_conv.h"
 #include "qkv/qkv.h"
 
@@ -349,9 +350,106 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_grad_weight(const at::Tensor& grad
   return {grad_weight, grad_bias};
 }
 
+// ------------------------------------------------------------------------------------------ attention
+
+tk::attention::HeadStrides head_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// q [B, Hq, Lq, E], k [B, Hk, Lk, E], v [B, Hk, Lk, Ev]; writes out [B, Hq, Lq, Ev] and lse [B, Hq, Lq]
+// (float32, contiguous).  key_padding_mask bool [B, Lk] with key_bounds int32 [B, 2] (both contiguous),
+// attn_mask [B, Hq, Lq, Lk] bool or q's dtype (any strides), dropout_seed int64 [2]: each optional.
+void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& key_bounds,
+                       const std::optional<at::Tensor>& attn_mask, int64_t causal, double scale,
+                       const std::optional<at::Tensor>& dropout_seed, int64_t dropout_threshold, double dropout_scale,
+                       at::Tensor& out, at::Tensor& lse) {
+  constexpr const char* op = "attention_forward";
+  check_like(q, q, op, "query");
+  check_like(k, q, op, "key");
+  check_like(v, q, op, "value");
+  check_like(out, q, op, "out");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": query, key and value must be 4-D [B, H, L, X]");
+  const int64_t batch = q.size(0), heads_q = q.size(1), lq = q.size(2), heads_k = k.size(1), lk = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == heads_k && v.size(2) == lk && k.size(3) == q.size(3),
+              op, ": key [B, Hk, Lk, E] and value [B, Hk, Lk, Ev] must match query [B, Hq, Lq, E], got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(heads_k > 0 && heads_q % heads_k == 0, op, ": Hk must divide Hq, got Hq = ", heads_q, ", Hk = ", heads_k);
+  const int64_t head_dim = q.size(3), head_dim_v = v.size(3);
+  TORCH_CHECK(head_dim % 8 == 0 && head_dim_v % 8 == 0 && head_dim <= 256 && head_dim_v <= 256, op,
+              ": the head dims must be multiples of 8 up to 256, got E = ", head_dim, ", Ev = ", head_dim_v);
+  TORCH_CHECK(batch * heads_q <= 65535, op, ": B * Hq must be at most 65535, got ", batch * heads_q);
+  TORCH_CHECK(lq < (int64_t(1) << 31) && lk < (int64_t(1) << 31), op, ": sequences must be shorter than 2**31");
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({batch, heads_q, lq, head_dim_v}), op, ": out must be [B, Hq, Lq, Ev], got ",
+              out.sizes());
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.sizes() == at::IntArrayRef({batch, heads_q, lq}),
+              op, ": lse must be a contiguous float32 [B, Hq, Lq] tensor on query's device");
+  for (auto [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}, {&out, "out"}}) check_chunks(*t, op, name);
+
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  tk::attention::ForwardProblem p{};
+  p.dtype = dtype_of(q, op, "query");
+  p.batch = int(batch);
+  p.heads_q = int(heads_q);
+  p.heads_k = int(heads_k);
+  p.seq_len_q = int(lq);
+  p.seq_len_k = int(lk);
+  p.head_dim = int(head_dim);
+  p.head_dim_v = int(head_dim_v);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_stride = head_strides(q);
+  p.k_stride = head_strides(k);
+  p.v_stride = head_strides(v);
+  p.out_stride = head_strides(out);
+  TORCH_CHECK(causal >= 0 && causal <= 2, op, ": causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
+  p.causal = int(causal);
+  p.scale = float(scale);
+  TORCH_CHECK(key_padding_mask.has_value() == key_bounds.has_value(), op,
+              ": key_padding_mask and key_bounds come together");
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& pad = *key_padding_mask;
+    const at::Tensor& bounds = *key_bounds;
+    TORCH_CHECK(pad.device() == q.device() && pad.scalar_type() == at::kBool && pad.is_contiguous() &&
+                    pad.sizes() == at::IntArrayRef({batch, lk}),
+                op, ": key_padding_mask must be a contiguous bool [B, Lk] tensor on query's device, got ", pad.sizes());
+    TORCH_CHECK(bounds.device() == q.device() && bounds.scalar_type() == at::kInt && bounds.is_contiguous() &&
+                    bounds.sizes() == at::IntArrayRef({batch, 2}),
+                op, ": key_bounds must be a contiguous int32 [B, 2] tensor on query's device");
+    p.key_padding = reinterpret_cast<const uint8_t*>(pad.data_ptr<bool>());
+    p.key_bounds = bounds.data_ptr<int32_t>();
+  }
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.device() == q.device() && (mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type()) &&
+                    mask.sizes() == at::IntArrayRef({batch, heads_q, lq, lk}),
+                op, ": attn_mask must be a bool or ", q.scalar_type(), " [B, Hq, Lq, Lk] tensor on query's device, got ",
+                mask.scalar_type(), " ", mask.sizes());
+    p.attn_mask = mask.data_ptr();
+    p.mask_is_bool = mask.scalar_type() == at::kBool;
+    for (int d = 0; d < 4; ++d) p.mask_stride[d] = mask.stride(d);
+  }
+  if (dropout_seed.has_value()) {
+    const at::Tensor& seed = *dropout_seed;
+    TORCH_CHECK(seed.device() == q.device() && seed.scalar_type() == at::kLong && seed.numel() == 2 && seed.is_contiguous(),
+                op, ": dropout_seed must be a contiguous int64 [2] tensor (seed, offset) on query's device");
+    TORCH_CHECK(dropout_threshold >= 0 && dropout_threshold < 65536, op,
+                ": dropout_threshold must be in [0, 65536), got ", dropout_threshold);
+    p.dropout_seed = seed.data_ptr<int64_t>();
+    p.dropout_threshold = uint32_t(dropout_threshold);
+    p.dropout_scale = float(dropout_scale);
+  }
+  check_launch(tk::attention::forward(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(transformer_kernels_C, m) {
+  m.def("attention_forward(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor? key_bounds, "
+        "Tensor? attn_mask, int causal, float scale, Tensor? dropout_seed, int dropout_threshold, float dropout_scale, "
+        "Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def("qkv_forward(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor[]");
   m.def("qkv_grad_input(Tensor[] grads, Tensor x, Tensor weight) -> Tensor");
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
@@ -367,6 +465,7 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
+  m.impl("attention_forward", &attention_forward);
   m.impl("qkv_forward", &qkv_forward);
   m.impl("qkv_grad_input", &qkv_grad_input);
   m.impl("qkv_grad_weight", &qkv_grad_weight);

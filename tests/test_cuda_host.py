@@ -17,7 +17,7 @@ import transformer_kernels
 from transformer_kernels.backends.triton import attention as triton_attention
 from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 from transformer_kernels.backends.eager import qkv as eager_qkv
-from transformer_kernels.ops.attention import Causal, key_padding_bounds
+from transformer_kernels.ops.attention import Causal, dropout_threshold, key_padding_bounds
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 
@@ -407,7 +407,7 @@ def test_host_dropout_keep_mask_is_the_triton_backends(attention_h, seed, offset
     from conftest import TRITON_DEVICE
 
     block_q, block_k = 16, 32
-    threshold = triton_attention._dropout_arguments(dropout_p, torch.zeros(2))["dropout_threshold"]
+    threshold, _ = dropout_threshold(dropout_p)
     keep = torch.empty(block_q, block_k, dtype=torch.int8, device=TRITON_DEVICE)
     pair = torch.tensor([seed, offset], dtype=torch.int64, device=TRITON_DEVICE)
     _triton_dropout_kernel[(1,)](pair, keep, head_batch, threshold, key_start, BLOCK_Q=block_q, BLOCK_K=block_k)

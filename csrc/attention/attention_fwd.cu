@@ -60,12 +60,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
-  auto s2r_q = make_tiled_copy_A(typename Traits::LdsmK{}, mma).get_slice(tid);
-  auto s2r_k = make_tiled_copy_B(typename Traits::LdsmK{}, mma).get_slice(tid);
-  auto s2r_v = make_tiled_copy_B(typename Traits::LdsmT{}, mma).get_slice(tid);
   auto s2r_q_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
   auto s2r_k_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
   auto s2r_v_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  auto s2r_q = s2r_q_copy.get_slice(tid);
+  auto s2r_k = s2r_k_copy.get_slice(tid);
+  auto s2r_v = s2r_v_copy.get_slice(tid);
   Tensor tSsQ = s2r_q.partition_S(sQ);
   Tensor tSrQ_view = s2r_q.retile_D(tSrQ);
   Tensor tSsK = s2r_k.partition_S(sK);
