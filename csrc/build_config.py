@@ -15,6 +15,7 @@ NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 # The kernel sources, relative to the repository root.
 KERNEL_SOURCES = [
     "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu", "csrc/attention/attention_fwd.cu",
+    "csrc/attention/attention_bwd.cu",
 ]
 
 

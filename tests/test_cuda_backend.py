@@ -62,14 +62,20 @@ def test_attention_reasons():
     kv = torch.empty(2, 2, 7, 64, dtype=torch.float16)
     args = AttentionArgs(None, None, Causal.NONE, 0.125, 0.0, None)
     assert cuda_attention.unsupported_reason(q, kv, kv, args) is None
+    assert cuda_attention.unsupported_reason(q.requires_grad_(), kv, kv, args) is None
     assert "float16 and bfloat16, got torch.float32" in cuda_attention.unsupported_reason(
         q.float(), kv.float(), kv.float(), args)
-    assert "no attention backward yet" in cuda_attention.unsupported_reason(q.requires_grad_(), kv, kv, args)
+    # Head dims past 128: forward only.
+    wide = torch.empty(2, 4, 9, 192, dtype=torch.float16)
+    wide_kv = torch.empty(2, 2, 7, 192, dtype=torch.float16)
+    assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
+    assert "backward serves head dims up to 128, got 192" in cuda_attention.unsupported_reason(
+        wide.requires_grad_(), wide_kv, wide_kv, args)
     with torch.no_grad():
-        assert cuda_attention.unsupported_reason(q, kv, kv, args) is None
+        assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
     mask = torch.zeros(2, 4, 9, 7, dtype=torch.float16, requires_grad=True)
     masked = AttentionArgs(None, mask, Causal.NONE, 0.125, 0.0, None)
-    assert "no attention backward yet" in cuda_attention.unsupported_reason(q.detach(), kv, kv, masked)
+    assert "up to 128, got 192" in cuda_attention.unsupported_reason(wide.detach(), wide_kv, wide_kv, masked)
     many = torch.empty(1, 1, 9, 64, dtype=torch.float16).expand(300, 300, 9, 64)
     assert "B * Hq up to 65535, got 90000" in cuda_attention.unsupported_reason(many, kv, kv, args)
     # auto never picks it for attention (no GPU measurement), whatever the architecture.
@@ -195,7 +201,7 @@ ATTENTION_CASES = [
 @pytest.mark.parametrize("backend", [_cuda_case(op="attention", id="cuda")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("q_shape,heads_k,lk,dim_v,causal,padded,mask_kind,dropout_p", ATTENTION_CASES)
-def test_attention_forward_agrees_with_triton_and_eager(
+def test_attention_agrees_with_triton_and_eager(
     backend, dtype, q_shape, heads_k, lk, dim_v, causal, padded, mask_kind, dropout_p
 ):
     from torch.nn.attention.bias import causal_lower_right, causal_upper_left
@@ -215,17 +221,26 @@ def test_attention_forward_agrees_with_triton_and_eager(
     elif mask_kind == "float":  # broadcast over batch; a -inf row
         attn_mask = torch.randn(1, heads_q, lq, lk, device="cuda", dtype=dtype)
         attn_mask[..., 3, :] = float("-inf")
+        attn_mask = attn_mask.expand(batch, -1, -1, -1)
     elif causal != Causal.NONE:
         attn_mask = (causal_upper_left if causal == Causal.TOP_LEFT else causal_lower_right)(lq, lk)
+    # Gradients where the backward kernels serve the head dim (up to 128), the float mask's included.
+    with_grads = max(dim, dim_v) <= 128
+    inputs = [q, k, v] + ([attn_mask] if mask_kind == "float" else [])
+    if with_grads:
+        for t in inputs:
+            t.requires_grad_()
+    grad_out = torch.randn(batch, heads_q, lq, dim_v, device="cuda", dtype=dtype)
     results = {}
     for name in ("cuda", "triton", "eager"):
         torch.manual_seed(1)  # the same (seed, offset) for every backend
-        results[name] = tk.scaled_dot_product_attention(
+        out = tk.scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p=dropout_p, enable_gqa=heads_k != heads_q,
             key_padding_mask=key_padding_mask, backend=name,
         )
+        results[name] = [out, *(torch.autograd.grad(out, inputs, grad_out) if with_grads else ())]
     tol = 2e-2 if dtype == torch.float16 else 6e-2
     assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=tol, same_dtype=True)
     if dropout_p == 0.0:  # eager draws its own keep-mask
         assert_close_to_reference(results["cuda"], results["eager"], "cuda vs eager", tol=tol, same_dtype=True)
-    assert results["cuda"].stride() == results["triton"].stride()
+    assert results["cuda"][0].stride() == results["triton"][0].stride()

@@ -51,4 +51,22 @@ int padded_head_dim(int head_dim);
 
 cudaError_t forward(const ForwardProblem& p, cudaStream_t stream);
 
+// The backward pass: the forward's problem (its out and lse are read) and the gradients.
+struct BackwardProblem {
+  ForwardProblem fwd;
+  const void* grad_out;  // [B, Hq, Lq, Ev]
+  HeadStrides grad_out_stride;
+  const float* delta;  // contiguous [B, Hq, Lq]: the dO . O row sums (the pre-pass)
+  void* dq;            // like q, k and v
+  void* dk;
+  void* dv;
+  HeadStrides dq_stride, dk_stride, dv_stride;
+  float* grad_scores;  // contiguous [B, Hq, Lq, Lk]: the float mask's gradient, or null
+};
+
+// The head dims the backward kernels are instantiated for (max(E, Ev) rounded up), 0 past them.
+int backward_head_dim(int head_dim);
+
+cudaError_t backward(const BackwardProblem& p, cudaStream_t stream);
+
 }  // namespace tk::attention

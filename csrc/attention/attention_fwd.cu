@@ -33,14 +33,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   const int batch = head_batch / p.heads_q, head = head_batch % p.heads_q;
   const int kv_head = head / (p.heads_q / p.heads_k);
   const int row_start = block_m * BM;
-  const bool causal = p.causal != int(Causal::kNone);
-  const int shift = causal_shift(Causal(p.causal), p.seq_len_q, p.seq_len_k);
-  int first_key = 0, end_key = p.seq_len_k;
-  if (p.key_bounds != nullptr) {
-    first_key = p.key_bounds[2 * batch];
-    end_key = p.key_bounds[2 * batch + 1];
-  }
-  const KeyBlocks blocks = key_blocks(row_start, BM, BN, p.seq_len_q, causal, shift, first_key, end_key);
+  const ScoreMasks<T> masks(p, batch, head);
+  const KeyBlocks blocks =
+      key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
 
   const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h + row_start * p.q_stride.l;
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h;
@@ -90,11 +85,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   }
 
   const float qk_scale = p.scale * kLog2e;
-  const uint8_t* padding = p.key_padding != nullptr ? p.key_padding + int64_t(batch) * p.seq_len_k : nullptr;
-  const char* mask = static_cast<const char*>(p.attn_mask);
-  if (mask != nullptr) {
-    mask += (batch * p.mask_stride[0] + head * p.mask_stride[1]) * (p.mask_is_bool ? 1 : int64_t(sizeof(T)));
-  }
   DropoutKey dropout{};
   if (p.dropout_seed != nullptr) dropout = dropout_key(p.dropout_seed[0], p.dropout_seed[1]);
 
@@ -119,28 +109,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
     }
 
     // Scores in base-2 units; excluded keys -inf.
-    const bool needs_mask = !blocks.interior(n_block) || padding != nullptr || mask != nullptr;
+    const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = row_start + get<0>(c_rc(r, 0));
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) {
-        float s = s_rc(r, c) * qk_scale;
-        if (needs_mask) {
-          const int key = key_start + get<1>(c_rc(r, c));
-          bool keep = key >= first_key && key < end_key && (!causal || key <= row + shift);
-          if (keep && padding != nullptr) keep = padding[key] == 0;
-          if (keep && mask != nullptr && row < p.seq_len_q) {
-            const int64_t at = row * p.mask_stride[2] + key * p.mask_stride[3];
-            if (p.mask_is_bool) {
-              keep = mask[at] != 0;
-            } else {
-              s += mask_bias_log2(float(reinterpret_cast<const T*>(mask)[at]));
-            }
-          }
-          s = keep ? s : -INFINITY;
-        }
-        s_rc(r, c) = s;
+        const float s = s_rc(r, c) * qk_scale;
+        s_rc(r, c) = needs_mask ? masks(s, row, key_start + get<1>(c_rc(r, c))) : s;
       }
     }
 
@@ -190,8 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
     }
 
     Tensor probs = make_tensor<T>(acc_s.layout());
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) probs(i) = T(acc_s(i));
+    round_into(probs, acc_s);
     Tensor tOrP = make_tensor(probs.data(), as_a_operand(probs.layout()));
 
     cp_async_wait<0>();
@@ -250,10 +225,10 @@ cudaError_t dispatch_head_dim(int head_dim, Fn&& fn) {
   switch (head_dim) {
 #ifndef TK_COMPILE_CHECK_ONE_DTYPE
     case 32: return fn(FlashTraits<T, 32, 128, 64>{});
-    case 64: return fn(FlashTraits<T, 64, 128, 64>{});
+    case 64: return fn(FlashTraits<T, 64, 64, 64>{});
     case 96: return fn(FlashTraits<T, 96, 64, 64>{});
     case 192: return fn(FlashTraits<T, 192, 64, 32>{});
-    case 256: return fn(FlashTraits<T, 256, 64, 32>{});
+    case 256: return fn(FlashTraits<T, 256, 64, 16>{});
 #endif
     case 128: return fn(FlashTraits<T, 128, 64, 64>{});
     default: return cudaErrorInvalidValue;

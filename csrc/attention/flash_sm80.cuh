@@ -10,7 +10,9 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/attention_masks.h"
 #include "../common/gemm_sm80.cuh"
+#include "attention.h"
 
 namespace tk::attention {
 
@@ -62,6 +64,13 @@ __device__ __forceinline__ auto as_a_operand(Layout acc) {
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
+// `dst` (a register tensor of T laid out like the accumulator `acc`) = acc, rounded.
+template <class Dst, class Acc>
+__device__ __forceinline__ void round_into(Dst& dst, const Acc& acc) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) dst(i) = typename Dst::value_type(acc(i));
+}
+
 // A row's values are spread over the 4 lanes of a quad: reduce over them.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
@@ -94,5 +103,64 @@ struct HeadRows {
     return valid ? base + row * stride_l + col : base;
   }
 };
+
+// The masks of one (batch, query head), applied to a score in base-2 units: -inf where the key is
+// excluded (outside the key bounds, a padding hole, causal, a False bool mask), the float mask's
+// bias added otherwise.  Full tests, for blocks that are not interior.
+template <class T>
+struct ScoreMasks {
+  int first_key, end_key, seq_len_q, shift;
+  bool causal;
+  const uint8_t* padding;  // this batch row's [Lk], or null
+  const char* mask;        // this (batch, head)'s [Lq, Lk] slice, or null
+  bool mask_is_bool;
+  int64_t stride_m, stride_n;
+
+  __device__ __forceinline__ ScoreMasks(const ForwardProblem& p, int batch, int head) {
+    causal = p.causal != int(Causal::kNone);
+    shift = causal_shift(Causal(p.causal), p.seq_len_q, p.seq_len_k);
+    seq_len_q = p.seq_len_q;
+    first_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch] : 0;
+    end_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch + 1] : p.seq_len_k;
+    padding = p.key_padding != nullptr ? p.key_padding + int64_t(batch) * p.seq_len_k : nullptr;
+    mask = static_cast<const char*>(p.attn_mask);
+    mask_is_bool = p.mask_is_bool;
+    const int64_t element = mask_is_bool ? 1 : int64_t(sizeof(T));
+    if (mask != nullptr) mask += (batch * p.mask_stride[0] + head * p.mask_stride[1]) * element;
+    stride_m = p.mask_stride[2];
+    stride_n = p.mask_stride[3];
+  }
+
+  // Whether every block needs the full tests (holes and dense masks are per element).
+  __device__ __forceinline__ bool per_element() const { return padding != nullptr || mask != nullptr; }
+
+  __device__ __forceinline__ float operator()(float s, int query, int key) const {
+    bool keep = key >= first_key && key < end_key && (!causal || key <= query + shift);
+    if (keep && padding != nullptr) keep = padding[key] == 0;
+    if (keep && mask != nullptr && query < seq_len_q) {
+      const int64_t at = query * stride_m + key * stride_n;
+      if (mask_is_bool) {
+        keep = mask[at] != 0;
+      } else {
+        s += mask_bias_log2(float(reinterpret_cast<const T*>(mask)[at]));
+      }
+    }
+    return keep ? s : -INFINITY;
+  }
+};
+
+// Dropout keep bits of `count` scores (bit i: score i is kept), `at(i)` giving score i's (query,
+// key).  A rolled loop: unrolled Philox rounds beside the accumulators would spill.
+template <class At>
+__device__ __forceinline__ uint32_t dropout_keep_bits(const DropoutKey& key, uint32_t threshold, int head_batch,
+                                                      int count, At&& at) {
+  uint32_t kept = 0;
+#pragma unroll 1
+  for (int i = 0; i < count; ++i) {
+    const int2 query_key = at(i);
+    kept |= uint32_t(dropout_keep(key, head_batch, query_key.x, query_key.y, threshold)) << i;
+  }
+  return kept;
+}
 
 }  // namespace tk::attention
