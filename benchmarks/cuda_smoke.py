@@ -1,8 +1,8 @@
 """Run every kernel of the CUDA extension once, forward and backward, on one small case each.
 
 Meant to run under ``compute-sanitizer`` memcheck and racecheck (see gpu_check.sh): sizes that leave
-partial tiles in every dimension, both GLU paddings and layouts, and a decoding step.  Exits non-zero
-when the extension is not built.
+partial tiles in every dimension, both GLU paddings and layouts, a decoding step, and attention with
+its masks, dropout and padded head dims.  Exits non-zero when the extension is not built.
 """
 
 import sys
@@ -38,6 +38,22 @@ def main() -> int:
     x_t = torch.randn(3, 24, device=device, dtype=dtype, requires_grad=True)
     out_t, _ = tk.glu_conv1d_step(x_t, None, weight, bias, pad_value=1.0, backend="cuda")
     out_t.sum().backward()
+    # Attention, forward and backward: key padding holes, bottom-right causal with Lq > Lk, GQA,
+    # partial blocks; a float mask (its gradient too) with dropout and head dims padded up (40, 24);
+    # forward only at head dim 256 (over 48 KiB of shared memory).
+    q = torch.randn(2, 4, 150, 128, device=device, dtype=dtype, requires_grad=True)
+    kv = torch.randn(2, 2, 100, 128, device=device, dtype=dtype, requires_grad=True)
+    pad = torch.arange(100, device=device) % 7 == 3
+    out = tk.scaled_dot_product_attention(q, kv, kv, torch.nn.attention.bias.causal_lower_right(150, 100),
+                                          enable_gqa=True, key_padding_mask=pad, backend="cuda")
+    out.backward(torch.randn_like(out))
+    q, k, v = (torch.randn(2, 3, 70, dim, device=device, dtype=dtype, requires_grad=True) for dim in (40, 40, 24))
+    mask = torch.randn(1, 3, 70, 70, device=device, dtype=dtype, requires_grad=True)
+    out = tk.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.2, backend="cuda")
+    out.backward(torch.randn_like(out))
+    with torch.no_grad():
+        q = torch.randn(1, 2, 70, 256, device=device, dtype=dtype)
+        tk.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda")
     torch.cuda.synchronize()
     print("cuda_smoke: every CUDA extension kernel ran")
     return 0

@@ -10,8 +10,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "attention/attention.h"
 #include "glu_conv/glu_conv.h"
 #include "qkv/qkv.h"
 
@@ -355,9 +359,173 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_grad_weight(const at::Tensor& grad
   return {grad_weight, grad_bias};
 }
 
+// ------------------------------------------------------------------------------------------ attention
+
+tk::attention::HeadStrides head_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// The attention problem of q [B, Hq, Lq, E], k [B, Hk, Lk, E], v [B, Hk, Lk, Ev] and its masks:
+// key_padding_mask bool [B, Lk] with key_bounds int32 [B, 2] (both contiguous), attn_mask
+// [B, Hq, Lq, Lk] bool or q's dtype (any strides), dropout_seed int64 [2]: each optional.
+tk::attention::ForwardProblem attention_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& key_padding_mask,
+                                                const std::optional<at::Tensor>& key_bounds,
+                                                const std::optional<at::Tensor>& attn_mask, int64_t causal, double scale,
+                                                const std::optional<at::Tensor>& dropout_seed, int64_t dropout_threshold,
+                                                double dropout_scale, const char* op) {
+  check_like(q, q, op, "query");
+  check_like(k, q, op, "key");
+  check_like(v, q, op, "value");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": query, key and value must be 4-D [B, H, L, X]");
+  const int64_t batch = q.size(0), heads_q = q.size(1), lq = q.size(2), heads_k = k.size(1), lk = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == heads_k && v.size(2) == lk && k.size(3) == q.size(3),
+              op, ": key [B, Hk, Lk, E] and value [B, Hk, Lk, Ev] must match query [B, Hq, Lq, E], got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(heads_k > 0 && heads_q % heads_k == 0, op, ": Hk must divide Hq, got Hq = ", heads_q, ", Hk = ", heads_k);
+  const int64_t head_dim = q.size(3), head_dim_v = v.size(3);
+  TORCH_CHECK(head_dim % 8 == 0 && head_dim_v % 8 == 0 && head_dim <= 256 && head_dim_v <= 256, op,
+              ": the head dims must be multiples of 8 up to 256, got E = ", head_dim, ", Ev = ", head_dim_v);
+  TORCH_CHECK(batch * heads_q <= 65535, op, ": B * Hq must be at most 65535, got ", batch * heads_q);
+  TORCH_CHECK(lq < (int64_t(1) << 31) && lk < (int64_t(1) << 31), op, ": sequences must be shorter than 2**31");
+  for (auto [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}}) check_chunks(*t, op, name);
+
+  tk::attention::ForwardProblem p{};
+  p.dtype = dtype_of(q, op, "query");
+  p.batch = int(batch);
+  p.heads_q = int(heads_q);
+  p.heads_k = int(heads_k);
+  p.seq_len_q = int(lq);
+  p.seq_len_k = int(lk);
+  p.head_dim = int(head_dim);
+  p.head_dim_v = int(head_dim_v);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_stride = head_strides(q);
+  p.k_stride = head_strides(k);
+  p.v_stride = head_strides(v);
+  TORCH_CHECK(causal >= 0 && causal <= 2, op, ": causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
+  p.causal = int(causal);
+  p.scale = float(scale);
+  TORCH_CHECK(key_padding_mask.has_value() == key_bounds.has_value(), op,
+              ": key_padding_mask and key_bounds come together");
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& pad = *key_padding_mask;
+    const at::Tensor& bounds = *key_bounds;
+    TORCH_CHECK(pad.device() == q.device() && pad.scalar_type() == at::kBool && pad.is_contiguous() &&
+                    pad.sizes() == at::IntArrayRef({batch, lk}),
+                op, ": key_padding_mask must be a contiguous bool [B, Lk] tensor on query's device, got ", pad.sizes());
+    TORCH_CHECK(bounds.device() == q.device() && bounds.scalar_type() == at::kInt && bounds.is_contiguous() &&
+                    bounds.sizes() == at::IntArrayRef({batch, 2}),
+                op, ": key_bounds must be a contiguous int32 [B, 2] tensor on query's device");
+    p.key_padding = reinterpret_cast<const uint8_t*>(pad.data_ptr<bool>());
+    p.key_bounds = bounds.data_ptr<int32_t>();
+  }
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.device() == q.device() && (mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type()) &&
+                    mask.sizes() == at::IntArrayRef({batch, heads_q, lq, lk}),
+                op, ": attn_mask must be a bool or ", q.scalar_type(), " [B, Hq, Lq, Lk] tensor on query's device, got ",
+                mask.scalar_type(), " ", mask.sizes());
+    p.attn_mask = mask.data_ptr();
+    p.mask_is_bool = mask.scalar_type() == at::kBool;
+    for (int d = 0; d < 4; ++d) p.mask_stride[d] = mask.stride(d);
+  }
+  if (dropout_seed.has_value()) {
+    const at::Tensor& seed = *dropout_seed;
+    TORCH_CHECK(seed.device() == q.device() && seed.scalar_type() == at::kLong && seed.numel() == 2 && seed.is_contiguous(),
+                op, ": dropout_seed must be a contiguous int64 [2] tensor (seed, offset) on query's device");
+    TORCH_CHECK(dropout_threshold >= 0 && dropout_threshold < 65536, op,
+                ": dropout_threshold must be in [0, 65536), got ", dropout_threshold);
+    p.dropout_seed = seed.data_ptr<int64_t>();
+    p.dropout_threshold = uint32_t(dropout_threshold);
+    p.dropout_scale = float(dropout_scale);
+  }
+  return p;
+}
+
+void check_rows(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.sizes() == q.sizes().slice(0, 3),
+              op, ": ", name, " must be a contiguous float32 [B, Hq, Lq] tensor on query's device");
+}
+
+// Writes out [B, Hq, Lq, Ev] and lse [B, Hq, Lq] (float32, contiguous).
+void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& key_bounds,
+                       const std::optional<at::Tensor>& attn_mask, int64_t causal, double scale,
+                       const std::optional<at::Tensor>& dropout_seed, int64_t dropout_threshold, double dropout_scale,
+                       at::Tensor& out, at::Tensor& lse) {
+  constexpr const char* op = "attention_forward";
+  tk::attention::ForwardProblem p = attention_problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale,
+                                                      dropout_seed, dropout_threshold, dropout_scale, op);
+  check_like(out, q, op, "out");
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}), op,
+              ": out must be [B, Hq, Lq, Ev], got ", out.sizes());
+  check_chunks(out, op, "out");
+  check_rows(lse, q, op, "lse");
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  p.out = out.data_ptr();
+  p.out_stride = head_strides(out);
+  p.lse = lse.data_ptr<float>();
+  check_launch(tk::attention::forward(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
+// Writes dq, dk, dv (shaped like q, k, v) and, when given, grad_scores: the float mask's gradient,
+// contiguous float32 [B, Hq, Lq, Lk] (zero-filled by the caller: only visited scores are written).
+// delta: contiguous float32 [B, Hq, Lq], the row sums of grad_out * out.
+void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& lse, const at::Tensor& delta, const std::optional<at::Tensor>& key_padding_mask,
+                        const std::optional<at::Tensor>& key_bounds, const std::optional<at::Tensor>& attn_mask,
+                        int64_t causal, double scale, const std::optional<at::Tensor>& dropout_seed,
+                        int64_t dropout_threshold, double dropout_scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                        const std::optional<at::Tensor>& grad_scores) {
+  constexpr const char* op = "attention_backward";
+  tk::attention::ForwardProblem f = attention_problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale,
+                                                      dropout_seed, dropout_threshold, dropout_scale, op);
+  TORCH_CHECK(tk::attention::backward_head_dim(std::max(f.head_dim, f.head_dim_v)) != 0, op,
+              ": the backward kernels serve head dims up to 128, got E = ", f.head_dim, ", Ev = ", f.head_dim_v);
+  for (auto [t, like, name] : {std::tuple{&grad_out, &q, "grad_out"}, {&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}}) {
+    check_like(*t, q, op, name);
+    check_chunks(*t, op, name);
+    if (t != &grad_out) TORCH_CHECK(t->sizes() == like->sizes(), op, ": ", name, " must have shape ", like->sizes());
+  }
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}), op,
+              ": grad_out must be [B, Hq, Lq, Ev], got ", grad_out.sizes());
+  check_rows(lse, q, op, "lse");
+  check_rows(delta, q, op, "delta");
+  tk::attention::BackwardProblem p{};
+  p.fwd = f;
+  p.fwd.lse = lse.data_ptr<float>();
+  p.grad_out = grad_out.data_ptr();
+  p.grad_out_stride = head_strides(grad_out);
+  p.delta = delta.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_stride = head_strides(dq);
+  p.dk_stride = head_strides(dk);
+  p.dv_stride = head_strides(dv);
+  if (grad_scores.has_value()) {
+    const at::Tensor& g = *grad_scores;
+    TORCH_CHECK(g.device() == q.device() && g.scalar_type() == at::kFloat && g.is_contiguous() &&
+                    g.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), k.size(2)}),
+                op, ": grad_scores must be a contiguous float32 [B, Hq, Lq, Lk] tensor on query's device");
+    p.grad_scores = g.data_ptr<float>();
+  }
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  check_launch(tk::attention::backward(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(transformer_kernels_C, m) {
+  m.def("attention_forward(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor? key_bounds, "
+        "Tensor? attn_mask, int causal, float scale, Tensor? dropout_seed, int dropout_threshold, float dropout_scale, "
+        "Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
+        "Tensor? key_padding_mask, Tensor? key_bounds, Tensor? attn_mask, int causal, float scale, Tensor? dropout_seed, "
+        "int dropout_threshold, float dropout_scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+        "Tensor(d!)? grad_scores) -> ()");
   m.def("qkv_forward(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor[]");
   m.def("qkv_grad_input(Tensor[] grads, Tensor x, Tensor weight) -> Tensor");
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
@@ -374,6 +542,8 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
   m.impl("qkv_forward", &qkv_forward);
   m.impl("qkv_grad_input", &qkv_grad_input);
   m.impl("qkv_grad_weight", &qkv_grad_weight);

@@ -13,7 +13,10 @@ DEFAULT_ARCH_LIST = "8.0;9.0a"
 # nvcc flags of every kernel source, in the extension build and in the compile tests.
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 # The kernel sources, relative to the repository root.
-KERNEL_SOURCES = ["csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu"]
+KERNEL_SOURCES = [
+    "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu", "csrc/attention/attention_fwd.cu",
+    "csrc/attention/attention_bwd.cu",
+]
 
 
 def cutlass_include() -> Optional[str]:

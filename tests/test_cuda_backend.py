@@ -11,9 +11,11 @@ import torch
 from _helpers import assert_close_to_reference, backend_param
 
 import transformer_kernels as tk
-from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS
+from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, _auto_reason
+from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
+from transformer_kernels.ops.attention import AttentionArgs, Causal
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
@@ -53,6 +55,31 @@ def test_glu_conv_reasons():
     assert not cuda_glu_conv._uses_step_kernel(torch.empty(2, 12, 3, **half), odd, step)
     assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 3, **half), weight, step).shape == (2, 1, 16)
     assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 9, **half), weight, same).shape == (16, 72)
+
+
+def test_attention_reasons():
+    q = torch.empty(2, 4, 9, 64, dtype=torch.float16)
+    kv = torch.empty(2, 2, 7, 64, dtype=torch.float16)
+    args = AttentionArgs(None, None, Causal.NONE, 0.125, 0.0, None)
+    assert cuda_attention.unsupported_reason(q, kv, kv, args) is None
+    assert cuda_attention.unsupported_reason(q.requires_grad_(), kv, kv, args) is None
+    assert "float16 and bfloat16, got torch.float32" in cuda_attention.unsupported_reason(
+        q.float(), kv.float(), kv.float(), args)
+    # Head dims past 128: forward only.
+    wide = torch.empty(2, 4, 9, 192, dtype=torch.float16)
+    wide_kv = torch.empty(2, 2, 7, 192, dtype=torch.float16)
+    assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
+    assert "backward serves head dims up to 128, got 192" in cuda_attention.unsupported_reason(
+        wide.requires_grad_(), wide_kv, wide_kv, args)
+    with torch.no_grad():
+        assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
+    mask = torch.zeros(2, 4, 9, 7, dtype=torch.float16, requires_grad=True)
+    masked = AttentionArgs(None, mask, Causal.NONE, 0.125, 0.0, None)
+    assert "up to 128, got 192" in cuda_attention.unsupported_reason(wide.detach(), wide_kv, wide_kv, masked)
+    many = torch.empty(1, 1, 9, 64, dtype=torch.float16).expand(300, 300, 9, 64)
+    assert "B * Hq up to 65535, got 90000" in cuda_attention.unsupported_reason(many, kv, kv, args)
+    # auto never picks it for attention (no GPU measurement), whatever the architecture.
+    assert "prefers triton for attention" in _auto_reason("attention", torch.device("cuda", 0))
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -156,3 +183,64 @@ def test_raw_ops_name_what_is_wrong(backend):
     with pytest.raises(RuntimeError, match="weight must be \\[n\\*E, E\\]"):
         raw.qkv_forward(x, weight[:, :16], None, 4)
 
+
+
+ATTENTION_CASES = [
+    # query [B, Hq, Lq, E], key heads and length, Ev, causal kind, key padding, dense mask kind, dropout_p
+    ((2, 4, 200, 64), 4, 200, 64, Causal.TOP_LEFT, True, None, 0.0),
+    ((2, 8, 130, 128), 2, 257, 128, Causal.BOTTOM_RIGHT, True, None, 0.0),
+    ((2, 4, 300, 128), 1, 100, 128, Causal.BOTTOM_RIGHT, False, None, 0.0),  # rows without keys
+    ((1, 4, 1, 96), 4, 333, 96, Causal.NONE, True, None, 0.0),  # decoding
+    ((2, 2, 90, 40), 2, 120, 24, Causal.NONE, False, "bool", 0.0),  # padded head dims, E != Ev
+    ((2, 4, 100, 256), 4, 140, 256, Causal.NONE, True, "float", 0.0),
+    ((2, 4, 160, 192), 2, 160, 192, Causal.TOP_LEFT, False, None, 0.0),
+    ((2, 4, 128, 32), 4, 128, 32, Causal.NONE, True, "float", 0.3),  # the Triton backend's keep-mask
+]
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="attention", id="cuda")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("q_shape,heads_k,lk,dim_v,causal,padded,mask_kind,dropout_p", ATTENTION_CASES)
+def test_attention_agrees_with_triton_and_eager(
+    backend, dtype, q_shape, heads_k, lk, dim_v, causal, padded, mask_kind, dropout_p
+):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    batch, heads_q, lq, dim = q_shape
+    # Strided query: a [B, Lq, Hq, E] buffer read as [B, Hq, Lq, E].
+    q = torch.randn(batch, lq, heads_q, dim, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, heads_k, lk, dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, heads_k, lk, dim_v, device="cuda", dtype=dtype)
+    key_padding_mask = None
+    if padded:  # suffix, left padding and holes
+        keys = torch.arange(lk, device="cuda")
+        key_padding_mask = torch.stack([keys >= lk * 2 // 3, (keys < lk // 4) | (keys % 5 == 2)])[:batch]
+    attn_mask = None
+    if mask_kind == "bool":  # broadcast over heads
+        attn_mask = torch.rand(batch, 1, lq, lk, device="cuda") > 0.3
+    elif mask_kind == "float":  # broadcast over batch; a -inf row
+        attn_mask = torch.randn(1, heads_q, lq, lk, device="cuda", dtype=dtype)
+        attn_mask[..., 3, :] = float("-inf")
+        attn_mask = attn_mask.expand(batch, -1, -1, -1)
+    elif causal != Causal.NONE:
+        attn_mask = (causal_upper_left if causal == Causal.TOP_LEFT else causal_lower_right)(lq, lk)
+    # Gradients where the backward kernels serve the head dim (up to 128), the float mask's included.
+    with_grads = max(dim, dim_v) <= 128
+    inputs = [q, k, v] + ([attn_mask] if mask_kind == "float" else [])
+    if with_grads:
+        for t in inputs:
+            t.requires_grad_()
+    grad_out = torch.randn(batch, heads_q, lq, dim_v, device="cuda", dtype=dtype)
+    results = {}
+    for name in ("cuda", "triton", "eager"):
+        torch.manual_seed(1)  # the same (seed, offset) for every backend
+        out = tk.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p=dropout_p, enable_gqa=heads_k != heads_q,
+            key_padding_mask=key_padding_mask, backend=name,
+        )
+        results[name] = [out, *(torch.autograd.grad(out, inputs, grad_out) if with_grads else ())]
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=tol, same_dtype=True)
+    if dropout_p == 0.0:  # eager draws its own keep-mask
+        assert_close_to_reference(results["cuda"], results["eager"], "cuda vs eager", tol=tol, same_dtype=True)
+    assert results["cuda"][0].stride() == results["triton"][0].stride()

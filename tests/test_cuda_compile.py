@@ -42,7 +42,9 @@ pytestmark = [
 
 # What the PTX of each GEMM source must contain: the sm_80 tensor-core pipeline.
 GEMM_INSTRUCTIONS = ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global")
-GEMM_SOURCES = ("csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu")
+GEMM_SOURCES = (
+    "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/attention/attention_fwd.cu", "csrc/attention/attention_bwd.cu",
+)
 
 
 def parse_ptxas(log: str) -> dict[str, dict[str, int]]:

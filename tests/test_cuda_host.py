@@ -10,10 +10,14 @@ import subprocess
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import transformer_kernels
+from transformer_kernels.backends.triton import attention as triton_attention
 from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 from transformer_kernels.backends.eager import qkv as eager_qkv
+from transformer_kernels.ops.attention import Causal, dropout_threshold, key_padding_bounds
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 
@@ -23,22 +27,28 @@ COMPILER = shutil.which("c++") or shutil.which("g++")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler")
 
 
-@pytest.fixture(scope="module")
-def index_h(tmp_path_factory):
-    """``index_h(queries) -> list of result tuples``, each query ``(function, *ints)``."""
-    binary = tmp_path_factory.mktemp("index") / "index_driver"
+def query_driver(tmp_path_factory, name: str, parse=int):
+    """Builds ``tests/csrc/<name>.cpp`` and returns ``run(queries) -> list of result tuples``, each
+    query ``(function, *args)`` and each result value read by ``parse``."""
+    binary = tmp_path_factory.mktemp(name) / name
     subprocess.run(
         [COMPILER, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", "-o", str(binary),
-         str(ROOT / "tests" / "csrc" / "index_driver.cpp")],
+         str(ROOT / "tests" / "csrc" / f"{name}.cpp")],
         check=True, capture_output=True,
     )
 
     def run(queries):
         text = "".join(" ".join(map(str, query)) + "\n" for query in queries)
         result = subprocess.run([str(binary)], input=text, capture_output=True, text=True, check=True)
-        return [tuple(int(v) for v in line.split()) for line in result.stdout.splitlines()]
+        return [tuple(parse(v) for v in line.split()) for line in result.stdout.splitlines()]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def index_h(tmp_path_factory):
+    """``index_h(queries) -> list of result tuples``, each query ``(function, *ints)``."""
+    return query_driver(tmp_path_factory, "index_driver")
 
 
 @pytest.mark.parametrize("tiles_m, tiles_n, group_m", [(1, 1, 8), (5, 3, 8), (17, 4, 8), (16, 7, 8), (3, 9, 2)])
@@ -297,3 +307,152 @@ def test_glu_step_kernel_on_the_host_matches_the_eager_step(
     )
     assert_close(out.view(batch, channels), expected, "out")
     assert_close(z.view(batch, 1, 2 * channels), expected_z, "pre-activation")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention kernels' mask, key-block and dropout logic (csrc/common/attention_masks.h), against
+# the op layer's definitions and the Triton backend's kernels (run by Triton's interpreter on CPU).
+
+
+@pytest.fixture(scope="module")
+def attention_h(tmp_path_factory):
+    return query_driver(tmp_path_factory, "attention_driver", parse=float)
+
+
+def _visible(padding_row: torch.Tensor, lq: int, causal: bool, shift: int) -> torch.Tensor:
+    """bool [Lq, Lk]: query i sees key j (key padding ``padding_row``, True = padding; causal j <= i + shift)."""
+    lk = padding_row.shape[0]
+    rows, keys = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+    visible = ~padding_row[None, :].expand(lq, lk)
+    return visible & (keys <= rows + shift) if causal else visible
+
+
+KEY_BLOCK_CASES = [
+    # Lq, Lk, causal kind, padding kind
+    (100, 100, Causal.NONE, "suffix"), (100, 100, Causal.TOP_LEFT, None), (70, 200, Causal.BOTTOM_RIGHT, "left"),
+    (200, 70, Causal.BOTTOM_RIGHT, None), (130, 130, Causal.TOP_LEFT, "holes"), (1, 300, Causal.BOTTOM_RIGHT, "suffix"),
+    (65, 129, Causal.TOP_LEFT, "left"), (64, 64, Causal.NONE, "all"),
+]
+
+
+@pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 64), (128, 32)])
+@pytest.mark.parametrize("lq, lk, causal, padding", KEY_BLOCK_CASES)
+def test_key_blocks_visit_every_visible_key_and_skip_masks_only_where_all_are_visible(
+    attention_h, lq, lk, causal, padding, block_m, block_n
+):
+    from transformer_kernels.backends.eager.attention import _causal_shift
+
+    keys = torch.arange(lk)
+    pad = {
+        None: torch.zeros(lk, dtype=torch.bool), "suffix": keys >= lk * 2 // 3, "left": keys < lk // 3,
+        "holes": (keys % 7 == 3) | (keys < 5) | (keys >= lk - 9), "all": torch.ones(lk, dtype=torch.bool),
+    }[padding]
+    first, end = key_padding_bounds(pad[None]).flatten().tolist()
+    if padding is None:
+        first, end = 0, lk
+    (shift,) = attention_h([("causal_shift", int(causal), lq, lk)])[0]
+    assert shift == (_causal_shift(causal, lq, lk) or 0)
+    is_causal = causal != Causal.NONE
+    # Interior blocks skip the causal and bounds tests, not the per-key padding (holes) test.
+    outside_bounds = (keys < first) | (keys >= end)
+    visible, visible_in_bounds = (_visible(p, lq, is_causal, int(shift)) for p in (pad, outside_bounds))
+    row_starts = range(0, lq, block_m)
+    results = attention_h([
+        ("key_blocks", r, block_m, block_n, lq, int(is_causal), int(shift), first, end) for r in row_starts
+    ])
+    for row_start, (begin, stop, full_begin, full_end) in zip(row_starts, (map(int, r) for r in results)):
+        rows = slice(row_start, min(row_start + block_m, lq))
+        seen = visible_in_bounds[rows]
+        key_block = keys // block_n
+        visited = (key_block >= begin) & (key_block < stop)
+        assert not (visible[rows] & ~visited).any(), "a visible key lies outside the visited blocks"
+        for block in range(begin, stop):
+            assert seen[:, block * block_n:(block + 1) * block_n].any(), f"block {block} holds no visible key"
+        for block in range(max(full_begin, begin), min(full_end, stop)):
+            assert seen[:, block * block_n:(block + 1) * block_n].all(), f"interior block {block} needs a mask"
+        assert (begin == stop) == (not seen.any())
+
+
+@pytest.mark.parametrize("lq, lk, causal", [(100, 100, Causal.TOP_LEFT), (70, 200, Causal.BOTTOM_RIGHT),
+                                            (200, 70, Causal.BOTTOM_RIGHT), (50, 50, Causal.NONE)])
+def test_query_rows_of_a_key_block_start_at_its_first_viewer_and_are_full_past_the_diagonal(attention_h, lq, lk, causal):
+    shift = lk - lq if causal == Causal.BOTTOM_RIGHT else 0
+    is_causal = causal != Causal.NONE
+    visible = _visible(torch.zeros(lk, dtype=torch.bool), lq, is_causal, shift)
+    block_n = 32
+    starts = range(0, lk, block_n)
+    for key_start, (row_begin, row_full) in zip(starts, attention_h([
+        ("query_rows", s, block_n, lq, int(is_causal), shift) for s in starts
+    ])):
+        block = visible[:, key_start:key_start + block_n]
+        assert not block[: int(row_begin)].any(), "rows before row_begin see a key of the block"
+        assert block[int(row_full):].all(), "rows from row_full on must see the whole block"
+
+
+def test_float_mask_bias_in_base_2_matches_the_triton_kernels(attention_h):
+    log2e, lowest = 1.4426950408889634, torch.finfo(torch.float32).min
+    values = torch.tensor([float("-inf"), lowest, -1e38, -3.5, 0.0, 1.25, 2e37, 3e38], dtype=torch.float32)
+    results = [r[0] for r in attention_h([("mask_bias_log2", repr(v)) for v in values.tolist()])]
+    expected = torch.where(values == float("-inf"), values, torch.clamp_min(values * log2e, lowest))
+    assert torch.tensor(results, dtype=torch.float32).tolist() == expected.tolist()
+
+
+@triton.jit
+def _philox_reference_kernel(seed, counters_ptr, words_ptr, rand_ptr, N: tl.constexpr):
+    # Written out word by word: compiled Triton (on a GPU) takes no generators or enumerate.
+    i = tl.arange(0, N)
+    c0 = tl.load(counters_ptr + i * 4).to(tl.uint32)
+    c1 = tl.load(counters_ptr + i * 4 + 1).to(tl.uint32)
+    c2 = tl.load(counters_ptr + i * 4 + 2).to(tl.uint32)
+    c3 = tl.load(counters_ptr + i * 4 + 3).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    tl.store(words_ptr + i * 4, r0.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(words_ptr + i * 4 + 1, r1.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(words_ptr + i * 4 + 2, r2.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(words_ptr + i * 4 + 3, r3.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(rand_ptr + i, tl.rand(seed, tl.load(counters_ptr + i * 4).to(tl.int32)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234567, 2**31 - 2])
+def test_host_philox_reproduces_triton_philox_and_rand(attention_h, seed):
+    from conftest import TRITON_DEVICE
+
+    n = 64
+    counters = torch.randint(0, 2**31 - 1, (n, 4), dtype=torch.int64)
+    counters[:4] = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0], [7, 3, 2, 5], [2**31 - 2, 1, 1, 1]])
+    words = torch.empty(n, 4, dtype=torch.int64, device=TRITON_DEVICE)
+    rand = torch.empty(n, dtype=torch.float32, device=TRITON_DEVICE)
+    _philox_reference_kernel[(1,)](seed, counters.to(TRITON_DEVICE), words, rand, N=n)
+    host_words = attention_h([("philox", seed, *c) for c in counters.tolist()])
+    assert [tuple(map(int, w)) for w in host_words] == [tuple(w) for w in words.cpu().tolist()]
+    host_rand = attention_h([("rand", seed, c[0]) for c in counters.tolist()])
+    assert torch.tensor([r[0] for r in host_rand], dtype=torch.float32).tolist() == rand.cpu().tolist()
+
+
+@triton.jit
+def _triton_dropout_kernel(dropout_seed_ptr, keep_ptr, head_batch, threshold, key_start,
+                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    seed, offset = triton_attention._dropout_seed_and_offset(dropout_seed_ptr, True)
+    rows = tl.arange(0, BLOCK_Q)
+    keep = triton_attention._dropout_keep(rows, key_start, head_batch, seed, offset, threshold, BLOCK_Q, BLOCK_K)
+    tl.store(keep_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("seed, offset, head_batch, key_start, dropout_p", [
+    (1234567, 89, 0, 0, 0.1), (5, 2**31 + 17, 3, 40, 0.5), (2**31 - 2, 0, 11, 8, 0.9),
+])
+def test_host_dropout_keep_mask_is_the_triton_backends(attention_h, seed, offset, head_batch, key_start, dropout_p):
+    """The same (seed, offset) pair as the op layer draws it (int64 [2]) keeps the same weights."""
+    from conftest import TRITON_DEVICE
+
+    block_q, block_k = 16, 32
+    threshold, _ = dropout_threshold(dropout_p)
+    keep = torch.empty(block_q, block_k, dtype=torch.int8, device=TRITON_DEVICE)
+    pair = torch.tensor([seed, offset], dtype=torch.int64, device=TRITON_DEVICE)
+    _triton_dropout_kernel[(1,)](pair, keep, head_batch, threshold, key_start, BLOCK_Q=block_q, BLOCK_K=block_k)
+    host = attention_h([
+        ("dropout_keep", seed, offset, head_batch, q, key_start + k, threshold)
+        for q in range(block_q) for k in range(block_k)
+    ])
+    assert torch.tensor([int(r[0]) for r in host]).view(block_q, block_k).tolist() == keep.cpu().tolist()
+    assert 0 < keep.sum() < keep.numel()

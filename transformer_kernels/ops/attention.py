@@ -110,6 +110,18 @@ def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
     return torch.stack([first, end], 1).to(torch.int32)
 
 
+DROPOUT_LEVELS = 1 << 16
+
+
+def dropout_threshold(dropout_p: float) -> tuple[int, float]:
+    """The kernels' dropout: ``(threshold, scale)``.  A weight whose 16 random bits are below
+    ``threshold = round(p * 2**16)`` is dropped, the others are scaled by the inverse of that
+    quantized keep probability, so the mean stays exact.  Shared by the triton and cuda backends,
+    which drop the same weights for the same ``(seed, offset)``."""
+    threshold = min(round(dropout_p * DROPOUT_LEVELS), DROPOUT_LEVELS - 1)
+    return threshold, DROPOUT_LEVELS / (DROPOUT_LEVELS - threshold)
+
+
 def dmask_dtype(mask_dtype: torch.dtype) -> torch.dtype:
     """The dtype of a float mask's gradient as backends return it: at least float32."""
     return lse_dtype(mask_dtype)

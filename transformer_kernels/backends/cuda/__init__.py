@@ -1,14 +1,15 @@
 """The compiled CUDA C++ extension ``transformer_kernels._C``, when it was built.
 
 The extension is optional at build time (see ``setup.py``).  Importing it registers raw CUDA ops as
-``torch.ops.transformer_kernels_C.*``; the op modules here (``qkv``, ``glu_conv``) call them behind
+``torch.ops.transformer_kernels_C.*``; the op modules here (``qkv``, ``glu_conv``, ``attention``) call them behind
 the registered ops of ``transformer_kernels.ops``, which keep the autograd and fake kernels.  Each
 op module's ``unsupported_reason`` says which calls it cannot serve (float32, sizes its kernels do not
 handle), and ``backend="auto"`` moves on to Triton.
 
 ``"auto"`` prefers these kernels over Triton per (op, architecture) only where a measurement says
 so; until GPU measurements are committed, it prefers them on sm_80 (mma.sync is what both emit
-there) and Triton on sm_90 (whose Triton kernels use wgmma, these do not yet).
+there) and Triton on sm_90 (whose Triton kernels use wgmma, these do not yet).  Attention is never
+auto's choice yet: it runs here only when named, ``backend="cuda"``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
 
 
 def _auto_reason(op: str, device: torch.device) -> Optional[str]:
+    if op == "attention":
+        return "auto prefers triton for attention until a GPU measurement shows the CUDA kernels faster"
     major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if major not in AUTO_PREFERRED_MAJORS:
         return f"auto prefers triton on sm_{major}{minor} until a GPU measurement shows the CUDA kernels faster"
@@ -62,13 +65,13 @@ _modules: dict[str, ModuleType] = {}
 def _load(op: str) -> ModuleType:
     if not _modules:  # once: an import statement costs microseconds even when done
         # An import statement, not importlib: torch.compile traces it.
-        from . import glu_conv, qkv
+        from . import attention, glu_conv, qkv
 
-        _modules.update(glu_conv=glu_conv, qkv=qkv)
+        _modules.update(attention=attention, glu_conv=glu_conv, qkv=qkv)
     return _modules[op]
 
 
 register_backend(
-    "cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason, ops=("glu_conv", "qkv"),
+    "cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason, ops=("attention", "glu_conv", "qkv"),
     load=_load, auto_reason=_auto_reason,
 )

@@ -45,7 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.attention import MAX_HEAD_DIM, AttentionArgs, Causal, empty_grads, empty_lse, empty_output
+from ...ops.attention import (
+    MAX_HEAD_DIM, AttentionArgs, Causal, dropout_threshold, empty_grads, empty_lse, empty_output,
+)
 from . import interpreter_enabled
 from ._common import (
     TORCH_TO_TRITON_DTYPE,
@@ -64,7 +66,6 @@ __all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
 _MAX_GRID_Y = 65535
-_DROPOUT_LEVELS = 1 << 16
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
@@ -972,15 +973,8 @@ def _mask_arguments(
 def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -> dict:
     if dropout_p == 0.0:
         return dict(dropout_seed_ptr=None, dropout_threshold=0, dropout_scale=1.0, HAS_DROPOUT=False)
-    # Kernels compare 16 random bits per element with round(p * 2**16); the
-    # scale uses that quantized keep probability so the mean stays exact.
-    threshold = min(round(dropout_p * _DROPOUT_LEVELS), _DROPOUT_LEVELS - 1)
-    return dict(
-        dropout_seed_ptr=dropout_seed,
-        dropout_threshold=threshold,
-        dropout_scale=_DROPOUT_LEVELS / (_DROPOUT_LEVELS - threshold),
-        HAS_DROPOUT=True,
-    )
+    threshold, scale = dropout_threshold(dropout_p)
+    return dict(dropout_seed_ptr=dropout_seed, dropout_threshold=threshold, dropout_scale=scale, HAS_DROPOUT=True)
 
 
 def _config_arguments(config: KernelConfig, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> dict:

@@ -1,0 +1,429 @@
+// Flash-attention backward on sm_80 tensor cores (flash_sm80.cuh), two kernels after the dO . O
+// row-sum pre-pass (delta, computed by the caller):
+// * dQ: one CTA per (query block, batch * query head), the forward's key loop and masks:
+//   P = exp2(S - lse log2 e), dP = dO V^T, dS = P (dP - delta), dQ += dS K.  A separate pass rather
+//   than atomics from the dK/dV kernel: deterministic, and no fp32 dQ buffer to convert.
+// * dK/dV: one CTA per (key block, batch * kv head), the queries looped inside, the query heads of a
+//   GQA group summed in order inside the program (deterministic): S^T = K Q^T, dV += P^T dO,
+//   dP^T = V dO^T, dK += dS^T Q; it also writes dS, the float mask's gradient.
+// Every product keeps its result in registers as the next MMA's A operand; the transposed B
+// operands (K^T, Q^T, dO^T) are read from shared memory by ldmatrix.trans.  Rows without any key
+// have lse = +inf, hence P = 0 and zero gradients.
+#include <cmath>
+
+#include "attention.h"
+#include "flash_sm80.cuh"
+
+#include "../common/dispatch.cuh"
+
+namespace tk::attention {
+namespace {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const __grid_constant__ BackwardProblem bp) {
+  using T = typename Traits::Element;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, D = Traits::kHeadDim, kThreads = Traits::kThreads;
+  const ForwardProblem& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  T* smem = reinterpret_cast<T*>(smem_bytes);
+  const int tid = threadIdx.x;
+
+  const int block_m = p.causal != int(Causal::kNone) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head_batch = blockIdx.y;
+  const int batch = head_batch / p.heads_q, head = head_batch % p.heads_q;
+  const int kv_head = head / (p.heads_q / p.heads_k);
+  const int row_start = block_m * BM;
+  const ScoreMasks<T> masks(p, batch, head);
+  const KeyBlocks blocks =
+      key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
+
+  const HeadRows<T> q_rows{static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h +
+                               row_start * p.q_stride.l,
+                           p.q_stride.l, p.seq_len_q - row_start, p.head_dim};
+  const HeadRows<T> do_rows{static_cast<const T*>(bp.grad_out) + batch * bp.grad_out_stride.b +
+                                head * bp.grad_out_stride.h + row_start * bp.grad_out_stride.l,
+                            bp.grad_out_stride.l, p.seq_len_q - row_start, p.head_dim_v};
+  const HeadRows<T> k_rows{static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h, p.k_stride.l,
+                           p.seq_len_k, p.head_dim};
+  const HeadRows<T> v_rows{static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h, p.v_stride.l,
+                           p.seq_len_k, p.head_dim_v};
+
+  constexpr int kQ = Traits::kSmemElementsQ, kKV = Traits::kSmemElementsKV;
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem + kQ), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem + 2 * kQ), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem + 2 * kQ + kKV), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutVt{});
+
+  typename Traits::TiledMma mma;
+  auto thr_mma = mma.get_slice(tid);
+  auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
+  auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
+  auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  auto a_thr = a_copy.get_slice(tid);
+  auto b_thr = b_copy.get_slice(tid);
+  auto bt_thr = bt_copy.get_slice(tid);
+  Tensor rQ = thr_mma.partition_fragment_A(sQ);
+  Tensor rdO = thr_mma.partition_fragment_A(sdO);
+  Tensor rK = thr_mma.partition_fragment_B(sK);
+  Tensor rV = thr_mma.partition_fragment_B(sV);
+  Tensor rKt = thr_mma.partition_fragment_B(sKt);
+  Tensor sQ_part = a_thr.partition_S(sQ);
+  Tensor rQ_view = a_thr.retile_D(rQ);
+  Tensor sdO_part = a_thr.partition_S(sdO);
+  Tensor rdO_view = a_thr.retile_D(rdO);
+  Tensor sK_part = b_thr.partition_S(sK);
+  Tensor rK_view = b_thr.retile_D(rK);
+  Tensor sV_part = b_thr.partition_S(sV);
+  Tensor rV_view = b_thr.retile_D(rV);
+  Tensor sKt_part = bt_thr.partition_S(sKt);
+  Tensor rKt_view = bt_thr.retile_D(rKt);
+
+  Tensor acc_dq = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
+  Tensor acc_s = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
+  Tensor acc_dp = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
+  clear(acc_dq);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+  Tensor c_rc = make_tensor(coords.data(), rowcol(coords.layout()));
+  Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+  Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
+  constexpr int kRows = size<0>(decltype(s_rc.layout()){});
+  constexpr int kCols = size<1>(decltype(s_rc.layout()){});
+  static_assert(kCols <= 32, "one keep bit per column in a word");
+
+  const int64_t row_base = int64_t(head_batch) * p.seq_len_q;
+  float lse_log2[kRows], delta[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row_start + get<0>(c_rc(r, 0));
+    lse_log2[r] = row < p.seq_len_q ? p.lse[row_base + row] * kLog2e : INFINITY;
+    delta[r] = row < p.seq_len_q ? bp.delta[row_base + row] : 0.f;
+  }
+  const float qk_scale = p.scale * kLog2e;
+  DropoutKey dropout{};
+  if (p.dropout_seed != nullptr) dropout = dropout_key(p.dropout_seed[0], p.dropout_seed[1]);
+  const float dropout_scale = p.dropout_seed != nullptr ? p.dropout_scale : 1.f;
+
+  if (blocks.begin < blocks.end) {
+    load_stage<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
+    load_stage<Major::K, BM, D, kThreads>(do_rows, sdO, 0, 0, tid);
+    load_stage<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
+    load_stage<Major::K, BN, D, kThreads>(v_rows, sV, (blocks.end - 1) * BN, 0, tid);
+    cp_async_fence();
+  }
+  for (int n_block = blocks.end - 1; n_block >= blocks.begin; --n_block) {
+    const int key_start = n_block * BN;
+    cp_async_wait<0>();
+    __syncthreads();  // K(n) and V(n) have landed
+    clear(acc_s);
+    clear(acc_dp);
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(rQ); ++kk) {
+      copy(a_copy, sQ_part(_, _, kk), rQ_view(_, _, kk));
+      copy(b_copy, sK_part(_, _, kk), rK_view(_, _, kk));
+      gemm(mma, rQ(_, _, kk), rK(_, _, kk), acc_s);
+    }
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(rdO); ++kk) {
+      copy(a_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
+      copy(b_copy, sV_part(_, _, kk), rV_view(_, _, kk));
+      gemm(mma, rdO(_, _, kk), rV(_, _, kk), acc_dp);
+    }
+
+    const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row_start + get<0>(c_rc(r, 0));
+      uint32_t kept = ~0u;
+      if (p.dropout_seed != nullptr) {
+        kept = dropout_keep_bits(dropout, p.dropout_threshold, head_batch, kCols,
+                                 [&](int c) { return make_int2(row, key_start + get<1>(c_rc(r, c))); });
+      }
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        float s = s_rc(r, c) * qk_scale;
+        if (needs_mask) s = masks(s, row, key_start + get<1>(c_rc(r, c)));
+        const float prob = fast_exp2(s - lse_log2[r]);
+        const float dp = (kept >> c & 1) ? dp_rc(r, c) * dropout_scale : 0.f;
+        s_rc(r, c) = prob * (dp - delta[r]);  // dS
+      }
+    }
+
+    Tensor ds = make_tensor<T>(acc_s.layout());
+    round_into(ds, acc_s);
+    Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(ds_a); ++kk) {
+      copy(bt_copy, sKt_part(_, _, kk), rKt_view(_, _, kk));
+      gemm(mma, ds_a(_, _, kk), rKt(_, _, kk), acc_dq);
+    }
+    __syncthreads();  // every thread is done with K(n) and V(n)
+    if (n_block > blocks.begin) {
+      load_stage<Major::K, BN, D, kThreads>(k_rows, sK, key_start - BN, 0, tid);
+      load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
+      cp_async_fence();
+    }
+  }
+
+  Tensor o_coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+  Tensor oc_rc = make_tensor(o_coords.data(), rowcol(o_coords.layout()));
+  Tensor dq_rc = make_tensor(acc_dq.data(), rowcol(acc_dq.layout()));
+  T* dq = static_cast<T*>(bp.dq) + batch * bp.dq_stride.b + head * bp.dq_stride.h;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row_start + get<0>(oc_rc(r, 0));
+    if (row >= p.seq_len_q) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dq_rc); c += 2) {
+      const int col = get<1>(oc_rc(r, c));
+      if (col < p.head_dim) {
+        const uint32_t pair =
+            uint32_t(T(dq_rc(r, c) * p.scale).raw()) | uint32_t(T(dq_rc(r, c + 1) * p.scale).raw()) << 16;
+        *reinterpret_cast<uint32_t*>(dq + row * bp.dq_stride.l + col) = pair;
+      }
+    }
+  }
+}
+
+// Stores rows [key_start, ...) of an accumulator [keys, head dim] times `scale` into a [B, H, L, X]
+// tensor's (batch, head) slice.
+template <class T, int BM, int D, class Acc, class ThrMma>
+__device__ __forceinline__ void store_rows(const Acc& acc, const ThrMma& thr_mma, T* base, int64_t stride_l,
+                                           int key_start, int rows, int cols, float scale) {
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+  Tensor c_rc = make_tensor(coords.data(), rowcol(coords.layout()));
+  Tensor a_rc = make_tensor(acc.data(), rowcol(acc.layout()));
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(a_rc); ++r) {
+    const int row = key_start + get<0>(c_rc(r, 0));
+    if (row >= rows) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(a_rc); c += 2) {
+      const int col = get<1>(c_rc(r, c));
+      if (col < cols) {
+        const uint32_t pair = uint32_t(T(a_rc(r, c) * scale).raw()) | uint32_t(T(a_rc(r, c + 1) * scale).raw()) << 16;
+        *reinterpret_cast<uint32_t*>(base + row * stride_l + col) = pair;
+      }
+    }
+  }
+}
+
+// Traits::kBlockM keys per CTA (the MMA rows), Traits::kBlockN queries per step (the columns).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    grad_key_value_kernel(const __grid_constant__ BackwardProblem bp) {
+  using T = typename Traits::Element;
+  constexpr int BK = Traits::kBlockM, BQ = Traits::kBlockN, D = Traits::kHeadDim, kThreads = Traits::kThreads;
+  const ForwardProblem& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  T* smem = reinterpret_cast<T*>(smem_bytes);
+  const int tid = threadIdx.x;
+
+  const int key_start = blockIdx.x * BK;
+  const int batch = blockIdx.y / p.heads_k, kv_head = blockIdx.y % p.heads_k;
+  const int group = p.heads_q / p.heads_k;
+
+  constexpr int kKeys = Traits::kSmemElementsQ, kQueries = Traits::kSmemElementsKV;
+  Tensor sK = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sV = make_tensor(make_smem_ptr(smem + kKeys), typename Traits::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem + 2 * kKeys), typename Traits::SmemLayoutKV{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem + 2 * kKeys + kQueries), typename Traits::SmemLayoutKV{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutVt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutVt{});
+
+  typename Traits::TiledMma mma;
+  auto thr_mma = mma.get_slice(tid);
+  auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
+  auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
+  auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  auto a_thr = a_copy.get_slice(tid);
+  auto b_thr = b_copy.get_slice(tid);
+  auto bt_thr = bt_copy.get_slice(tid);
+  Tensor rK = thr_mma.partition_fragment_A(sK);
+  Tensor rV = thr_mma.partition_fragment_A(sV);
+  Tensor rQ = thr_mma.partition_fragment_B(sQ);
+  Tensor rdO = thr_mma.partition_fragment_B(sdO);
+  Tensor rQt = thr_mma.partition_fragment_B(sQt);
+  Tensor rdOt = thr_mma.partition_fragment_B(sdOt);
+  Tensor sK_part = a_thr.partition_S(sK);
+  Tensor rK_view = a_thr.retile_D(rK);
+  Tensor sV_part = a_thr.partition_S(sV);
+  Tensor rV_view = a_thr.retile_D(rV);
+  Tensor sQ_part = b_thr.partition_S(sQ);
+  Tensor rQ_view = b_thr.retile_D(rQ);
+  Tensor sdO_part = b_thr.partition_S(sdO);
+  Tensor rdO_view = b_thr.retile_D(rdO);
+  Tensor sQt_part = bt_thr.partition_S(sQt);
+  Tensor rQt_view = bt_thr.retile_D(rQt);
+  Tensor sdOt_part = bt_thr.partition_S(sdOt);
+  Tensor rdOt_view = bt_thr.retile_D(rdOt);
+
+  Tensor acc_dk = partition_fragment_C(mma, Shape<Int<BK>, Int<D>>{});
+  Tensor acc_dv = partition_fragment_C(mma, Shape<Int<BK>, Int<D>>{});
+  Tensor acc_s = partition_fragment_C(mma, Shape<Int<BK>, Int<BQ>>{});
+  Tensor acc_dp = partition_fragment_C(mma, Shape<Int<BK>, Int<BQ>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BK>, Int<BQ>>{}));
+  Tensor c_rc = make_tensor(coords.data(), rowcol(coords.layout()));
+  Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+  Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
+  constexpr int kRows = size<0>(decltype(s_rc.layout()){});
+  constexpr int kCols = size<1>(decltype(s_rc.layout()){});
+  static_assert(kCols <= 32, "one keep bit per column in a word");
+
+  const HeadRows<T> k_rows{static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h, p.k_stride.l,
+                           p.seq_len_k, p.head_dim};
+  const HeadRows<T> v_rows{static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h, p.v_stride.l,
+                           p.seq_len_k, p.head_dim_v};
+  const ScoreMasks<T> bounds(p, batch, 0);  // the key bounds and causal shift, shared by the heads
+  const bool outside_bounds = key_start >= bounds.end_key || key_start + BK <= bounds.first_key;
+  const bool keys_inside = key_start >= bounds.first_key && key_start + BK <= bounds.end_key;
+  const QueryRows rows = query_rows(key_start, BK, p.seq_len_q, bounds.causal, bounds.shift);
+  const float qk_scale = p.scale * kLog2e;
+  DropoutKey dropout{};
+  if (p.dropout_seed != nullptr) dropout = dropout_key(p.dropout_seed[0], p.dropout_seed[1]);
+  const float dropout_scale = p.dropout_seed != nullptr ? p.dropout_scale : 1.f;
+
+  if (!outside_bounds && rows.row_begin < p.seq_len_q) {
+    load_stage<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
+    load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);
+    cp_async_fence();
+    for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+      const int head_batch = batch * p.heads_q + head;
+      const ScoreMasks<T> masks(p, batch, head);
+      const int64_t row_base = int64_t(head_batch) * p.seq_len_q;
+      const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h;
+      const T* grad_out = static_cast<const T*>(bp.grad_out) + batch * bp.grad_out_stride.b + head * bp.grad_out_stride.h;
+      for (int q_start = rows.row_begin / BQ * BQ; q_start < p.seq_len_q; q_start += BQ) {
+        __syncthreads();  // every thread is done with the previous Q and dO
+        const HeadRows<T> q_rows{q + q_start * p.q_stride.l, p.q_stride.l, p.seq_len_q - q_start, p.head_dim};
+        const HeadRows<T> do_rows{grad_out + q_start * bp.grad_out_stride.l, bp.grad_out_stride.l,
+                                  p.seq_len_q - q_start, p.head_dim_v};
+        load_stage<Major::K, BQ, D, kThreads>(q_rows, sQ, 0, 0, tid);
+        load_stage<Major::K, BQ, D, kThreads>(do_rows, sdO, 0, 0, tid);
+        cp_async_fence();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        clear(acc_s);
+        clear(acc_dp);
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(rK); ++kk) {
+          copy(a_copy, sK_part(_, _, kk), rK_view(_, _, kk));
+          copy(b_copy, sQ_part(_, _, kk), rQ_view(_, _, kk));
+          gemm(mma, rK(_, _, kk), rQ(_, _, kk), acc_s);
+        }
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(rV); ++kk) {
+          copy(a_copy, sV_part(_, _, kk), rV_view(_, _, kk));
+          copy(b_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
+          gemm(mma, rV(_, _, kk), rdO(_, _, kk), acc_dp);
+        }
+
+        // Per column (query): its lse and delta; rows past Lq have lse = +inf, hence P = 0.
+        float lse_log2[kCols], delta[kCols];
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int query = q_start + get<1>(c_rc(0, c));
+          lse_log2[c] = query < p.seq_len_q ? p.lse[row_base + query] * kLog2e : INFINITY;
+          delta[c] = query < p.seq_len_q ? bp.delta[row_base + query] : 0.f;
+        }
+        const bool needs_mask = !keys_inside || (bounds.causal && q_start < rows.row_full) || masks.per_element();
+        Tensor probs = make_tensor<T>(acc_s.layout());  // dropped-out P^T, the A operand of dV
+        Tensor probs_rc = make_tensor(probs.data(), rowcol(probs.layout()));
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int key = key_start + get<0>(c_rc(r, 0));
+          uint32_t kept = ~0u;
+          if (p.dropout_seed != nullptr) {
+            kept = dropout_keep_bits(dropout, p.dropout_threshold, head_batch, kCols,
+                                     [&](int c) { return make_int2(q_start + get<1>(c_rc(r, c)), key); });
+          }
+          CUTE_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int query = q_start + get<1>(c_rc(r, c));
+            float s = s_rc(r, c) * qk_scale;
+            if (needs_mask) s = masks(s, query, key);
+            const float prob = fast_exp2(s - lse_log2[c]);
+            const bool keep = kept >> c & 1;
+            probs_rc(r, c) = T(keep ? prob * dropout_scale : 0.f);
+            const float dp = keep ? dp_rc(r, c) * dropout_scale : 0.f;
+            const float ds = prob * (dp - delta[c]);
+            s_rc(r, c) = ds;
+            if (bp.grad_scores != nullptr && query < p.seq_len_q && key < p.seq_len_k) {
+              bp.grad_scores[(row_base + query) * p.seq_len_k + key] = ds;
+            }
+          }
+        }
+        Tensor probs_a = make_tensor(probs.data(), as_a_operand(probs.layout()));
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(probs_a); ++kk) {
+          copy(bt_copy, sdOt_part(_, _, kk), rdOt_view(_, _, kk));
+          gemm(mma, probs_a(_, _, kk), rdOt(_, _, kk), acc_dv);
+        }
+        Tensor ds = make_tensor<T>(acc_s.layout());
+        round_into(ds, acc_s);
+        Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(ds_a); ++kk) {
+          copy(bt_copy, sQt_part(_, _, kk), rQt_view(_, _, kk));
+          gemm(mma, ds_a(_, _, kk), rQt(_, _, kk), acc_dk);
+        }
+      }
+    }
+  }
+  store_rows<T, BK, D>(acc_dk, thr_mma,
+                       static_cast<T*>(bp.dk) + batch * bp.dk_stride.b + kv_head * bp.dk_stride.h, bp.dk_stride.l,
+                       key_start, p.seq_len_k, p.head_dim, p.scale);
+  store_rows<T, BK, D>(acc_dv, thr_mma,
+                       static_cast<T*>(bp.dv) + batch * bp.dv_stride.b + kv_head * bp.dv_stride.h, bp.dv_stride.l,
+                       key_start, p.seq_len_k, p.head_dim_v, 1.f);
+}
+
+template <class Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem_bytes, const BackwardProblem& p,
+                   cudaStream_t stream) {
+  if (smem_bytes > 48 * 1024) {
+    cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (error != cudaSuccess) return error;
+  }
+  kernel<<<grid, threads, smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// (head dim, dQ's query block x key block, dK/dV's key block x query block).
+template <class T, int D, int kQueryBlock, int kKeyBlock, int kKvKeys, int kKvQueries>
+cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
+  using QueryTraits = FlashTraits<T, D, kQueryBlock, kKeyBlock>;
+  using KvTraits = FlashTraits<T, D, kKvKeys, kKvQueries>;
+  const ForwardProblem& f = p.fwd;
+  cudaError_t error = launch(grad_query_kernel<QueryTraits>, dim3(ceil_div(f.seq_len_q, kQueryBlock), f.batch * f.heads_q),
+                             QueryTraits::kThreads,
+                             (2 * QueryTraits::kSmemElementsQ + 2 * QueryTraits::kSmemElementsKV) * int(sizeof(T)), p,
+                             stream);
+  if (error != cudaSuccess) return error;
+  return launch(grad_key_value_kernel<KvTraits>, dim3(ceil_div(f.seq_len_k, kKvKeys), f.batch * f.heads_k),
+                KvTraits::kThreads, (2 * KvTraits::kSmemElementsQ + 2 * KvTraits::kSmemElementsKV) * int(sizeof(T)), p,
+                stream);
+}
+
+}  // namespace
+
+int backward_head_dim(int head_dim) { return head_dim <= 64 ? 64 : (head_dim <= 128 ? 128 : 0); }
+
+cudaError_t backward(const BackwardProblem& p, cudaStream_t stream) {
+  const int head_dim = backward_head_dim(p.fwd.head_dim > p.fwd.head_dim_v ? p.fwd.head_dim : p.fwd.head_dim_v);
+  return dispatch_dtype(p.fwd.dtype, [&](auto element) -> cudaError_t {
+    using T = decltype(element);
+    switch (head_dim) {
+#ifndef TK_COMPILE_CHECK_ONE_DTYPE
+      case 64: return run<T, 64, 64, 64, 64, 32>(p, stream);
+#endif
+      case 128: return run<T, 128, 64, 64, 64, 16>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace tk::attention

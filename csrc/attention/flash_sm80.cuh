@@ -1,0 +1,166 @@
+// Building blocks of the sm_80 flash-attention kernels: the tile traits (CuTe mma.sync m16n8k16
+// atoms, warps stacked along the query rows so each row lives in one warp's quad of lanes, ldmatrix
+// from swizzled shared memory), views of an accumulator as rows x columns, quad reductions and
+// exp2.  Shared by the forward and backward kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+
+#include "../common/attention_masks.h"
+#include "../common/gemm_sm80.cuh"
+#include "attention.h"
+
+namespace tk::attention {
+
+using namespace cute;
+
+// Shared-memory atom for a K-major tile whose rows are the head dim: 64-element rows (128 bytes,
+// Swizzle<3,3,3>) where the head dim allows, else 32-element rows (gemm_sm80.cuh's atom).
+template <int kHeadDim>
+using HeadDimSmemAtom = std::conditional_t<
+    kHeadDim % 64 == 0, decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{})),
+    typename SmemOperand<Major::K>::Atom>;
+
+template <class T, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct FlashTraits {
+  using Element = T;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+
+  using TiledMma =
+      TiledMMA<MMA_Atom<typename Sm80MmaAtom<T>::type>, Layout<Shape<Int<kWarps>, _1, _1>>, Tile<Int<16 * kWarps>, _16, _16>>;
+  using SmemLayoutQ = decltype(tile_to_shape(HeadDimSmemAtom<kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(HeadDimSmemAtom<kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V read as the B operand of P V: (head dim, keys), contiguous along the head dim.
+  using SmemLayoutVt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using LdsmK = Copy_Atom<SM75_U32x4_LDSM_N, T>;
+  using LdsmT = Copy_Atom<SM75_U16x8_LDSM_T, T>;
+
+  static constexpr int kSmemElementsQ = cosize_v<SmemLayoutQ>;
+  static constexpr int kSmemElementsKV = cosize_v<SmemLayoutKV>;
+  static constexpr int kSmemBytes = (kSmemElementsQ + 2 * kSmemElementsKV) * int(sizeof(T));
+  static_assert(kBlockM % (16 * kWarps) == 0, "whole MMA rows per warp");
+};
+
+// An m16n8 accumulator (MMA=(2,2), MMA_M, MMA_N) viewed as (rows=(2, MMA_M), cols=(2, MMA_N)).
+template <class Layout>
+__device__ __forceinline__ auto rowcol(Layout acc) {
+  auto l = logical_divide(acc, Shape<_2>{});
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The same accumulator as the A operand of a following m16n8k16 MMA: (MMA=(2,2,2), MMA_M, MMA_N/2).
+template <class Layout>
+__device__ __forceinline__ auto as_a_operand(Layout acc) {
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// `dst` (a register tensor of T laid out like the accumulator `acc`) = acc, rounded.
+template <class Dst, class Acc>
+__device__ __forceinline__ void round_into(Dst& dst, const Acc& acc) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) dst(i) = typename Dst::value_type(acc(i));
+}
+
+// A row's values are spread over the 4 lanes of a quad: reduce over them.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// 2^x, one MUFU instruction (exp2(-inf) = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Rows [row0, row0 + ROWS) of one head of a [B, H, L, X] tensor as 16-byte chunks for
+// gemm_sm80.cuh's load_stage: rows past `rows` and columns past `cols` are zero-filled.
+template <class T>
+struct HeadRows {
+  static constexpr Major kMajor = Major::K;
+  const T* base;
+  int64_t stride_l;
+  int rows, cols;
+
+  __device__ __forceinline__ const T* chunk(int row, int col, bool& valid) const {
+    valid = row < rows && col < cols;
+    return valid ? base + row * stride_l + col : base;
+  }
+};
+
+// The masks of one (batch, query head), applied to a score in base-2 units: -inf where the key is
+// excluded (outside the key bounds, a padding hole, causal, a False bool mask), the float mask's
+// bias added otherwise.  Full tests, for blocks that are not interior.
+template <class T>
+struct ScoreMasks {
+  int first_key, end_key, seq_len_q, shift;
+  bool causal;
+  const uint8_t* padding;  // this batch row's [Lk], or null
+  const char* mask;        // this (batch, head)'s [Lq, Lk] slice, or null
+  bool mask_is_bool;
+  int64_t stride_m, stride_n;
+
+  __device__ __forceinline__ ScoreMasks(const ForwardProblem& p, int batch, int head) {
+    causal = p.causal != int(Causal::kNone);
+    shift = causal_shift(Causal(p.causal), p.seq_len_q, p.seq_len_k);
+    seq_len_q = p.seq_len_q;
+    first_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch] : 0;
+    end_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch + 1] : p.seq_len_k;
+    padding = p.key_padding != nullptr ? p.key_padding + int64_t(batch) * p.seq_len_k : nullptr;
+    mask = static_cast<const char*>(p.attn_mask);
+    mask_is_bool = p.mask_is_bool;
+    const int64_t element = mask_is_bool ? 1 : int64_t(sizeof(T));
+    if (mask != nullptr) mask += (batch * p.mask_stride[0] + head * p.mask_stride[1]) * element;
+    stride_m = p.mask_stride[2];
+    stride_n = p.mask_stride[3];
+  }
+
+  // Whether every block needs the full tests (holes and dense masks are per element).
+  __device__ __forceinline__ bool per_element() const { return padding != nullptr || mask != nullptr; }
+
+  __device__ __forceinline__ float operator()(float s, int query, int key) const {
+    bool keep = key >= first_key && key < end_key && (!causal || key <= query + shift);
+    if (keep && padding != nullptr) keep = padding[key] == 0;
+    if (keep && mask != nullptr && query < seq_len_q) {
+      const int64_t at = query * stride_m + key * stride_n;
+      if (mask_is_bool) {
+        keep = mask[at] != 0;
+      } else {
+        s += mask_bias_log2(float(reinterpret_cast<const T*>(mask)[at]));
+      }
+    }
+    return keep ? s : -INFINITY;
+  }
+};
+
+// Dropout keep bits of `count` scores (bit i: score i is kept), `at(i)` giving score i's (query,
+// key).  A rolled loop: unrolled Philox rounds beside the accumulators would spill.
+template <class At>
+__device__ __forceinline__ uint32_t dropout_keep_bits(const DropoutKey& key, uint32_t threshold, int head_batch,
+                                                      int count, At&& at) {
+  uint32_t kept = 0;
+#pragma unroll 1
+  for (int i = 0; i < count; ++i) {
+    const int2 query_key = at(i);
+    kept |= uint32_t(dropout_keep(key, head_batch, query_key.x, query_key.y, threshold)) << i;
+  }
+  return kept;
+}
+
+}  // namespace tk::attention

@@ -1,0 +1,57 @@
+// Host driver for tests/test_cuda_host.py: evaluates csrc/common/attention_masks.h's functions on
+// queries read from stdin, one per line ("<function> <args...>"), printing one result line per query.
+#include <cstdint>
+#include <iomanip>
+#include <iostream>
+#include <string>
+
+#include "common/attention_masks.h"
+
+namespace at = tk::attention;
+
+int main() {
+  std::cout << std::setprecision(9);
+  std::string function;
+  while (std::cin >> function) {
+    if (function == "key_blocks") {
+      int row_start, block_m, block_n, seq_len_q, causal, shift, first_key, end_key;
+      std::cin >> row_start >> block_m >> block_n >> seq_len_q >> causal >> shift >> first_key >> end_key;
+      at::KeyBlocks b = at::key_blocks(row_start, block_m, block_n, seq_len_q, causal != 0, shift, first_key, end_key);
+      std::cout << b.begin << ' ' << b.end << ' ' << b.full_begin << ' ' << b.full_end << '\n';
+    } else if (function == "query_rows") {
+      int key_start, block_n, seq_len_q, causal, shift;
+      std::cin >> key_start >> block_n >> seq_len_q >> causal >> shift;
+      at::QueryRows r = at::query_rows(key_start, block_n, seq_len_q, causal != 0, shift);
+      std::cout << r.row_begin << ' ' << r.row_full << '\n';
+    } else if (function == "causal_shift") {
+      int causal, seq_len_q, seq_len_k;
+      std::cin >> causal >> seq_len_q >> seq_len_k;
+      std::cout << at::causal_shift(static_cast<at::Causal>(causal), seq_len_q, seq_len_k) << '\n';
+    } else if (function == "mask_bias_log2") {
+      std::string text;
+      std::cin >> text;
+      std::cout << at::mask_bias_log2(std::stof(text)) << '\n';
+    } else if (function == "philox") {
+      uint32_t c0, c1, c2, c3;
+      uint64_t seed;
+      std::cin >> seed >> c0 >> c1 >> c2 >> c3;
+      at::Philox4 r = at::philox4x32_10(c0, c1, c2, c3, seed);
+      std::cout << r.r[0] << ' ' << r.r[1] << ' ' << r.r[2] << ' ' << r.r[3] << '\n';
+    } else if (function == "rand") {
+      int32_t seed;
+      uint32_t offset;
+      std::cin >> seed >> offset;
+      std::cout << at::triton_rand(seed, offset) << '\n';
+    } else if (function == "dropout_keep") {
+      int64_t seed, offset;
+      int head_batch, query, key;
+      uint32_t threshold;
+      std::cin >> seed >> offset >> head_batch >> query >> key >> threshold;
+      std::cout << at::dropout_keep(at::dropout_key(seed, offset), head_batch, query, key, threshold) << '\n';
+    } else {
+      std::cerr << "unknown function " << function << '\n';
+      return 1;
+    }
+  }
+  return 0;
+}
