@@ -90,6 +90,7 @@ def generate(
         prefix = torch.cat([prefix[source_rows], tokens[:, None]], dim=1)
         if bool(finished.all()):
             break
-        state = decoder.reorder(state, source_rows)
+        if beam_size > 1:  # greedy rows never move: gathering every cache again would copy it unchanged
+            state = decoder.reorder(state, source_rows)
     best = row_base[::beam_size] + scores.view(batch_size, beam_size).argmax(dim=1)
     return prefix[best]
