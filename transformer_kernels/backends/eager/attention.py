@@ -482,15 +482,12 @@ def _math_probs(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> 
     """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
     without keys, whose probabilities are 0), in float32 or wider."""
     scores = _masked_scores(query, key, args)
-    # Softmax by hand: rows whose keys are all excluded have max -inf; shifting them by 0 instead
-    # leaves exp(-inf) = 0 everywhere, so their probabilities are 0 and their sum is 0.
-    row_max = scores.amax(-1, keepdim=True)
-    row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)
-    probs = scores.sub_(row_max).exp_()
-    row_sum = probs.sum(-1, keepdim=True)
-    probs.div_(row_sum.masked_fill(row_sum == 0, 1.0))
-    lse = (row_max + row_sum.log()).squeeze(-1)
-    return probs, lse.masked_fill_(torch.isneginf(lse), float("inf")).flatten(1, 2)
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    # Rows whose keys are all excluded have lse = -inf; +inf instead makes exp(s - lse) = 0 on them
+    # (the saved lse of such rows is +inf on every backend).
+    lse.masked_fill_(torch.isneginf(lse), float("inf"))
+    probs = scores.sub_(lse).exp_()
+    return probs, lse.squeeze(-1).flatten(1, 2)
 
 
 def _dropout_scale(probs_shape, dropout_p, dropout_seed, device, dtype) -> torch.Tensor:
