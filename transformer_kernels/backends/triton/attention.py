@@ -17,12 +17,6 @@ kernel family:
   where the kept keys are contiguous, read no padding inside them.  A small
   kernel finds the bounds first (one launch, where torch ops would take a
   dozen).
-
-Key blocks are split the way Triton's tutorial splits its stages, by
-constexpr switches of one loop body: whole blocks of kept keys that every
-row of the query block sees run without masks (no bounds, padding or causal
-test, and no guard for rows that have seen no key yet); only the blocks at
-the edges (a partial tail, padding, the diagonal) pay for them.
 * ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
   bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
   scores).
@@ -30,6 +24,16 @@ the edges (a partial tail, padding, the diagonal) pay for them.
   (8 keys, query, batch*head, offset), so backward regenerates it exactly;
   the drop probability is quantized to 16 bits (``round(p * 2**16) / 2**16``)
   and kept weights are scaled by the inverse of the quantized keep probability.
+
+The forward and dQ kernels split their key blocks the way Triton's tutorial
+splits its stages, by constexpr switches of one loop body: whole blocks of
+kept keys that every row of the query block sees run without masks (no
+bounds, padding or causal test, no column mask when the head dims fill their
+blocks (``EVEN_HEAD_DIM``), and no guard for rows that have seen no key
+yet); only the blocks at the edges (a partial tail, padding, the diagonal)
+pay for them.  dK/dV is not split so: it loads its key-side masks once, outside
+its loop, and unmasking its loop's query rows would take a third copy of the
+body of the kernel that is closest to spilling.
 
 The launchers hand the kernels 16-byte aligned tensors whose head dims and
 strides are multiples of 16 elements, copying (and zero-padding the head dim
@@ -106,7 +110,9 @@ def _kernel(fn):
     otherwise compile another variant).  Strides that can pass 2**31 are
     annotated ``tl.int64`` so their type does not depend on their value
     either.  Every launch thus compiles the variant ``compile_targets()``
-    checks for its constexprs.
+    checks for its constexprs.  (The targets' head dims fill their blocks: a
+    head dim that does not compiles ``EVEN_HEAD_DIM`` off, which adds only
+    the column masks of the K and V loads.)
     """
     arguments = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
     return triton.jit(
@@ -1083,9 +1089,10 @@ def _chunked_launches(
 @dataclasses.dataclass(frozen=True)
 class _Masks:
     """A call's :class:`AttentionArgs` and the kernel arguments built from them;
-    ``key_bounds`` ``[B, 3]`` int32 with a key padding mask (the layout of
-    :func:`~transformer_kernels.ops.attention.key_padding_bounds`), which
-    :func:`_key_bounds_launches` fills."""
+    ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
+    :func:`_key_bounds_launches` fills: the ``[B, 2]`` of
+    :func:`~transformer_kernels.ops.attention.key_padding_bounds` (which the
+    other backends plan with) and a column counting the kept keys."""
 
     args: AttentionArgs
     key_bounds: Optional[torch.Tensor]
