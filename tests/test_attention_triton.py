@@ -192,7 +192,6 @@ CASES = {
     # tail, padding at either end, the diagonal), and holes in the padding
     # that put every block on the masked path.
     "interior_padding_left_and_right": dict(lq=40, lk=83, head_dim=64, padding="left_and_right"),
-    "interior_padding_holes": dict(lq=40, lk=83, head_dim=64, padding="left_and_holes"),
     "interior_top_left_padding": dict(lq=70, lk=83, head_dim=64, causal="top_left", padding="left_and_right"),
     "interior_bottom_right_padding": dict(lq=70, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
     "interior_bottom_right_holes": dict(lq=50, lk=83, head_dim=64, causal="bottom_right", padding="left_and_holes"),
