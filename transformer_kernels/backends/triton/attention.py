@@ -25,15 +25,16 @@ kernel family:
   the drop probability is quantized to 16 bits (``round(p * 2**16) / 2**16``)
   and kept weights are scaled by the inverse of the quantized keep probability.
 
-The forward and dQ kernels split their key blocks the way Triton's tutorial
-splits its stages, by constexpr switches of one loop body: whole blocks of
-kept keys that every row of the query block sees run without masks (no
-bounds, padding or causal test, no column mask when the head dims fill their
-blocks (``EVEN_HEAD_DIM``), and no guard for rows that have seen no key
-yet); only the blocks at the edges (a partial tail, padding, the diagonal)
-pay for them.  dK/dV is not split so: it loads its key-side masks once, outside
-its loop, and unmasking its loop's query rows would take a third copy of the
-body of the kernel that is closest to spilling.
+The forward kernel splits its key blocks the way Triton's tutorial splits
+its stages, by constexpr switches of one loop body: whole blocks of kept keys
+that every row of the query block sees run without masks (no bounds, padding
+or causal test, no column mask when the head dims fill their blocks
+(``EVEN_HEAD_DIM``), and no guard for rows that have seen no key yet); only
+the blocks at the edges (a partial tail, padding, the diagonal) pay for them.
+dQ splits the same way under causality or key padding without a dense mask
+or dropout (see the kernel).  dK/dV is not split so: it loads its key-side
+masks once, outside its loop, and unmasking its loop's query rows would take
+a third copy of the body of the kernel that is closest to spilling.
 
 The launchers hand the kernels 16-byte aligned tensors whose head dims and
 strides are multiples of 16 elements, copying (and zero-padding the head dim
@@ -823,9 +824,15 @@ def _attention_grad_query_kernel(
         BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # The stages of the forward kernel: whole blocks every row sees, without
-    # masks, then the edge blocks, with them.
-    for stage in tl.static_range(2):
+    # The stages of the forward kernel (whole blocks every row sees, without
+    # masks, then the edge blocks, with them) where the interior sheds the
+    # padding load or the causal test and no dense mask or dropout holds
+    # registers.  Elsewhere it would shed little, and a second loop's
+    # registers cost dQ programs per SM: one masked stage takes every block.
+    split_keys: tl.constexpr = (CAUSAL != NO_CAUSAL or HAS_KEY_PADDING) and not (HAS_DENSE_MASK or HAS_DROPOUT)
+    if not split_keys:
+        key_full_end = key_lo
+    for stage in tl.static_range(0 if split_keys else 1, 2):
         dq = _grad_query_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
