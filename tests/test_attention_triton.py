@@ -25,7 +25,8 @@ import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import attention as triton_attention  # noqa: E402
 from transformer_kernels.backends.triton.attention import MAX_FLOAT32_HEAD_DIM_ON_GPU  # noqa: E402
 from transformer_kernels.reference.attention import attention as reference_attention  # noqa: E402
-from transformer_kernels.ops.attention import AttentionArgs, Causal  # noqa: E402
+from transformer_kernels.backends.triton._common import run_launches  # noqa: E402
+from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds  # noqa: E402
 
 from _helpers import assert_close_to_reference, assert_matches_reference, device_for  # noqa: E402
 from _helpers import skip_unless_backend  # noqa: E402
@@ -66,6 +67,10 @@ def _key_padding(kind: Optional[str], batch: int, lk: int) -> Optional[torch.Ten
         padding[0, : min(5, lk - 1)] = True
         padding[1:, 1::3] = True
         padding[1:, lk - lk // 4 :] = True
+    elif kind == "left_and_right":  # kept keys contiguous: the kernels skip the padding mask between them
+        padding[0, : min(5, lk - 1)] = True
+        padding[0, lk - lk // 5 :] = True
+        padding[1:, (2 * lk) // 3 :] = True
     else:
         raise AssertionError(kind)
     return padding.to(DEVICE)
@@ -182,8 +187,22 @@ CASES = {
     "head_dim_80_value_48": dict(head_dim=80, value_head_dim=48, lk=20),
     "head_dim_256": dict(batch=1, heads=1, head_dim=256, lk=40, causal="top_left"),
     "custom_scale": dict(scale=0.3),
+    # Head dim 64 fills its block, so whole key blocks inside the bounds load K
+    # and V without any mask; these mix such blocks with edge blocks (a partial
+    # tail, padding at either end, the diagonal), and holes in the padding
+    # that put every block on the masked path.
+    "interior_padding_left_and_right": dict(lq=40, lk=83, head_dim=64, padding="left_and_right"),
+    "interior_top_left_padding": dict(lq=70, lk=83, head_dim=64, causal="top_left", padding="left_and_right"),
+    "interior_bottom_right_padding": dict(lq=70, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
+    "interior_bottom_right_holes": dict(lq=50, lk=83, head_dim=64, causal="bottom_right", padding="left_and_holes"),
+    "interior_bool_mask_empty_rows": dict(lq=40, lk=83, head_dim=64, mask="bool_rows", padding="left_and_right"),
+    "interior_float_mask": dict(lq=40, lk=83, head_dim=64, mask="float"),
+    "interior_lq1_padding": dict(lq=1, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
 }
-HALF_CASES = ("no_mask", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa", "head_dim_256")
+HALF_CASES = (
+    "no_mask", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa", "head_dim_256",
+    "interior_bottom_right_padding",
+)
 LOW_PRECISION = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 
 
@@ -196,6 +215,34 @@ def test_matches_float64_reference_fp32(case):
 @pytest.mark.parametrize("case", HALF_CASES)
 def test_matches_float64_reference_low_precision(case, dtype):
     _run_case(dtype=dtype, **CASES[case])
+
+
+def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
+    # The kernels' key bounds: the first kept key and the last + 1 as
+    # key_padding_bounds gives them to the other backends, then the count of
+    # kept keys (short of end - first where padding sits between them).
+    # Lengths past the kernel's 1024-key block take two scan steps.
+    lk = 1100
+    padding = torch.rand(6, lk) > 0.5  # holes everywhere
+    padding[0] = True
+    padding[1] = False
+    padding[2, 700:] = True
+    padding[2, [0, 699]] = False
+    padding[3] = True
+    padding[3, 1030:1031] = False
+    padding[4, :3] = padding[4, 1090:] = False
+    padding[5, :5] = padding[5, 1050:] = True
+    padding[5, 5:1050] = False
+    padding = padding.to(DEVICE)
+    masks = triton_attention._Masks.of(AttentionArgs(padding, None, Causal.NONE, 1.0, 0.0, None))
+    run_launches(triton_attention._key_bounds_launches(masks), padding)
+    kept = (~padding).sum(1).tolist()
+    expected = torch.tensor(
+        [[0, 0, 0], [0, lk, lk], [0, 700, kept[2]], [1030, 1031, 1], [0, lk, kept[4]], [5, 1050, 1045]],
+        dtype=torch.int32,
+    )
+    assert torch.equal(masks.key_bounds.cpu(), expected)
+    assert torch.equal(key_padding_bounds(padding).cpu(), expected[:, :2])
 
 
 def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(monkeypatch):

@@ -12,9 +12,11 @@ kernel family:
   (``j <= i + Lk - Lq``).  Key blocks wholly above the diagonal
   are never visited; only the blocks the diagonal crosses pay for the mask.
 * ``HAS_KEY_PADDING``: bool ``[B, Lk]`` (True = padding) read one key block at
-  a time; ``key_bounds`` ``[B, 2]`` int32 (first kept key, last kept key + 1)
-  lets the kernels skip whole key blocks of padding.  A small kernel finds
-  the bounds first (one launch, where torch ops would take a dozen).
+  a time; ``key_bounds`` ``[B, 3]`` int32 (first kept key, last kept key + 1,
+  number of kept keys) lets the kernels skip whole key blocks of padding, and
+  where the kept keys are contiguous, read no padding inside them.  A small
+  kernel finds the bounds first (one launch, where torch ops would take a
+  dozen).
 * ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
   bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
   scores).
@@ -22,6 +24,17 @@ kernel family:
   (8 keys, query, batch*head, offset), so backward regenerates it exactly;
   the drop probability is quantized to 16 bits (``round(p * 2**16) / 2**16``)
   and kept weights are scaled by the inverse of the quantized keep probability.
+
+The forward kernel splits its key blocks the way Triton's tutorial splits
+its stages, by constexpr switches of one loop body: whole blocks of kept keys
+that every row of the query block sees run without masks (no bounds, padding
+or causal test, no column mask when the head dims fill their blocks
+(``EVEN_HEAD_DIM``), and no guard for rows that have seen no key yet); only
+the blocks at the edges (a partial tail, padding, the diagonal) pay for them.
+dQ splits the same way under causality or key padding without a dense mask
+or dropout (see the kernel).  dK/dV is not split so: it loads its key-side
+masks once, outside its loop, and unmasking its loop's query rows would take
+a third copy of the body of the kernel that is closest to spilling.
 
 The launchers hand the kernels 16-byte aligned tensors whose head dims and
 strides are multiples of 16 elements, copying (and zero-padding the head dim
@@ -99,7 +112,9 @@ def _kernel(fn):
     otherwise compile another variant).  Strides that can pass 2**31 are
     annotated ``tl.int64`` so their type does not depend on their value
     either.  Every launch thus compiles the variant ``compile_targets()``
-    checks for its constexprs.
+    checks for its constexprs.  (The targets' head dims fill their blocks: a
+    head dim that does not compiles ``EVEN_HEAD_DIM`` off, which adds only
+    the column masks of the K and V loads.)
     """
     arguments = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
     return triton.jit(
@@ -198,26 +213,32 @@ def _dropout_keep(
 def _key_range(
     row_start, seq_len_q, seq_len_k, causal_shift,
     key_bounds_ptr, stride_kbb, stride_kbe, batch,
-    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
 ):
-    # Keys that rows [row_start, row_start + BLOCK_M) can see: [lo, hi).  Keys
-    # below `full_hi` are visible to every row of the block, so only
-    # [full_hi, hi) needs the causal test.
+    # Keys that rows [row_start, row_start + BLOCK_M) can see: [lo, hi), split
+    # at `full_end`.  [lo, full_end) is whole BLOCK_N blocks of kept keys that
+    # every row of the block sees: they need no mask of any kind.  The blocks
+    # of [full_end, hi) do: a partial tail, the diagonal, and, where padding
+    # sits between kept keys (their count falls short of hi - lo), all of them.
+    # Blocks start on any key: K and V rows are 16-element aligned each, and
+    # dropout draws each element's bits from its own coordinates.
     lo = 0
     hi = seq_len_k
+    holes = False
     if HAS_KEY_PADDING:
         lo = tl.load(key_bounds_ptr + batch * stride_kbb)
         hi = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
-    # Starting on a multiple of 8 keeps dropout's 8-key Philox groups whole;
-    # the keys this adds are padding, or get the causal test.
-    lo = lo // 8 * 8
-    full_hi = hi
+        holes = hi - lo != tl.load(key_bounds_ptr + batch * stride_kbb + 2 * stride_kbe)
+    seen_by_all = hi
     if CAUSAL != NO_CAUSAL:
         row_end = tl.minimum(row_start + BLOCK_M, seq_len_q)
         hi = tl.minimum(hi, row_end + causal_shift)
-        full_hi = tl.maximum(tl.minimum(hi, row_start + causal_shift + 1) // 8 * 8, lo)
+        seen_by_all = tl.minimum(hi, row_start + causal_shift + 1)
     hi = tl.maximum(hi, lo)
-    return lo, full_hi, hi
+    full_end = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
+    if HAS_KEY_PADDING:
+        full_end = tl.where(holes, lo, full_end)
+    return lo, full_end, hi
 
 
 @triton.jit
@@ -243,6 +264,20 @@ def _query_block_program(head_batch_start, num_q_heads, group_size, seq_len_q, s
 
 
 @triton.jit
+def _tile_mask(rows_in, columns_in, MASK_ROWS: tl.constexpr, MASK_COLUMNS: tl.constexpr):
+    # The load mask of a K or V tile from the tests that apply (the caller
+    # loads without a mask when neither does, so interior blocks carry no
+    # predicates).
+    if MASK_ROWS and MASK_COLUMNS:
+        mask = rows_in & columns_in
+    elif MASK_ROWS:
+        mask = rows_in
+    else:
+        mask = columns_in
+    return mask
+
+
+@triton.jit
 def _forward_inner(
     acc, l_i, m_i, q, offs_m,
     k_base, v_base, key_padding_base, mask_base,
@@ -250,32 +285,46 @@ def _forward_inner(
     offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
     head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     key_start, key_end,
-    APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    # MASKED off: whole blocks of kept keys that every row sees (see
+    # `_key_range`), so no key-side test at all.
     q_idx = offs_m[:, None]
     for start_n in range(key_start, key_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < key_end
-        k_t = tl.load(
-            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=key_in[None, :] & (offs_d[:, None] < head_dim),
-            other=0.0,
-        )
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        if MASKED or not EVEN_HEAD_DIM:
+            k_t = tl.load(
+                k_ptrs,
+                mask=_tile_mask(key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM),
+                other=0.0,
+            )
+        else:
+            k_t = tl.load(k_ptrs)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
-        keep = key_in
-        if HAS_KEY_PADDING:
-            padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
-            keep = keep & (padding == 0)
+        if MASKED:
+            keep = key_in
+            if HAS_KEY_PADDING:
+                padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+                keep = keep & (padding == 0)
+        else:
+            keep = tl.full([BLOCK_N], 1, tl.int1)
         s = _masked_scores(
             qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
             seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no visible key so far keeps m = -inf; shifting by 0 then
-        # gives p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED or HAS_DENSE_MASK:
+            # A row with no visible key so far keeps m = -inf; shifting by 0 then
+            # gives p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.  Only
+            # masks make -inf scores: an unmasked block gives every row a
+            # finite maximum.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -284,11 +333,15 @@ def _forward_inner(
                 offs_m, start_n, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
             )
             p = tl.where(kept, p * dropout_scale, 0.0)
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-            mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
-            other=0.0,
-        )
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED or not EVEN_HEAD_DIM:
+            v = tl.load(
+                v_ptrs,
+                mask=_tile_mask(key_in[:, None], offs_dv[None, :] < head_dim_v, MASKED, not EVEN_HEAD_DIM),
+                other=0.0,
+            )
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -301,8 +354,9 @@ def _forward_inner(
 #       m'  = max(m, rowmax S);  P = exp2(S - m');  l = l · exp2(m - m') + rowsum P
 #       acc = acc · exp2(m - m') + dropout(P) V
 #   out = acc / l,  lse = (m + log2 l) · ln 2   (rows with l = 0: out 0, lse +inf)
-# The loop runs twice under causality: first over key blocks every row sees
-# (no causal test), then over the blocks the diagonal crosses.
+# The loop runs in two stages: first the whole key blocks of kept keys that
+# every row sees, without masks, then the blocks at the edges (the tail, the
+# padding, the diagonal), with them.
 @_kernel
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, key_padding_ptr, key_bounds_ptr, mask_ptr,
@@ -319,7 +373,7 @@ def _attention_forward_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
@@ -356,24 +410,25 @@ def _attention_forward_kernel(
         mask=row_in[:, None] & (offs_d[None, :] < head_dim),
         other=0.0,
     )
-    key_lo, key_full_hi, key_hi = _key_range(
+    key_lo, key_full_end, key_hi = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
-        BLOCK_M, CAUSAL, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # Stage 0: the keys every row sees, without the causal test; stage 1
-    # (causal only): the key blocks the diagonal crosses, with it.
-    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
+    # Stage 0: whole blocks of kept keys that every row sees, without masks;
+    # stage 1: the rest, with the bounds, padding and (causal only) causal tests.
+    for stage in tl.static_range(2):
         acc, l_i, m_i = _forward_inner(
             acc, l_i, m_i, q, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
-            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end,
+            stage == 1, stage == 1 and CAUSAL != NO_CAUSAL, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL,
+            HAS_DROPOUT, EVEN_HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
 
     no_key = l_i == 0.0
@@ -395,7 +450,9 @@ def _attention_forward_kernel(
 
 
 # Key bounds: one program per batch row scans its padding row, BLOCK_N keys at a
-# time, for the first kept key and the last one + 1; (0, 0) when all are padding.
+# time, for the first kept key, the last one + 1 and the number of kept keys;
+# (0, 0, 0) when all are padding.  The count tells the attention kernels
+# whether padding sits between the bounds (see `_key_range`).
 @_kernel
 def _attention_key_bounds_kernel(
     key_padding_ptr, key_bounds_ptr,
@@ -407,13 +464,16 @@ def _attention_key_bounds_kernel(
     row = key_padding_ptr + batch.to(tl.int64) * stride_kpb
     first = seq_len_k
     end = seq_len_k * 0
+    count = seq_len_k * 0
     for start in range(0, seq_len_k, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         kept = tl.load(row + offs * stride_kpn, mask=offs < seq_len_k, other=1) == 0
         first = tl.minimum(first, tl.min(tl.where(kept, offs, seq_len_k), 0))
         end = tl.maximum(end, tl.max(tl.where(kept, offs + 1, 0), 0))
+        count += tl.sum(kept.to(tl.int32), 0)
     tl.store(key_bounds_ptr + batch * stride_kbb, tl.where(end > 0, first, 0))
     tl.store(key_bounds_ptr + batch * stride_kbb + stride_kbe, end)
+    tl.store(key_bounds_ptr + batch * stride_kbb + 2 * stride_kbe, count)
 
 
 # Backward pre-pass: one program per (query block, batch*head).
@@ -644,29 +704,39 @@ def _grad_query_inner(
     offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
     head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
     key_start, key_end,
-    APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    # MASKED as in `_forward_inner`.
     q_idx = offs_m[:, None]
     for start_n in range(key_start, key_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < key_end
-        k_t = tl.load(
-            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=key_in[None, :] & (offs_d[:, None] < head_dim),
-            other=0.0,
-        )
-        v_t = tl.load(
-            v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-            mask=key_in[None, :] & (offs_dv[:, None] < head_dim_v),
-            other=0.0,
-        )
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd
+        if MASKED or not EVEN_HEAD_DIM:
+            k_t = tl.load(
+                k_ptrs,
+                mask=_tile_mask(key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM),
+                other=0.0,
+            )
+            v_t = tl.load(
+                v_ptrs,
+                mask=_tile_mask(key_in[None, :], offs_dv[:, None] < head_dim_v, MASKED, not EVEN_HEAD_DIM),
+                other=0.0,
+            )
+        else:
+            k_t = tl.load(k_ptrs)
+            v_t = tl.load(v_ptrs)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
-        keep = key_in
-        if HAS_KEY_PADDING:
-            padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
-            keep = keep & (padding == 0)
+        if MASKED:
+            keep = key_in
+            if HAS_KEY_PADDING:
+                padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+                keep = keep & (padding == 0)
+        else:
+            keep = tl.full([BLOCK_N], 1, tl.int1)
         s = _masked_scores(
             qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
             seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
@@ -705,7 +775,7 @@ def _attention_grad_query_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
@@ -750,21 +820,28 @@ def _attention_grad_query_kernel(
     if HAS_DENSE_MASK:
         mask_base = _head_base(mask_ptr, batch, stride_mb, head, stride_mh)
 
-    key_lo, key_full_hi, key_hi = _key_range(
+    key_lo, key_full_end, key_hi = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
-        BLOCK_M, CAUSAL, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # The stages of the forward kernel: the keys every row sees, then (causal
-    # only) the key blocks the diagonal crosses.
-    for stage in tl.static_range(2 if CAUSAL != NO_CAUSAL else 1):
+    # The stages of the forward kernel (whole blocks every row sees, without
+    # masks, then the edge blocks, with them) where the interior sheds the
+    # padding load or the causal test and no dense mask or dropout holds
+    # registers.  Elsewhere it would shed little, and a second loop's
+    # registers cost dQ programs per SM: one masked stage takes every block.
+    split_keys: tl.constexpr = (CAUSAL != NO_CAUSAL or HAS_KEY_PADDING) and not (HAS_DENSE_MASK or HAS_DROPOUT)
+    if not split_keys:
+        key_full_end = key_lo
+    for stage in tl.static_range(0 if split_keys else 1, 2):
         dq = _grad_query_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_hi if stage == 1 else key_lo, key_hi if stage == 1 else key_full_hi,
-            stage == 1, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end,
+            stage == 1, stage == 1 and CAUSAL != NO_CAUSAL, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL,
+            HAS_DROPOUT, EVEN_HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
     dq *= scale
     tl.store(
@@ -988,6 +1065,12 @@ def _config_arguments(config: KernelConfig, dtype: torch.dtype, head_dim: int, h
     )
 
 
+def _even_head_dim(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether both head dims fill their power-of-two blocks, so the forward
+    and dQ kernels load K and V tiles without a column mask."""
+    return all(dim == next_power_of_2(dim) for dim in (query.shape[-1], value.shape[-1]))
+
+
 def _chunked_launches(
     kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: list, kwargs: dict
 ) -> list[KernelLaunch]:
@@ -1007,8 +1090,10 @@ def _chunked_launches(
 @dataclasses.dataclass(frozen=True)
 class _Masks:
     """A call's :class:`AttentionArgs` and the kernel arguments built from them;
-    ``key_bounds`` ``[B, 2]`` int32 with a key padding mask, which
-    :func:`_key_bounds_launches` fills."""
+    ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
+    :func:`_key_bounds_launches` fills: the ``[B, 2]`` of
+    :func:`~transformer_kernels.ops.attention.key_padding_bounds` (which the
+    other backends plan with) and a column counting the kept keys."""
 
     args: AttentionArgs
     key_bounds: Optional[torch.Tensor]
@@ -1016,7 +1101,7 @@ class _Masks:
     @classmethod
     def of(cls, args: AttentionArgs) -> "_Masks":
         padding = args.key_padding_mask
-        key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 2), dtype=torch.int32)
+        key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
         return cls(args, key_bounds)
 
     @functools.cached_property
@@ -1089,6 +1174,7 @@ def _forward_launches(
         "forward", query, key, value, masks,
         [query, key, value, out, lse],
         [t.stride() for t in (query, key, value, out, lse)],
+        EVEN_HEAD_DIM=_even_head_dim(query, value),
     )
 
 
@@ -1139,7 +1225,7 @@ def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Ma
         "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         [t.stride() for t in (query, key, value, grad_out, dq)],
-        scale=masks.args.scale,
+        scale=masks.args.scale, EVEN_HEAD_DIM=_even_head_dim(query, value),
     )
 
 
@@ -1240,7 +1326,7 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant:
     key_padding_mask = key_bounds = attn_mask = grad_scores = None
     if padded:
         key_padding_mask = torch.zeros(batch, length, dtype=torch.bool)
-        key_bounds = torch.tensor([[0, length]] * batch, dtype=torch.int32)
+        key_bounds = torch.tensor([[0, length, length]] * batch, dtype=torch.int32)
     dropout_p, dropout_seed = 0.0, None
     if all_masks:
         attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
