@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["SUITES", "Group", "Impl", "Setting", "SuiteUnavailable", "Target", "load", "max_abs_error"]
+__all__ = ["SUITES", "Backends", "Group", "Impl", "Setting", "SuiteUnavailable", "Target", "load", "max_abs_error"]
 
 # Suite name (what --only takes) -> module.
 SUITES = {
@@ -37,6 +37,8 @@ SUITES = {
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+# FLOPs of a direction in forwards, for GEMM-shaped ops: a backward is two GEMMs (input and weight).
+GEMM_DIRECTION_COST = {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}
 SIZES = ("tiny", "quick", "full")
 
 
@@ -163,9 +165,22 @@ def backend_reasons(op: str, device: torch.device, dtype: torch.dtype) -> dict[s
     return reasons
 
 
-def backends_for(op: str, setting: Setting) -> dict[str, Optional[str]]:
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """The registered backends for an op on a setting: ``names`` in auto's order, ``unavailable``
+    the ones that cannot be timed here with the reason, and :attr:`ours` the others."""
+
+    names: tuple[str, ...]
+    unavailable: dict[str, str]
+
+    @property
+    def ours(self) -> tuple[str, ...]:
+        return tuple(name for name in self.names if name not in self.unavailable)
+
+
+def backends_for(op: str, setting: Setting) -> Backends:
     """:func:`backend_reasons` for timing on ``setting``: Triton's interpreter is not timed."""
     reasons = backend_reasons(op, setting.device, setting.dtype)
     if reasons.get("triton") is None and not setting.cuda:
         reasons["triton"] = "Triton's interpreter (TRITON_INTERPRET=1) is for tests, not timing"
-    return reasons
+    return Backends(tuple(reasons), {name: reason for name, reason in reasons.items() if reason is not None})

@@ -351,8 +351,8 @@ def _flops(case: AttentionCase, direction: str) -> float:
 def _case_groups(case: AttentionCase, setting: Setting) -> list[Group]:
     """The case's group per direction."""
     backends = backends_for(OP, setting)
-    impls = [*backends, "reference", *PEERS]
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
+    impls = [*backends.names, "reference", *PEERS]
+    unavailable = dict(backends.unavailable)
     unavailable.update({impl: reason for impl in impls if impl not in unavailable
                         for reason in [_skip_reason(case, impl, setting)] if reason is not None})
 
@@ -374,7 +374,7 @@ def _case_groups(case: AttentionCase, setting: Setting) -> list[Group]:
         setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
         unavailable=unavailable,
         error=lambda outputs: max_abs_error(outputs, exact(), inputs().real_rows()), flops=_flops(case, direction),
-        ours=tuple(name for name in backends if name not in unavailable),
+        ours=tuple(name for name in backends.names if name not in unavailable),
         params={"length": case.length, "padding": case.padded_fraction(), "family": case.family},
     ) for direction in directions(case, setting)]
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import transformer_kernels as tk
 from transformer_kernels.reference import glu_conv1d as reference_glu_conv1d
 
-from . import DIRECTIONS, Group, Impl, Setting, Target, backends_for, max_abs_error
+from . import DIRECTIONS, GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for, max_abs_error
 
 OP = "glu_conv1d"
 PEERS = ("seed", "per_tap_gemm")
@@ -183,8 +183,6 @@ def _impl(case: Case, impl: str, inputs: Inputs) -> Impl:
 def _case_groups(case: Case, setting: Setting) -> list[Group]:
     """The case's group per direction."""
     backends = backends_for("glu_conv", setting)
-    impls = [*backends, *PEERS]
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
     @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
@@ -201,10 +199,9 @@ def _case_groups(case: Case, setting: Setting) -> list[Group]:
     forward = 2 * case.batch * case.length * case.channels * 2 * case.channels * case.kernel_size * case.layers
     return [Group(
         op=OP, case=case.name, direction=direction,
-        setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
-        unavailable=unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
-        flops=forward * {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[direction],
-        ours=tuple(name for name in backends if name not in unavailable),
+        setups={impl: functools.partial(setup, impl) for impl in [*backends.ours, *PEERS]},
+        unavailable=backends.unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
+        flops=forward * GEMM_DIRECTION_COST[direction], ours=backends.ours,
         params={"length": case.length, "family": case.family}, reference="seed",
     ) for direction in directions(case, setting)]
 
@@ -212,7 +209,6 @@ def _case_groups(case: Case, setting: Setting) -> list[Group]:
 def _step_group(batch: int, channels: int, setting: Setting) -> Group:
     """One decoding step of the causal decoder layer, ``state`` a window of ``pad_index``."""
     backends = backends_for("glu_conv", setting)
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
     @functools.cache
     def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,9 +238,9 @@ def _step_group(batch: int, channels: int, setting: Setting) -> Group:
 
     return Group(
         op=STEP_OP, case=_step_case(batch, channels), direction="fwd",
-        setups={impl: functools.partial(setup, impl) for impl in [*backends, "seed"] if impl not in unavailable},
-        unavailable=unavailable, error=error, flops=2.0 * batch * channels * 2 * channels * 3,
-        ours=tuple(name for name in backends if name not in unavailable), params={"family": None}, reference="seed",
+        setups={impl: functools.partial(setup, impl) for impl in [*backends.ours, "seed"]},
+        unavailable=backends.unavailable, error=error, flops=2.0 * batch * channels * 2 * channels * 3,
+        ours=backends.ours, params={"family": None}, reference="seed",
     )
 
 

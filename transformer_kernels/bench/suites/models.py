@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ... import use_backend
 from ...models import ConvSeq2Seq, Transformer, generate
-from . import Group, Impl, Setting, Target, backends_for
+from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for
 
 OP = "models"
 PAD, BOS, EOS = 0, 1, 2
@@ -214,8 +214,6 @@ def _on_backend(backend: str, fn: Callable[[], torch.Tensor]) -> Callable[[], to
 
 def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
     backends = backends_for("attention", setting)
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
-    ours = tuple(name for name in backends if name not in unavailable)
 
     @functools.cache  # made when the case's first group is measured, shared by its groups
     def inputs() -> Inputs:
@@ -228,7 +226,7 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
     def backend(impl: str) -> str:
         """The backend of the fused ops an implementation calls: its own, or ours here (re-decoding;
         the reference and torch's stack call none)."""
-        return impl if impl in backends else setting.ours
+        return impl if impl in backends.names else setting.ours
 
     def train_setup(impl: str) -> Impl:
         model = _model_for(impl, case, inputs()).train()
@@ -259,15 +257,17 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
     with torch.device("meta"):  # counts the weights without allocating them
         weights = sum(p.numel() for name, p in case.build("fused").named_parameters() if "embedding" not in name)
     forward_flops = 2.0 * weights * _real_tokens(case)
-    train_impls = [*ours, "reference"] + (["nn_transformer"] if case.model == "transformer" else [])
+    train_impls = [*backends.ours, "reference"] + (["nn_transformer"] if case.model == "transformer" else [])
     return [
         Group(op=OP, case=_train(case), direction="fwd+bwd",
               setups={impl: functools.partial(train_setup, impl) for impl in train_impls},
-              unavailable=unavailable, error=train_error, flops=3 * forward_flops, ours=ours,
-              params={"family": None}),
+              unavailable=backends.unavailable, error=train_error,
+              flops=GEMM_DIRECTION_COST["fwd+bwd"] * forward_flops, ours=backends.ours, params={"family": None}),
         Group(op=OP, case=_greedy(case), direction="fwd",
-              setups={impl: functools.partial(greedy_setup, impl) for impl in [*ours, "reference", "redecoding"]},
-              unavailable=unavailable, error=greedy_error, flops=0.0, ours=ours, params={"family": None}),
+              setups={impl: functools.partial(greedy_setup, impl)
+                      for impl in [*backends.ours, "reference", "redecoding"]},
+              unavailable=backends.unavailable, error=greedy_error, flops=0.0, ours=backends.ours,
+              params={"family": None}),
     ]
 
 

@@ -28,7 +28,7 @@ import torch
 
 import transformer_kernels.nn as tknn
 
-from . import Group, Impl, Setting, Target, backends_for, max_abs_error
+from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for, max_abs_error
 
 OP = "multihead_attention"
 DIRECTIONS = ("fwd", "fwd+bwd")
@@ -151,8 +151,6 @@ def _exact(case: MhaCase, inputs: Inputs, dtype: torch.dtype) -> torch.Tensor:
 def _case_groups(case: MhaCase, setting: Setting) -> list[Group]:
     """The case's group per direction."""
     backends = backends_for("attention", setting)
-    impls = [*backends, "torch_mha"]
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
     @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
@@ -177,9 +175,9 @@ def _case_groups(case: MhaCase, setting: Setting) -> list[Group]:
         0.5 if case.kind == "causal" else 1.0)
     return [Group(
         op=OP, case=case.name, direction=direction,
-        setups={impl: functools.partial(setup, impl, direction) for impl in impls if impl not in unavailable},
-        unavailable=unavailable, error=error, flops=forward * {"fwd": 1.0, "fwd+bwd": 3.0}[direction],
-        ours=tuple(name for name in backends if name not in unavailable),
+        setups={impl: functools.partial(setup, impl, direction) for impl in [*backends.ours, "torch_mha"]},
+        unavailable=backends.unavailable, error=error, flops=forward * GEMM_DIRECTION_COST[direction],
+        ours=backends.ours,
         params={"length": case.length, "family": None}, reference="torch_mha",
     ) for direction in DIRECTIONS if direction in setting.directions]
 

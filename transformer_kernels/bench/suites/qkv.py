@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import transformer_kernels as tk
 from transformer_kernels.reference import qkv_projection as reference_qkv
 
-from . import DIRECTIONS, Group, Impl, Setting, Target, backends_for, max_abs_error
+from . import DIRECTIONS, GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for, max_abs_error
 
 OP = "qkv_projection"
 PEERS = ("mha_packed", "torch_matmul")
@@ -112,8 +112,6 @@ def _impl(case: QkvCase, impl: str, inputs: Inputs) -> Impl:
 def _case_groups(case: QkvCase, setting: Setting) -> list[Group]:
     """The case's group per direction."""
     backends = backends_for("qkv", setting)
-    impls = [*backends, "reference", *PEERS]
-    unavailable = {name: reason for name, reason in backends.items() if reason is not None}
 
     @functools.cache  # made when the case's first group is measured, shared by its directions and implementations
     def inputs() -> Inputs:
@@ -131,10 +129,9 @@ def _case_groups(case: QkvCase, setting: Setting) -> list[Group]:
     forward = 2 * case.batch * case.length * case.embed_dim * 3 * case.embed_dim
     return [Group(
         op=OP, case=case.name, direction=direction,
-        setups={impl: functools.partial(setup, impl) for impl in impls if impl not in unavailable},
-        unavailable=unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
-        flops=forward * {"fwd": 1.0, "bwd": 2.0, "fwd+bwd": 3.0}[direction],
-        ours=tuple(name for name in backends if name not in unavailable),
+        setups={impl: functools.partial(setup, impl) for impl in [*backends.ours, "reference", *PEERS]},
+        unavailable=backends.unavailable, error=lambda outputs: max_abs_error(outputs, exact()),
+        flops=forward * GEMM_DIRECTION_COST[direction], ours=backends.ours,
         params={"length": case.length, "family": case.family or None},
     ) for direction in directions(case, setting)]
 
