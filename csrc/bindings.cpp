@@ -56,6 +56,8 @@ void check_launch(cudaError_t error, const char* op) {
 // grads: the n head-split tensors [B, H, L, Dh], sharing strides.
 tk::qkv::Problem qkv_problem(const at::Tensor& x, const at::Tensor& weight, const std::vector<at::Tensor>& heads,
                              const char* op) {
+  check_like(x, x, op, "x");
+  check_like(weight, x, op, "weight");
   TORCH_CHECK(x.dim() == 3, op, ": x must be [B, L, E], got shape ", x.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(2) && weight.size(0) % x.size(2) == 0, op,
               ": weight must be [n*E, E] with E = x.size(2) = ", x.size(2), ", got shape ", weight.sizes());
@@ -123,11 +125,8 @@ void head_pointers(const std::vector<at::Tensor>& grads, const void* (&ptrs)[3])
 
 at::Tensor qkv_grad_input(const std::vector<at::Tensor>& grads, const at::Tensor& x, const at::Tensor& weight) {
   constexpr const char* op = "qkv_grad_input";
-  TORCH_CHECK(!grads.empty(), op, ": grads must not be empty");
-  check_like(x, grads[0], op, "x");
-  check_like(weight, grads[0], op, "weight");
+  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);  // checks devices before the guard needs one
   const c10::cuda::OptionalCUDAGuard guard(x.device());
-  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);
   at::Tensor grad_x = at::empty(x.sizes(), x.options());
   const void* grad_ptrs[3];
   head_pointers(grads, grad_ptrs);
@@ -140,11 +139,8 @@ at::Tensor qkv_grad_input(const std::vector<at::Tensor>& grads, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> qkv_grad_weight(const std::vector<at::Tensor>& grads, const at::Tensor& x,
                                                    const at::Tensor& weight, bool with_bias) {
   constexpr const char* op = "qkv_grad_weight";
-  TORCH_CHECK(!grads.empty(), op, ": grads must not be empty");
-  check_like(x, grads[0], op, "x");
-  check_like(weight, grads[0], op, "weight");
+  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);  // checks devices before the guard needs one
   const c10::cuda::OptionalCUDAGuard guard(x.device());
-  tk::qkv::Problem p = qkv_problem(x, weight, grads, op);
   at::Tensor grad_weight = at::empty(weight.sizes(), weight.options());
   at::Tensor grad_bias = with_bias ? at::empty({weight.size(0)}, weight.options()) : at::empty({0}, weight.options());
   const void* grad_ptrs[3];
