@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._progress import Progress
 from .models import ConvSeq2Seq, Transformer
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -90,7 +91,9 @@ class Corpus:
     target_vocab: Vocabulary
 
 
-def synthetic_corpus(size: int = 20000, held_out: int = 64, *, words: int = 32, lengths=(8, 40), seed: int = 0) -> Corpus:
+def synthetic_corpus(
+    size: int = 20000, held_out: int = 64, *, words: int = 32, lengths=(8, 40), seed: int = 0
+) -> Corpus:
     """A toy "translation": each source word mapped through a fixed substitution.  It needs the
     attention to follow the source position by position and has one right answer, so exact-match
     accuracy of the decoded examples tells whether the model learned it."""
@@ -202,32 +205,6 @@ def _autocast_for(device: torch.device, dtype: str):
     return lambda: torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-class _Progress:
-    """tqdm when it is installed, else a line every few percent."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.done = total, enabled, 0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, disable=not enabled, unit="step")
-
-    def update(self, **fields) -> None:
-        self.done += 1
-        text = " ".join(f"{k}={v}" for k, v in fields.items())
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
-            self.bar.update()
-        elif self.enabled and (self.done % max(1, self.total // 20) == 0 or self.done == self.total):
-            print(f"step {self.done}/{self.total} {text}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def train(config: TrainConfig) -> dict:
     """Run the training; returns the summary printed at the end (and the trained model)."""
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -249,7 +226,8 @@ def train(config: TrainConfig) -> dict:
     model = build_model(config, corpus).to(device)
     trained = model
     if distributed:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     step_model = torch.compile(model) if config.compile else model
     optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, betas=(0.9, 0.98))
     autocast = _autocast_for(device, config.dtype)
@@ -261,14 +239,15 @@ def train(config: TrainConfig) -> dict:
         parameters = sum(p.numel() for p in trained.parameters())
         print(f"{config.model} ({config.impl}, preset {config.preset}, {parameters / 1e6:.2f}M parameters) on "
               f"{device} x{world_size}, {config.dtype}, {len(corpus.train)} training pairs", flush=True)
-    progress = _Progress(config.steps, is_main)
+    progress = Progress(config.steps, desc="training", unit="step", every=config.steps // 20, enabled=is_main)
     losses, tokens_seen, elapsed = [], 0, 0.0
     rows = config.batch_size // world_size
     for _, pairs in zip(range(config.steps), batches(corpus, config.batch_size, config.seed)):
         total_tokens = sum(len(t) + 1 for _, t in pairs)  # targets predicted: the words and eos
         src, tgt = pad_batch(pairs[rank * rows:(rank + 1) * rows], device)
         start = time.perf_counter()
-        loss = train_step(step_model, optimizer, scaler, src, tgt, total_tokens=total_tokens, world_size=world_size, autocast=autocast)
+        loss = train_step(step_model, optimizer, scaler, src, tgt, total_tokens=total_tokens, world_size=world_size,
+                          autocast=autocast)
         if distributed:
             summed = torch.tensor([loss], device=device)
             dist.all_reduce(summed)
@@ -276,10 +255,12 @@ def train(config: TrainConfig) -> dict:
         elapsed += time.perf_counter() - start
         tokens_seen += total_tokens
         losses.append(loss)
-        progress.update(loss=f"{loss:.3f}", tok_s=f"{tokens_seen / elapsed:,.0f}")
+        progress.begin(f"loss={loss:.3f} tokens/s={tokens_seen / elapsed:,.0f}")  # shows the step just done
+        progress.end()
     progress.close()
 
-    summary = {"first_loss": losses[0], "final_loss": losses[-1], "tokens_per_s": tokens_seen / elapsed, "model": trained}
+    summary = {"first_loss": losses[0], "final_loss": losses[-1], "tokens_per_s": tokens_seen / elapsed,
+               "model": trained}
     if is_main:
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {tokens_seen:,} target tokens in {elapsed:.1f} s "
               f"({summary['tokens_per_s']:,.0f} tokens/s)")
@@ -328,7 +309,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
                         help="autocast dtype of the forward (parameters stay float32)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
-    parser.add_argument("--examples", type=int, default=TrainConfig.examples, help="held-out sources decoded at the end")
+    parser.add_argument("--examples", type=int, default=TrainConfig.examples,
+                        help="held-out sources decoded at the end")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch-size must be positive")

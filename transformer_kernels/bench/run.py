@@ -14,12 +14,12 @@ not comparable), ``unavailable`` (implementation -> why it did not run: "n/a") a
 from __future__ import annotations
 
 import gc
-import sys
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from .. import BackendUnavailableError
+from .._progress import Progress
 from . import suites, timing
 
 
@@ -64,34 +64,6 @@ def unavailable_suite_record(name: str, reason: str, device: torch.device) -> di
             "unavailable": {name: reason}, "failed": {}}
 
 
-class Progress:
-    """A progress bar over ``total`` groups: tqdm when installed, else one printed line per group."""
-
-    def __init__(self, total: int):
-        self.total, self.count = total, 0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, desc="benchmarks", unit="group", file=sys.stderr, dynamic_ncols=True)
-
-    def begin(self, label: str) -> None:
-        self.count += 1
-        if self.bar is None:
-            print(f"[{self.count}/{self.total}] {label}", file=sys.stderr, flush=True)
-        else:
-            self.bar.set_postfix_str(label)
-
-    def end(self) -> None:
-        if self.bar is not None:
-            self.bar.update()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.Schedule,
                on_record: Callable[[dict], None]) -> None:
     """Measures every group of the suites ``names`` on ``setting``, passing each record to ``on_record``
@@ -107,7 +79,7 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
     # Everything alive now lives through the run: keep it out of the collections timing.measure starts with.
     gc.collect()
     gc.freeze()
-    progress = Progress(len(planned))
+    progress = Progress(len(planned), desc="benchmarks", unit="group")
     try:
         while planned:
             group = planned.pop(0)  # dropped once measured: its inputs are freed with it
