@@ -3,6 +3,7 @@ step on two processes updates the parameters as one process on the whole batch d
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -71,7 +72,15 @@ def _one_step(rank: int, world_size: int, port: int, model: str, path: str) -> N
 def test_ddp_step_matches_one_process_on_the_whole_batch(model, tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    mp.start_processes(_one_step, args=(2, _free_port(), model, str(tmp_path / "ddp.pt")), nprocs=2, start_method="spawn")
+    processes = mp.start_processes(_one_step, args=(2, _free_port(), model, str(tmp_path / "ddp.pt")), nprocs=2,
+                                   start_method="spawn", join=False)
+    # A rendezvous that never completes fails here in minutes, not at gloo's 30-minute timeout.
+    deadline = time.monotonic() + 240
+    while not processes.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each process ends
+        if time.monotonic() >= deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail("the two DDP processes did not finish within 240 s")
     ddp = torch.load(tmp_path / "ddp.pt")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
