@@ -266,6 +266,9 @@ def train(config: TrainConfig) -> dict:
               f"({summary['tokens_per_s']:,.0f} tokens/s)")
         summary["examples"] = _decode_examples(trained, corpus, config.examples, device)
     if distributed:
+        # Every rank past its last collective before any leaves: rank 0 hosts the rendezvous store,
+        # and a rank still tearing down its group when rank 0 exits waits on it until the timeout.
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 
