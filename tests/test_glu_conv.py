@@ -1,5 +1,6 @@
 """transformer_kernels.glu_conv1d / glu_conv1d_step against the seed's padding + conv1d + GLU + residual·scale."""
 
+import functools
 import math
 
 import pytest
@@ -28,6 +29,8 @@ EAGER_SHAPES = [
     (5, 1000, 24, 4),
     (7, 40, 256, 256),
     (3, 3, 520, 520),
+    (3, 101, 8, 12),  # 202 positions: Winograd forward (odd length), im2col backward
+    (3, 160, 24, 24),  # 320 positions: Winograd both ways
     (7, 1, 24, 24),
     (2, 1000, 4, 4),
 ]
@@ -97,28 +100,57 @@ def test_eager_matches_reference_fp64(k, length, channels_in, channels, padding,
     assert _has_layout(out, channels_last)
 
 
-@pytest.mark.parametrize("length", [20, 40], ids=["fwd_onednn", "fwd_bwd_onednn"])
+@pytest.mark.parametrize("k,length,forward,backward", [
+    (5, 20, "onednn", "im2col"), (5, 40, "onednn", "onednn"),
+    (3, 100, "winograd", "onednn"), (3, 161, "winograd", "winograd"),
+], ids=["fwd_onednn", "fwd_bwd_onednn", "fwd_winograd", "fwd_bwd_winograd"])
 @pytest.mark.parametrize("padding,pad_value", [("same", 0.0), ("same", -0.5), ("causal", 0.0)])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False)], ids=["res_bias", "plain"])
-def test_eager_fp32_onednn_paths_match_reference(length, padding, pad_value, channels_last, with_residual, with_bias):
-    """float32 on a CPU convolves through oneDNN past a few output positions (the fp64 tests above
-    always take the im2col GEMM): forward only at B * L = 40, forward and backward at 80."""
+def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding, pad_value, channels_last,
+                                          with_residual, with_bias):
+    """float32 on a CPU convolves through oneDNN or Winograd past a few output positions (most
+    fp64 tests above take the im2col GEMM): each algorithm in each direction, batch 2."""
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 
     x, weight, bias, residual = _make_inputs(
-        2, 3, length, 24, 16, dtype=torch.float32, channels_last=channels_last, bias=with_bias,
+        2, k, length, 24, 16, dtype=torch.float32, channels_last=channels_last, bias=with_bias,
         residual=with_residual,
     )
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() and "onednn" in (forward, backward):
         pytest.skip("torch built without oneDNN")
-    assert eager_glu_conv.uses_onednn(x, length, "forward")
-    assert eager_glu_conv.uses_onednn(x, length, "backward") == (length == 40)
+    assert eager_glu_conv.algorithm(x, k, length, "forward") == forward
+    assert eager_glu_conv.algorithm(x, k, length, "backward") == backward
     out = _assert_matches_reference(
         x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
         padding=padding, pad_value=pad_value, residual_scale=SCALE,
     )
     assert _has_layout(out, channels_last)
+
+
+def test_winograd_error_is_within_twice_the_direct_convolutions():
+    """Winograd's transforms add rounding: its float32 error against float64 (RMS and max, output
+    and gradients) stays within 2x that of torch's direct convolution on the seeds' sizes
+    (C = 512, a 1536-term sum per output; measured about 1.5x RMS)."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    x, weight, bias, _ = _make_inputs(4, 3, 80, 512, 512, dtype=torch.float32, channels_last=True, residual=False)
+    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == "winograd"
+    assert eager_glu_conv.algorithm(x, 3, 80, "backward") == "winograd"
+    grad = torch.randn(4, 512, 80)
+
+    def results(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, weight, bias)]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(dtype))]
+
+    exact = results(reference_glu_conv1d, torch.float64)
+    ours = results(functools.partial(tk.glu_conv1d, backend="eager"), torch.float32)
+    direct = results(reference_glu_conv1d, torch.float32)
+    for name, want, got, torch_own in zip(("out", "grad_x", "grad_weight", "grad_bias"), exact, ours, direct):
+        error, torch_error = (got.double() - want).abs(), (torch_own.double() - want).abs()
+        assert error.max() <= 2 * torch_error.max(), name
+        assert error.square().mean().sqrt() <= 2 * torch_error.square().mean().sqrt(), name
 
 
 def test_eager_fp32_without_bias_mixed_layouts():

@@ -1,11 +1,17 @@
 """GLU convolution composed of PyTorch ops: the CPU path and the fallback.
 
-Two ways to run the convolution, chosen per call by :func:`uses_onednn`, a
-rule on dtype, device and the number of output positions ``B * L_out``:
+Three ways to run the convolution, chosen per call by :func:`algorithm` from
+the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
-* **im2col GEMM** (few output positions, and every dtype or device but
-  float32 on a CPU): one GEMM on unfolded windows, using ``weight`` in the
-  layout ``nn.Conv1d`` holds it, so nothing copies or reorders the weight::
+* **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
+  CPU, past a few dozen positions): four GEMMs of half the rows on
+  transformed windows, two thirds of the direct GEMM work, in every direction.
+  The GEMMs are compute bound there, so no implementation doing the direct
+  product count can run faster.
+
+* **im2col GEMM** (few output positions, and every other dtype or device):
+  one GEMM on unfolded windows, using ``weight`` in the layout ``nn.Conv1d``
+  holds it, so nothing copies or reorders the weight::
 
     xpad = pad(x) as channel-last [B, Lp, C_in]                 (Lp = pad_left + L + pad_right)
     cols[b*L_out + s, ci*k + tap] = xpad[b, s + tap, ci]        [B*L_out, C_in*k]
@@ -15,19 +21,20 @@ rule on dtype, device and the number of output positions ``B * L_out``:
   and ``grad_cols = gz @ weight.view(2C, C_in*k)``, folded back onto
   ``grad_xpad`` with ``k`` shifted adds (col2im).
 
-* **oneDNN convolution** (float32 on a CPU with oneDNN, larger ``B * L_out``):
-  ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
-  reorder the weight into oneDNN's blocked layout on every call.  That fixed
-  cost loses to the im2col GEMM for a few output positions (decoding steps,
-  short batches) and is repaid by oneDNN's faster GEMM kernels beyond them.
+* **oneDNN convolution** (float32 on a CPU with oneDNN, other kernel sizes,
+  larger ``B * L_out``): ``F.conv1d`` forward and ``aten.convolution_backward``
+  backward, which reorder the weight into oneDNN's blocked layout on every
+  call.  That fixed cost loses to the im2col GEMM for a few output positions
+  (decoding steps, short batches) and is repaid by oneDNN's faster GEMM
+  kernels beyond them.
 
 ``torch.conv_tbc`` (fairseq's per-tap GEMMs on ``[T, B, C]``) is no option:
 it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
-costs more than either path saves.
+costs more than either direct path saves.
 
-Either way ``out = (glu(z) + residual) * residual_scale`` is written into one
+Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
 output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
-``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMM, a transposed
+``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs, a transposed
 ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
 so recomputing them would make training slower than plain PyTorch.
 """
@@ -40,35 +47,51 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
+from . import winograd
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "uses_onednn", "padded_rows"]
+__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "algorithm", "padded_rows"]
 
 # Up to these many output positions (B * L_out) the im2col GEMM beats oneDNN's
 # convolution (its per-call weight reorder dominates), forward and backward;
 # measured on a 2-core AVX-512 CPU, C = 512, k = 3, interleaved.
 _IM2COL_MAX_POSITIONS_FORWARD = 16
 _IM2COL_MAX_POSITIONS_BACKWARD = 64
+# From these many output positions on, Winograd beats both: its weight transforms
+# (and the weight gradient's four outputs) are a fixed cost per call, about as
+# large as C_in * C_out, like its savings per position, so the crossover hardly
+# moves with the channels.  Same machine and measurement; at 320 positions it
+# runs 1.15x oneDNN forward and backward, at 2048 1.3x.
+_WINOGRAD_MIN_POSITIONS_FORWARD = 192
+_WINOGRAD_MIN_POSITIONS_BACKWARD = 320
 
 
-def uses_onednn(x: torch.Tensor, length_out: int, direction: str) -> bool:
-    """Whether ``direction`` (``"forward"`` or ``"backward"``) convolves through oneDNN
-    rather than the im2col GEMM, for ``x`` ``[B, C_in, L]`` giving ``L_out`` positions."""
-    limit = _IM2COL_MAX_POSITIONS_FORWARD if direction == "forward" else _IM2COL_MAX_POSITIONS_BACKWARD
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and x.shape[0] * length_out > limit
-    )
+def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
+    """How ``direction`` (``"forward"`` or ``"backward"``) convolves ``x`` ``[B, C_in, L]`` into
+    ``L_out`` positions: ``"winograd"``, ``"onednn"`` or ``"im2col"``."""
+    positions = x.shape[0] * length_out
+    on_cpu = x.device.type == "cpu"
+    forward = direction == "forward"
+    if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
+            and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)):
+        return "winograd"
+    limit = _IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD
+    if on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available() and positions > limit:
+        return "onednn"
+    return "im2col"
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward (for the fake kernel): the pre-activation
-    ``[B, L_out, 2C]``, contiguous after the im2col GEMM, a transposed contiguous
+    ``[B, L_out, 2C]``: contiguous after the im2col GEMM, the first ``L_out`` positions of a
+    contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, a transposed contiguous
     ``[B, 2C, L_out]`` after oneDNN."""
-    length_out = args.output_length(x.shape[2], weight.shape[2])
-    if uses_onednn(x, length_out, "forward"):
+    kernel_size = weight.shape[2]
+    length_out = args.output_length(x.shape[2], kernel_size)
+    chosen = algorithm(x, kernel_size, length_out, "forward")
+    if chosen == "onednn":
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
+    if chosen == "winograd":
+        return x.new_empty(x.shape[0], 2 * winograd.tiles(length_out), weight.shape[0])[:, :length_out]
     return x.new_empty(x.shape[0], length_out, weight.shape[0])
 
 
@@ -117,10 +140,15 @@ def forward(
     channels_z, channels_in, kernel_size = weight.shape
     pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
     length_out = args.output_length(x.shape[2], kernel_size)
-    if uses_onednn(x, length_out, "forward"):
+    chosen = algorithm(x, kernel_size, length_out, "forward")
+    if chosen == "onednn":
         conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
         z = F.conv1d(conv_input, weight, bias, padding=padding)  # [B, 2C, L_out], contiguous
         z_dim = 1
+    elif chosen == "winograd":
+        weights = [u.t() for u in winograd.transformed_weight(weight)]
+        z = winograd.correlate(x.transpose(1, 2), weights, bias, pad_left, pad_right, pad_value)
+        z_dim = 2
     else:
         cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
         weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
@@ -173,14 +201,17 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor."""
     needs_grad_bias = needs_grad_bias and bias is not None
-    onednn = uses_onednn(x, z.shape[1], "backward")
+    chosen = algorithm(x, weight.shape[2], z.shape[1], "backward")
     # glu_backward is vectorized only when grad_out has z's layout (the layout
     # of the GEMM's rows): scaling grad_out writes it in that layout.
     grad_out = _scaled(grad_out, args.residual_scale, channel_last=not z.transpose(1, 2).is_contiguous())
     pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
-    if onednn:
+    if chosen == "onednn":
         grads = _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value,
                                  needs_grad_x, needs_grad_weight, needs_grad_bias)
+    elif chosen == "winograd":
+        grads = _backward_winograd(grad_out, x, weight, z, pad_left, pad_right, pad_value,
+                                   needs_grad_x, needs_grad_weight, needs_grad_bias)
     else:
         grads = _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value,
                                  needs_grad_x, needs_grad_weight, needs_grad_bias)
@@ -230,4 +261,27 @@ def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
         grad_weight = torch.mm(grad_z.t(), cols).view(weight.shape)
 
     grad_bias = grad_z.sum(0) if needs_grad_bias else None
+    return grad_x, grad_weight, grad_bias
+
+
+def _backward_winograd(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
+                       needs_grad_bias):
+    grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2)  # [B, L_out, 2C]
+    x_rows = x.transpose(1, 2)
+    grad_x = None
+    if needs_grad_x:
+        # The input gradient correlates grad_z, zero-padded by k - 1 - pad, with the flipped,
+        # transposed filter, whose transform is U3, U1, U2, U0 (each [2C, C_in]).
+        transformed = winograd.transformed_weight(weight)
+        grad_x = empty_output(x, x.shape[1], x.shape[2])
+        length_in = x.shape[2]
+        grad_rows = grad_x.transpose(1, 2)
+        out = grad_rows if grad_rows.is_contiguous() and length_in % 2 == 0 else None
+        rows = winograd.correlate(grad_z, [transformed[i] for i in (3, 1, 2, 0)], None,
+                                  winograd.KERNEL_SIZE - 1 - pad_left, winograd.KERNEL_SIZE - 1 - pad_right, 0.0,
+                                  out=out)
+        if out is None:
+            grad_rows.copy_(rows)
+    grad_weight = winograd.weight_gradient(grad_z, x_rows, pad_left, pad_right, pad_value) if needs_grad_weight else None
+    grad_bias = grad_z.sum((0, 1)) if needs_grad_bias else None
     return grad_x, grad_weight, grad_bias
