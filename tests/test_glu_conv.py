@@ -386,15 +386,15 @@ def test_triton_strided_input_and_empty_batch():
 # --------------------------------------------------------------------------- registration
 
 
-def _opcheck(backend, device, channels_last):
-    x, weight, bias, residual = _make_inputs(2, 3, 7, 4, 6, dtype=torch.float32, device=device,
+def _opcheck(backend, device, channels_last, length=7):
+    x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, device=device,
                                              channels_last=channels_last)
     x, weight, bias, residual = _leaves(x, weight, bias, residual)
     op = torch.ops.transformer_kernels.glu_conv1d_forward.default
     torch.library.opcheck(op, (x, weight, bias, residual, 1, 1, 0.5, SCALE, backend))
     torch.library.opcheck(op, (x, weight, None, None, 2, 0, 0.0, 1.0, backend))
     saved = op(x, weight, bias, residual, 2, 0, 1.0, SCALE, backend)[1].detach()
-    grad_out = torch.randn(2, 6, 7, device=device)
+    grad_out = torch.randn(2, 6, length, device=device)
     torch.library.opcheck(
         torch.ops.transformer_kernels.glu_conv1d_backward.default,
         (grad_out, x.detach(), weight.detach(), bias.detach(), saved, 2, 0, 1.0, SCALE, True, True, True, backend),
@@ -410,11 +410,18 @@ def test_opcheck(backend, channels_last):
     _opcheck(backend, device_for(backend), channels_last)
 
 
+@pytest.mark.parametrize("length", [101, 160], ids=["winograd_fwd_odd", "winograd_both"])
+def test_opcheck_eager_winograd(length):
+    """The eager backend's Winograd path saves z as a view of an even-length buffer (odd lengths)."""
+    _opcheck("eager", "cpu", True, length)
+
+
+@pytest.mark.parametrize("length", [7, 101], ids=["im2col", "winograd"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_fake_output_layout_matches_real(channels_last):
+def test_fake_output_layout_matches_real(channels_last, length):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x, weight, bias, residual = _make_inputs(2, 3, 7, 4, 6, dtype=torch.float32, channels_last=channels_last)
+    x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, channels_last=channels_last)
     real = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
     with FakeTensorMode() as mode:
         fake = tk.glu_conv1d(*(mode.from_tensor(t) for t in (x, weight, bias)), residual=mode.from_tensor(residual),
