@@ -4,7 +4,7 @@ Three ways to run the convolution, chosen per call by :func:`algorithm` from
 the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
-  CPU, past a few dozen positions): four GEMMs of half the rows on
+  CPU, past a few hundred positions): four GEMMs of half the rows on
   transformed windows, two thirds of the direct GEMM work, in every direction.
   The GEMMs are compute bound there, so no implementation doing the direct
   product count can run faster.
@@ -21,12 +21,13 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
   and ``grad_cols = gz @ weight.view(2C, C_in*k)``, folded back onto
   ``grad_xpad`` with ``k`` shifted adds (col2im).
 
-* **oneDNN convolution** (float32 on a CPU with oneDNN, other kernel sizes,
-  larger ``B * L_out``): ``F.conv1d`` forward and ``aten.convolution_backward``
-  backward, which reorder the weight into oneDNN's blocked layout on every
-  call.  That fixed cost loses to the im2col GEMM for a few output positions
-  (decoding steps, short batches) and is repaid by oneDNN's faster GEMM
-  kernels beyond them.
+* **oneDNN convolution** (float32 on a CPU with oneDNN, past the im2col
+  GEMM's few positions when Winograd does not apply or does not pay yet):
+  ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
+  reorder the weight into oneDNN's blocked layout on every call.  That fixed
+  cost loses to the im2col GEMM for a few output positions (decoding steps,
+  short batches; a few hundred in the backward) and is repaid by oneDNN's
+  faster GEMM kernels beyond them.
 
 ``torch.conv_tbc`` (fairseq's per-tap GEMMs on ``[T, B, C]``) is no option:
 it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
@@ -51,18 +52,20 @@ from . import winograd
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "algorithm", "padded_rows"]
 
-# Up to these many output positions (B * L_out) the im2col GEMM beats oneDNN's
-# convolution (its per-call weight reorder dominates), forward and backward;
-# measured on a 2-core AVX-512 CPU, C = 512, k = 3, interleaved.
+# Crossovers in output positions (B * L_out), measured on a 2-core AVX-512 CPU,
+# C = 512, k = 3, channel-last activations with a residual, interleaved rounds.
+# oneDNN's convolution reorders the weight on every call: in the forward that
+# costs as much as the im2col GEMM's unfolding from a few dozen positions on, in
+# the backward it loses to im2col until Winograd takes over.
 _IM2COL_MAX_POSITIONS_FORWARD = 16
-_IM2COL_MAX_POSITIONS_BACKWARD = 64
-# From these many output positions on, Winograd beats both: its weight transforms
-# (and the weight gradient's four outputs) are a fixed cost per call, about as
-# large as C_in * C_out, like its savings per position, so the crossover hardly
-# moves with the channels.  Same machine and measurement; at 320 positions it
-# runs 1.15x oneDNN forward and backward, at 2048 1.3x.
-_WINOGRAD_MIN_POSITIONS_FORWARD = 192
-_WINOGRAD_MIN_POSITIONS_BACKWARD = 320
+_IM2COL_MAX_POSITIONS_BACKWARD = 255
+# Winograd's weight transforms (and the weight gradient's four outputs) are a
+# fixed cost per call, about as large as C_in * C_out, like its savings per
+# position, so its crossover hardly moves with the channels: forward 1.09x the
+# best direct path at 160 positions and 1.2x at 320; backward 1.1x at 256-320;
+# 1.3x both ways at 2048.
+_WINOGRAD_MIN_POSITIONS_FORWARD = 160
+_WINOGRAD_MIN_POSITIONS_BACKWARD = 256
 
 
 def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
