@@ -80,16 +80,10 @@ def test_eager_matches_references(shape, num_heads, num_proj, bias):
 
 @pytest.mark.parametrize("num_proj", [1, 3])
 @pytest.mark.parametrize("token_major_grads", [False, True])
-def test_eager_fp32_onednn_path_matches_references(num_proj, token_major_grads):
-    """float32 on a CPU runs the GEMMs through oneDNN from 512 tokens on (the shapes above stay
-    below): forward and backward against both references, with contiguous and token-major
-    ([*batch, L, H, Dh]) gradients."""
-    from transformer_kernels.backends.eager import qkv as eager_qkv
-
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads):
+    """float32 at 600 tokens (the shapes above stay small): forward and backward against both
+    references, with contiguous and token-major ([*batch, L, H, Dh]) gradients."""
     inputs = _inputs((3, 200, 64), num_proj)
-    assert eager_qkv.uses_onednn(inputs[0])
     grad_outputs = [torch.randn(3, 4, 200, 16) for _ in range(num_proj)]
     if token_major_grads:
         grad_outputs = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grad_outputs]

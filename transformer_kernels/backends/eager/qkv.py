@@ -12,14 +12,10 @@ them in place, accumulating into one ``grad_x`` and into row blocks of one
 ``grad_weight``; otherwise (the usual contiguous ``[*batch, H, L, Dh]``) one
 copy packs them into ``[T, n*E]`` and the gradients are one GEMM each.
 
-Which library runs the GEMMs is chosen per call by :func:`uses_onednn`, a rule
-on dtype, device and the token count ``T``: float32 on a CPU with oneDNN and
-at least ``_ONEDNN_MIN_TOKENS`` tokens runs them as oneDNN 1x1 convolutions
-(``F.conv2d`` forward, ``aten.convolution_backward`` backward, on the tokens
-viewed as one channels-last ``[1, E, 1, T]`` image, so nothing is copied to
-get there); everything else runs ``F.linear`` / ``torch.mm`` (the BLAS).
-oneDNN reorders the weight on every call, a cost that its faster GEMM kernels
-repay only beyond a few hundred tokens.
+The GEMMs run through ``F.linear`` / ``torch.mm`` (the BLAS).  Not through a
+1x1 ``F.conv2d`` on the tokens viewed as a channels-last image, hoping for
+oneDNN: torch 2.13's CPU wheel dispatches that to ``slow_conv2d``, the same
+BLAS GEMM, and it measured the same forward and backward at 8192 tokens.
 """
 
 from __future__ import annotations
@@ -31,32 +27,7 @@ import torch.nn.functional as F
 
 from ...ops.qkv import QkvProjectionArgs
 
-__all__ = ["unsupported_reason", "forward", "backward", "uses_onednn"]
-
-# From this many tokens on, oneDNN's 1x1 convolution beats the BLAS GEMM
-# forward and backward (measured on a 2-core AVX-512 CPU, E = 512 and 1024,
-# interleaved).
-_ONEDNN_MIN_TOKENS = 512
-
-
-def uses_onednn(x: torch.Tensor) -> bool:
-    """Whether the GEMMs for ``x`` ``[*batch, L, E]`` run through oneDNN rather than the BLAS."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and x.numel() >= _ONEDNN_MIN_TOKENS * x.shape[-1]
-    )
-
-
-def _as_image(rows: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``[T, C]`` matrix viewed as the channels-last image ``[1, C, 1, T]`` (no copy)."""
-    return rows.view(1, 1, rows.shape[0], rows.shape[1]).permute(0, 3, 1, 2)
-
-
-def _as_rows(image: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_as_image`: ``[1, C, 1, T]`` -> ``[T, C]`` (a copy only if not channels-last)."""
-    return image.permute(0, 2, 3, 1).reshape(image.shape[3], image.shape[1])
+__all__ = ["unsupported_reason", "forward", "backward"]
 
 
 def unsupported_reason(
@@ -72,12 +43,7 @@ def forward(
     num_proj = weight.shape[0] // embed_dim
     num_heads = args.num_heads
     head_dim = embed_dim // num_heads
-    if uses_onednn(x):
-        x_rows = x.reshape(-1, embed_dim).contiguous()
-        kernel = weight.reshape(weight.shape[0], embed_dim, 1, 1)
-        packed = _as_rows(F.conv2d(_as_image(x_rows), kernel, bias))
-    else:
-        packed = F.linear(x, weight, bias)
+    packed = F.linear(x, weight, bias)
     packed = packed.view(*batch, seq_len, num_proj, num_heads, head_dim)
     outputs = []
     for i in range(num_proj):
@@ -104,23 +70,6 @@ def _pack(grads: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.stack([g.transpose(-3, -2) for g in grads], dim=-3).reshape(-1, width)
 
 
-def _backward_onednn(
-    grads: list[torch.Tensor], x: torch.Tensor, weight: torch.Tensor, needs_grad_bias: bool, needs_grad_x: bool,
-    needs_grad_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width, embed_dim = weight.shape
-    grad_input, grad_kernel, grad_bias = torch.ops.aten.convolution_backward(
-        _as_image(_pack(grads, width)), _as_image(x.reshape(-1, embed_dim).contiguous()),
-        weight.reshape(width, embed_dim, 1, 1), [width] if needs_grad_bias else None,
-        [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [needs_grad_x, needs_grad_weight, needs_grad_bias],
-    )
-    return (
-        _as_rows(grad_input).view(x.shape) if needs_grad_x else x.new_empty(0),
-        grad_kernel.reshape(width, embed_dim).contiguous() if needs_grad_weight else x.new_empty(0),
-        grad_bias if needs_grad_bias else x.new_empty(0),
-    )
-
-
 def backward(
     grads: list[torch.Tensor],
     x: torch.Tensor,
@@ -132,8 +81,6 @@ def backward(
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     embed_dim = x.shape[-1]
-    if uses_onednn(x):
-        return _backward_onednn(grads, x, weight, has_bias and needs_grad_bias, needs_grad_x, needs_grad_weight)
     x2d = x.reshape(-1, embed_dim)
     matrices = [_as_token_matrix(g, embed_dim) for g in grads]
     if any(m is None for m in matrices):
