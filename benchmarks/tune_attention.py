@@ -1,13 +1,14 @@
 """Sweep the tile configurations of the Triton attention kernels on the present GPU.
 
-    python benchmarks/tune_attention.py [--out DIR] [--budget SECONDS]
+    python benchmarks/tune_attention.py [--out DIR] [--budget SECONDS] [--short]
 
 For each kernel (forward, dK/dV, dQ), head dim and causal switch, every candidate ``KernelConfig``
 is timed (``triton.testing.do_bench``, median) with the other two kernels at their table entries,
 next to torch SDPA.  A candidate that fails to compile (shared memory) is reported as such.  The
 fastest candidate is only a proposal: a table entry must also pass ``tests/test_triton_compile.py``
 (no spills, under every supported triton) before it lands.  Results go to stdout and, row by row,
-to ``DIR/tune_attention.csv`` so a run cut short keeps what it measured.
+to ``DIR/tune_attention.csv`` so a run cut short keeps what it measured.  ``--short`` sweeps the
+seeds' short sequences instead (the SHORT table, lengths up to ``SHORT_MAX_LENGTH``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ CANDIDATES = {
 }
 # (head dim, batch, heads, length): 16k tokens per batch, 2048 model width, as in bench_attention.
 SHAPES = [(64, 16, 32, 1024), (128, 8, 16, 2048)]
+# The seeds' batches: 128 sentences of at most 64 tokens, 8 heads of 64 (and a 128 head-dim twin).
+SHORT_SHAPES = [(64, 128, 8, triton_attention.SHORT_MAX_LENGTH), (128, 128, 8, triton_attention.SHORT_MAX_LENGTH)]
+SHORT_CANDIDATES = {
+    "forward": [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 3)],
+    "grad_key_value": [(32, 64, 4, 2), (64, 64, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+    "grad_query": [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3)],
+}
 
 
 def _inputs(head_dim: int, batch: int, heads: int, length: int, dtype: torch.dtype, grad: bool):
@@ -78,7 +86,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--budget", type=float, default=300.0, help="stop starting new sweeps after this")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--short", action="store_true", help="the seeds' short sequences (the SHORT table)")
     args = parser.parse_args()
+    shapes, candidates = (SHORT_SHAPES, SHORT_CANDIDATES) if args.short else (SHAPES, CANDIDATES)
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     table_config = triton_attention.block_config
@@ -86,17 +96,17 @@ def main() -> None:
     with open(args.out / "tune_attention.csv", "w", newline="") as f:
         rows = csv.writer(f)
         rows.writerow(["kernel", "head_dim", "causal", "config", "ms", "sdpa_ms", "table_entry"])
-        for kernel in CANDIDATES:
-            for head_dim, batch, heads, length in SHAPES:
+        for kernel in candidates:
+            for head_dim, batch, heads, length in shapes:
                 for causal in (False, True):
                     if time.perf_counter() - started > args.budget:
                         print("budget spent; stopping")
                         return
                     q, k, v = _inputs(head_dim, batch, heads, length, dtype, kernel != "forward")
-                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense")
+                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense", length)
                     sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
                     results = []
-                    for block in [tuple(getattr(current, field) for field in FIELDS)] + CANDIDATES[kernel]:
+                    for block in [tuple(getattr(current, field) for field in FIELDS)] + candidates[kernel]:
                         candidate = KernelConfig(**dict(zip(FIELDS, block)))
 
                         def patched(name, *rest, _candidate=candidate, _kernel=kernel):

@@ -290,3 +290,25 @@ def test_padding_an_odd_head_dim_keeps_broadcast_dims_broadcast():
     grads = torch.autograd.grad(out, leaves, grad_out.float())
     expected_grads = torch.autograd.grad(expected, leaves, grad_out)
     assert_close_to_reference(grads, expected_grads, "grad", rtol=1e-4, atol=1e-4, same_dtype=True)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_block_config_takes_the_short_table_only_for_short_unmasked_16_bit_inputs(kernel, head_dim, monkeypatch):
+    """The GPU tables (what the interpreter's small tiles replace): SHORT for 16-bit inputs without a
+    dense mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, where it has an entry."""
+    monkeypatch.setattr(triton_attention, "interpreter_enabled", lambda: False)
+    short_length = triton_attention.SHORT_MAX_LENGTH
+    short = triton_attention._SHORT_CONFIGS.get((kernel, head_dim))
+
+    def config(dtype, variant, length):
+        return triton_attention.block_config(kernel, head_dim, head_dim, dtype, variant, length)
+
+    for variant in ("dense", "fast"):
+        table = triton_attention._CONFIG_TABLES[variant]
+        assert config(torch.bfloat16, variant, short_length) == (short or table[(kernel, head_dim)])
+        assert config(torch.float16, variant, short_length + 1) == table[(kernel, head_dim)]
+    masked = triton_attention._MASKED_CONFIGS[(kernel, head_dim)]
+    assert config(torch.float16, "masked", 16) == masked
+    if head_dim <= MAX_FLOAT32_HEAD_DIM_ON_GPU:
+        assert config(torch.float32, "fast", 16) == triton_attention._FLOAT32_CONFIGS[(kernel, head_dim)]

@@ -68,7 +68,8 @@ FALLBACKS = {
     ("attention_grad_key_value_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16",
     ("attention_grad_key_value_fp16_*@sm_90", "mma.sync"): "BLOCK_N 16 or 32 (MASKED tiles)",
     ("attention_grad_key_value_fp32_*@sm_90", "mma.sync"): "BLOCK_N 16",
-    ("attention_grad_query_bf16_d128_*@sm_90", "mma.sync"): "BLOCK_M 32",
+    ("attention_grad_query_bf16_d128_dense@sm_90", "mma.sync"): "BLOCK_M 32 (the SHORT tile, 64 rows, is wgmma)",
+    ("attention_grad_query_bf16_d128_causal_padding@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_grad_query_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16",
     ("attention_grad_query_fp16_*@sm_90", "mma.sync"): "BLOCK_M 16 or 32 (MASKED tiles)",
     ("attention_grad_query_fp32_*@sm_90", "mma.sync"): "BLOCK_M 16",
@@ -92,7 +93,8 @@ FALLBACKS = {
     ("attention_grad_key_value_bf16_d128_dense@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
     ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
     ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
-    ("attention_grad_query_bf16_d128_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
+    ("attention_grad_query_bf16_d128_dense@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
+    ("attention_grad_query_bf16_d128_causal_padding@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
     ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",
 }
 

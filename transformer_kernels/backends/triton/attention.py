@@ -907,6 +907,23 @@ _MASKED_CONFIGS: dict[tuple[str, int], KernelConfig] = {
     ("grad_query", 128): KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2),
     ("grad_query", 256): KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1),
 }
+# SHORT: FAST and DENSE inputs whose queries and keys are all at most
+# SHORT_MAX_LENGTH long (the seeds' padded batches, 16-64 tokens).  A query
+# tile of 128 rows would leave half to seven eighths of every program's rows
+# empty there; 64 rows is the smallest tile that still lowers to wgmma on
+# sm_90 (a dot's M must be a multiple of 64), and dK/dV at head dim 128 gets
+# 64 keys for the same reason.  dK/dV at head dim 64 keeps its FAST tile:
+# every 64-key tile tried (16 to 64 queries, 4 or 8 warps) spills on sm_80.
+# Chosen by compiling, not yet timed on a GPU: benchmarks/tune_attention.py
+# --short sweeps them.
+SHORT_MAX_LENGTH = 64
+_SHORT_CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("forward", 64): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    ("forward", 128): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    ("grad_key_value", 128): KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=2),
+    ("grad_query", 64): KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    ("grad_query", 128): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+}
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
 # loop-invariant operand (Q, or K and V): past head dim 64 no tile shape stays
@@ -951,12 +968,19 @@ _KEY_BOUNDS_CONFIG = KernelConfig(block_n=1024, num_warps=4, num_stages=1)
 _CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MASKED_CONFIGS}
 
 
-def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> KernelConfig:
+def block_config(
+    kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str, max_length: int
+) -> KernelConfig:
     """The configuration ``kernel`` ("forward", "grad_key_value" or "grad_query") runs with;
-    ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``)."""
+    ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``); ``max_length``: the longer
+    of the query and key lengths."""
     if interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
+    if max_length <= SHORT_MAX_LENGTH and dtype != torch.float32 and variant != "masked":
+        short = _SHORT_CONFIGS.get((kernel, bucket))
+        if short is not None:
+            return short
     table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
     return table[(kernel, bucket)]
 
@@ -1146,7 +1170,7 @@ def _masked_kernel_launches(
     ``query``/``key``/``value`` as ``_aligned`` returns them."""
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant)
+    config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k))
     mask_pointers, mask_strides, kwargs = masks.arguments
     if kernel_name == "grad_key_value":  # a program per key block of a kv head
         num_blocks, num_head_batches = cdiv(seq_len_k, config.block_n), batch * num_kv_heads
@@ -1315,11 +1339,13 @@ _TARGET_VARIANTS = {
 }
 
 
-def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str) -> KernelLaunch:
+def _target_launch(
+    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int = _TARGET_LENGTH
+) -> KernelLaunch:
     """The launch the backend makes for the representative problem with the
-    switches of ``variant`` (a key of ``_TARGET_VARIANTS``)."""
+    switches of ``variant`` (a key of ``_TARGET_VARIANTS``), sequences ``length`` long."""
     causal, padded, all_masks = _TARGET_VARIANTS[variant]
-    batch, heads, kv_heads, length = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS, _TARGET_LENGTH
+    batch, heads, kv_heads = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS
     query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
     key, value, dk, dv = (torch.empty(batch, kv_heads, length, head_dim, dtype=dtype) for _ in range(4))
     lse, delta = (torch.empty(batch, heads, length) for _ in range(2))
@@ -1355,21 +1381,22 @@ def _target_launch(kernel_name: str, head_dim: int, dtype: torch.dtype, variant:
 def compile_targets() -> list[CompileTarget]:
     """Every configuration the dispatcher can choose, with the heaviest
     switches it can be chosen with (lighter switches only remove code): DENSE
-    configs with none, FAST configs with bottom-right causal and key padding,
+    configs with none, FAST and SHORT configs with bottom-right causal and key padding,
     MASKED and FLOAT32 configs with every switch on (bottom-right causal, key
     padding, float mask, dropout, dS store).  DENSE and FAST configs compile
     in bfloat16 and MASKED in float16, so both 16-bit types are covered."""
     targets = []
-    for table, dtype, variant in (
-        (_DENSE_CONFIGS, torch.bfloat16, "dense"),
-        (_FAST_CONFIGS, torch.bfloat16, "causal_padding"),
-        (_MASKED_CONFIGS, torch.float16, "all_masks"),
-        (_FLOAT32_CONFIGS, torch.float32, "all_masks"),
+    for table, dtype, variant, length, suffix in (
+        (_DENSE_CONFIGS, torch.bfloat16, "dense", _TARGET_LENGTH, ""),
+        (_FAST_CONFIGS, torch.bfloat16, "causal_padding", _TARGET_LENGTH, ""),
+        (_SHORT_CONFIGS, torch.bfloat16, "causal_padding", SHORT_MAX_LENGTH, "_short"),
+        (_MASKED_CONFIGS, torch.float16, "all_masks", _TARGET_LENGTH, ""),
+        (_FLOAT32_CONFIGS, torch.float32, "all_masks", _TARGET_LENGTH, ""),
     ):
         for kernel_name, bucket in table:
             targets.append(CompileTarget(
-                f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{variant}",
-                functools.partial(_target_launch, kernel_name, bucket, dtype, variant),
+                f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{variant}{suffix}",
+                functools.partial(_target_launch, kernel_name, bucket, dtype, variant, length),
             ))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
