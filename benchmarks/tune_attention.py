@@ -23,7 +23,7 @@ import triton.testing
 
 import transformer_kernels as tk
 from transformer_kernels.backends.triton import attention as triton_attention
-from transformer_kernels.backends.triton._common import KernelConfig
+from transformer_kernels.backends.triton._common import KernelConfig, compute_capability
 
 # The KernelConfig fields a candidate sets, in the order of the CANDIDATES tuples.
 FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
@@ -103,7 +103,8 @@ def main() -> None:
                         print("budget spent; stopping")
                         return
                     q, k, v = _inputs(head_dim, batch, heads, length, dtype, kernel != "forward")
-                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense", length)
+                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense", length,
+                                           compute_capability(q.device))
                     sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
                     results = []
                     for block in [tuple(getattr(current, field) for field in FIELDS)] + candidates[kernel]:

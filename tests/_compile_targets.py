@@ -29,12 +29,15 @@ from transformer_kernels.backends.triton import attention, glu_conv, qkv  # noqa
 from transformer_kernels.backends.triton._common import compile_source  # noqa: E402
 
 MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv}
-CAPABILITIES = (80, 90)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def _targets(module_names):
-    return {t.name: t for name in module_names for t in MODULES[name].compile_targets()}
+    """``"<name>@sm_<capability>"`` -> (target, capability), for every architecture each target is for."""
+    return {
+        f"{t.name}@sm_{capability}": (t, capability)
+        for name in module_names for t in MODULES[name].compile_targets() for capability in t.capabilities
+    }
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -229,8 +232,9 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
     }
 
 
-def compile_one(module_names, name: str, capability: int) -> dict:
-    source, options = compile_source(_targets(module_names)[name].launch(), capability)
+def compile_one(module_names, case_id: str) -> dict:
+    target, capability = _targets(module_names)[case_id]
+    source, options = compile_source(target.launch(), capability)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as error:  # reported per target by the test
@@ -244,10 +248,9 @@ def compile_one(module_names, name: str, capability: int) -> dict:
 
 
 def main(module_names) -> None:
-    jobs = [(name, cc) for name in _targets(module_names) for cc in CAPABILITIES]
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        futures = {job: pool.submit(compile_one, module_names, *job) for job in jobs}
-        results = {f"{name}@sm_{cc}": future.result() for (name, cc), future in futures.items()}
+        futures = {case_id: pool.submit(compile_one, module_names, case_id) for case_id in _targets(module_names)}
+        results = {case_id: future.result() for case_id, future in futures.items()}
     json.dump(results, sys.stdout)
 
 

@@ -234,7 +234,7 @@ def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
     padding[5, :5] = padding[5, 1050:] = True
     padding[5, 5:1050] = False
     padding = padding.to(DEVICE)
-    masks = triton_attention._Masks.of(AttentionArgs(padding, None, Causal.NONE, 1.0, 0.0, None))
+    masks = triton_attention._Masks.of(AttentionArgs(padding, None, Causal.NONE, 1.0, 0.0, None), padding.device)
     run_launches(triton_attention._key_bounds_launches(masks), padding)
     kept = (~padding).sum(1).tolist()
     expected = torch.tensor(
@@ -294,20 +294,24 @@ def test_padding_an_odd_head_dim_keeps_broadcast_dims_broadcast():
 
 @pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_block_config_takes_the_short_table_only_for_short_unmasked_16_bit_inputs(kernel, head_dim, monkeypatch):
+@pytest.mark.parametrize("capability", [80, 90])
+def test_block_config_picks_the_table_for_the_problem_and_the_gpu(kernel, head_dim, capability, monkeypatch):
     """The GPU tables (what the interpreter's small tiles replace): SHORT for 16-bit inputs without a
-    dense mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, where it has an entry."""
+    dense mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, where it has an entry;
+    else SM90's entry on sm_90; else the shared table of the mask variant; FLOAT32 for float32."""
     monkeypatch.setattr(triton_attention, "interpreter_enabled", lambda: False)
     short_length = triton_attention.SHORT_MAX_LENGTH
-    short = triton_attention._SHORT_CONFIGS.get((kernel, head_dim))
 
     def config(dtype, variant, length):
-        return triton_attention.block_config(kernel, head_dim, head_dim, dtype, variant, length)
+        return triton_attention.block_config(kernel, head_dim, head_dim, dtype, variant, length, capability)
 
     for variant in ("dense", "fast"):
-        table = triton_attention._CONFIG_TABLES[variant]
-        assert config(torch.bfloat16, variant, short_length) == (short or table[(kernel, head_dim)])
-        assert config(torch.float16, variant, short_length + 1) == table[(kernel, head_dim)]
+        shared = triton_attention._CONFIG_TABLES[variant][(kernel, head_dim)]
+        if capability >= 90:
+            shared = triton_attention._SM90_CONFIGS.get((variant, kernel, head_dim), shared)
+        short = triton_attention._SHORT_CONFIGS.get((kernel, head_dim), shared)
+        assert config(torch.bfloat16, variant, short_length) == short
+        assert config(torch.float16, variant, short_length + 1) == shared
     masked = triton_attention._MASKED_CONFIGS[(kernel, head_dim)]
     assert config(torch.float16, "masked", 16) == masked
     if head_dim <= MAX_FLOAT32_HEAD_DIM_ON_GPU:

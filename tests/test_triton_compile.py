@@ -43,7 +43,7 @@ CASES = [
     (module_name, target.name, capability)
     for module_name, module in MODULES.items()
     for target in module.compile_targets()
-    for capability in SHARED_MEMORY_LIMIT
+    for capability in target.capabilities
 ]
 CASE_IDS = [f"{name}@sm_{capability}" for _, name, capability in CASES]
 # The tensor-core instruction a dot should lower to on each architecture.
@@ -64,12 +64,9 @@ FALLBACKS = {
     ("attention_forward_*_d256_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_forward_fp32_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_grad_key_value_bf16_d64_*@sm_90", "mma.sync"): "BLOCK_N 32",
-    ("attention_grad_key_value_bf16_d128_dense@sm_90", "mma.sync"): "BLOCK_N 32 (the FAST tile, 64 keys, is wgmma)",
     ("attention_grad_key_value_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16",
     ("attention_grad_key_value_fp16_*@sm_90", "mma.sync"): "BLOCK_N 16 or 32 (MASKED tiles)",
     ("attention_grad_key_value_fp32_*@sm_90", "mma.sync"): "BLOCK_N 16",
-    ("attention_grad_query_bf16_d128_dense@sm_90", "mma.sync"): "BLOCK_M 32 (the SHORT tile, 64 rows, is wgmma)",
-    ("attention_grad_query_bf16_d128_causal_padding@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_grad_query_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16",
     ("attention_grad_query_fp16_*@sm_90", "mma.sync"): "BLOCK_M 16 or 32 (MASKED tiles)",
     ("attention_grad_query_fp32_*@sm_90", "mma.sync"): "BLOCK_M 16",
@@ -90,11 +87,8 @@ FALLBACKS = {
     # tt.trans); with mma.sync dots that keeps the load synchronous.
     ("attention_grad_key_value_*@sm_80", "sync:q_t"): "q_t also feeds dK transposed, from registers",
     ("attention_grad_key_value_bf16_d64_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
-    ("attention_grad_key_value_bf16_d128_dense@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
     ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
     ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
-    ("attention_grad_query_bf16_d128_dense@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
-    ("attention_grad_query_bf16_d128_causal_padding@sm_90", "sync:k_t"): "as on sm_80: mma.sync (BLOCK_M 32)",
     ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",
 }
 

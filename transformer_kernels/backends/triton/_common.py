@@ -83,14 +83,21 @@ def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None
             launch()
 
 
+# The architectures every configuration is compiled for: sm_80 (A100) and sm_90 (H100).
+COMPILE_CAPABILITIES = (80, 90)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
     """One configuration a dispatcher can choose: ``launch()`` builds the
     launch of a representative shape (tensors are made only when called, so
-    listing the targets is cheap); ``name`` is a readable test id."""
+    listing the targets is cheap) for GPUs of compute ``capabilities``;
+    ``name`` is a readable test id (one name may serve several targets, each
+    for its own architectures)."""
 
     name: str
     launch: Callable[[], KernelLaunch]
+    capabilities: tuple[int, ...] = COMPILE_CAPABILITIES
 
 
 def compile_source(launch: KernelLaunch, capability: int) -> tuple[Any, dict]:
@@ -130,6 +137,16 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 def next_power_of_2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device: torch.device) -> Optional[int]:
+    """``major * 10 + minor`` of a CUDA ``device`` (90 on an H100); None elsewhere (the
+    interpreter)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,11 +63,13 @@ from ...ops.attention import (
 )
 from . import interpreter_enabled
 from ._common import (
+    COMPILE_CAPABILITIES,
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
     KernelConfig,
     KernelLaunch,
     cdiv,
+    compute_capability,
     input_precision,
     multiple_of_16,
     next_power_of_2,
@@ -924,6 +926,21 @@ _SHORT_CONFIGS: dict[tuple[str, int], KernelConfig] = {
     ("grad_query", 64): KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
     ("grad_query", 128): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
 }
+# SM90: Hopper's own tiles, by (table, kernel, head dim bucket), over the
+# tables above.  The H100 sweep (benchmarks/tune_attention.py, triton 3.6,
+# bf16, B16 L1024 and B8 L2048) found these faster than the shared entries:
+# forward d128 by 17%, dQ d64 by 10% and d128 by 29%, dK/dV d128 by 39%.
+# They compile without spills on sm_90 under triton 3.6 and 3.9 (dK/dV d128
+# without causal or padding only), every dot a wgmma; on sm_80 they spill.
+_SM90_CONFIGS: dict[tuple[str, str, int], KernelConfig] = {
+    **{(table, "forward", 128): KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=4)
+       for table in ("dense", "fast")},
+    **{(table, "grad_query", 64): KernelConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+       for table in ("dense", "fast")},
+    **{(table, "grad_query", 128): KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+       for table in ("dense", "fast")},
+    ("dense", "grad_key_value", 128): KernelConfig(block_m=32, block_n=128, num_warps=8, num_stages=3),
+}
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
 # loop-invariant operand (Q, or K and V): past head dim 64 no tile shape stays
@@ -969,20 +986,30 @@ _CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MAS
 
 
 def block_config(
-    kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str, max_length: int
+    kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str, max_length: int,
+    capability: Optional[int],
 ) -> KernelConfig:
     """The configuration ``kernel`` ("forward", "grad_key_value" or "grad_query") runs with;
     ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``); ``max_length``: the longer
-    of the query and key lengths."""
+    of the query and key lengths; ``capability``: the GPU's (``compute_capability``), None under
+    the interpreter."""
     if interpreter_enabled():
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
-    if max_length <= SHORT_MAX_LENGTH and dtype != torch.float32 and variant != "masked":
-        short = _SHORT_CONFIGS.get((kernel, bucket))
-        if short is not None:
-            return short
-    table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
-    return table[(kernel, bucket)]
+    return _table_config(kernel, bucket, dtype, variant, max_length, capability)
+
+
+def _table_config(
+    kernel: str, bucket: int, dtype: torch.dtype, variant: str, max_length: int, capability: Optional[int]
+) -> KernelConfig:
+    """:func:`block_config` on a GPU, for head dim ``bucket`` (64, 128 or 256)."""
+    if dtype == torch.float32:
+        return _FLOAT32_CONFIGS[(kernel, bucket)]
+    if variant != "masked" and max_length <= SHORT_MAX_LENGTH and (kernel, bucket) in _SHORT_CONFIGS:
+        return _SHORT_CONFIGS[(kernel, bucket)]
+    if capability is not None and capability >= 90 and (variant, kernel, bucket) in _SM90_CONFIGS:
+        return _SM90_CONFIGS[(variant, kernel, bucket)]
+    return _CONFIG_TABLES[variant][(kernel, bucket)]
 
 
 def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
@@ -1117,16 +1144,19 @@ class _Masks:
     ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
     :func:`_key_bounds_launches` fills: the ``[B, 2]`` of
     :func:`~transformer_kernels.ops.attention.key_padding_bounds` (which the
-    other backends plan with) and a column counting the kept keys."""
+    other backends plan with) and a column counting the kept keys;
+    ``capability``: the GPU's the launches are for (``compute_capability``),
+    which picks the tiles."""
 
     args: AttentionArgs
     key_bounds: Optional[torch.Tensor]
+    capability: Optional[int]
 
     @classmethod
-    def of(cls, args: AttentionArgs) -> "_Masks":
+    def of(cls, args: AttentionArgs, device: torch.device) -> "_Masks":
         padding = args.key_padding_mask
         key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
-        return cls(args, key_bounds)
+        return cls(args, key_bounds, compute_capability(device))
 
     @functools.cached_property
     def arguments(self) -> tuple[list, list, dict]:
@@ -1170,7 +1200,9 @@ def _masked_kernel_launches(
     ``query``/``key``/``value`` as ``_aligned`` returns them."""
     batch, num_q_heads, seq_len_q, head_dim = query.shape
     num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    config = block_config(kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k))
+    config = block_config(
+        kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k), masks.capability
+    )
     mask_pointers, mask_strides, kwargs = masks.arguments
     if kernel_name == "grad_key_value":  # a program per key block of a kv head
         num_blocks, num_head_batches = cdiv(seq_len_k, config.block_n), batch * num_kv_heads
@@ -1275,7 +1307,7 @@ def forward(
     out, lse = empty_output(query, value), empty_lse(query)
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
     padded_out = _writable(out, value.shape[-1])
-    masks = _Masks.of(args)
+    masks = _Masks.of(args, query.device)
     run_launches([*_key_bounds_launches(masks), *_forward_launches(query, key, value, padded_out, lse, masks)], query)
     return _into(out, padded_out), lse
 
@@ -1303,7 +1335,7 @@ def backward(
     if attn_mask_needs_grad:
         # Entries the kernels skip (above the diagonal, padded key blocks) have dS = 0.
         grad_scores = query.new_zeros((batch, num_q_heads, seq_len_q, key.shape[2]), dtype=torch.float32)
-    masks = _Masks.of(args)
+    masks = _Masks.of(args, query.device)
     run_launches(
         [
             *_key_bounds_launches(masks),
@@ -1340,10 +1372,11 @@ _TARGET_VARIANTS = {
 
 
 def _target_launch(
-    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int = _TARGET_LENGTH
+    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int, capability: Optional[int]
 ) -> KernelLaunch:
-    """The launch the backend makes for the representative problem with the
-    switches of ``variant`` (a key of ``_TARGET_VARIANTS``), sequences ``length`` long."""
+    """The launch the backend makes on a GPU of compute ``capability`` for the
+    representative problem with the switches of ``variant`` (a key of
+    ``_TARGET_VARIANTS``), sequences ``length`` long."""
     causal, padded, all_masks = _TARGET_VARIANTS[variant]
     batch, heads, kv_heads = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS
     query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
@@ -1364,6 +1397,7 @@ def _target_launch(
             dropout_p, dropout_seed,
         ),
         key_bounds,
+        capability,
     )
     if kernel_name == "forward":
         launches = _forward_launches(query, key, value, out, lse, masks)
@@ -1378,32 +1412,51 @@ def _target_launch(
     return launches[0]
 
 
+# Which problems the compile targets stand for, each with the heaviest
+# switches its table can be chosen with (lighter switches only remove code):
+# (table variant, dtype, target switches, length, name suffix).  DENSE and
+# FAST/SHORT compile in bfloat16, MASKED in float16, so both 16-bit types are
+# covered.
+_TARGET_PROBLEMS = (
+    ("dense", torch.bfloat16, "dense", _TARGET_LENGTH, ""),
+    ("fast", torch.bfloat16, "causal_padding", _TARGET_LENGTH, ""),
+    ("fast", torch.bfloat16, "causal_padding", SHORT_MAX_LENGTH, "_short"),
+    ("masked", torch.float16, "all_masks", _TARGET_LENGTH, ""),
+    ("masked", torch.float32, "all_masks", _TARGET_LENGTH, ""),
+)
+
+
 def compile_targets() -> list[CompileTarget]:
-    """Every configuration the dispatcher can choose, with the heaviest
-    switches it can be chosen with (lighter switches only remove code): DENSE
-    configs with none, FAST and SHORT configs with bottom-right causal and key padding,
-    MASKED and FLOAT32 configs with every switch on (bottom-right causal, key
-    padding, float mask, dropout, dS store).  DENSE and FAST configs compile
-    in bfloat16 and MASKED in float16, so both 16-bit types are covered."""
+    """Every configuration the dispatcher can choose, on each architecture the
+    one ``block_config`` picks there (``_table_config``): DENSE configs with no switch, FAST and
+    SHORT ones with bottom-right causal and key padding, MASKED and FLOAT32
+    ones with every switch on (bottom-right causal, key padding, float mask,
+    dropout, dS store).  A SHORT target only where its table has an entry."""
     targets = []
-    for table, dtype, variant, length, suffix in (
-        (_DENSE_CONFIGS, torch.bfloat16, "dense", _TARGET_LENGTH, ""),
-        (_FAST_CONFIGS, torch.bfloat16, "causal_padding", _TARGET_LENGTH, ""),
-        (_SHORT_CONFIGS, torch.bfloat16, "causal_padding", SHORT_MAX_LENGTH, "_short"),
-        (_MASKED_CONFIGS, torch.float16, "all_masks", _TARGET_LENGTH, ""),
-        (_FLOAT32_CONFIGS, torch.float32, "all_masks", _TARGET_LENGTH, ""),
-    ):
-        for kernel_name, bucket in table:
-            targets.append(CompileTarget(
-                f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{variant}{suffix}",
-                functools.partial(_target_launch, kernel_name, bucket, dtype, variant, length),
-            ))
+    for variant, dtype, switches, length, suffix in _TARGET_PROBLEMS:
+        for kernel_name in ("forward", "grad_key_value", "grad_query"):
+            for bucket in (64, 128, 256):
+                table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
+                if (kernel_name, bucket) not in table or (suffix and (kernel_name, bucket) not in _SHORT_CONFIGS):
+                    continue
+                by_config: dict[KernelConfig, list[int]] = {}
+                for capability in COMPILE_CAPABILITIES:
+                    config = _table_config(kernel_name, bucket, dtype, variant, length, capability)
+                    by_config.setdefault(config, []).append(capability)
+                for capabilities in by_config.values():
+                    targets.append(CompileTarget(
+                        f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}",
+                        functools.partial(_target_launch, kernel_name, bucket, dtype, switches, length,
+                                          capabilities[0]),
+                        tuple(capabilities),
+                    ))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
-            functools.partial(_target_launch, "delta", head_dim, dtype, "dense"),
+            functools.partial(_target_launch, "delta", head_dim, dtype, "dense", _TARGET_LENGTH, None),
         ))
     targets.append(CompileTarget(
-        "attention_key_bounds", functools.partial(_target_launch, "key_bounds", 64, torch.float16, "causal_padding")
+        "attention_key_bounds",
+        functools.partial(_target_launch, "key_bounds", 64, torch.float16, "causal_padding", _TARGET_LENGTH, None),
     ))
     return targets
