@@ -25,7 +25,9 @@ class MarkovDecoder:
         position = prefix.shape[1] - 1
         return self.table[rows, position, prefix[:, -1]], rows
 
-    def reorder(self, rows, indices):
+    def reorder(self, rows, indices, *, same_sources=False):
+        if same_sources:  # the search's promise: every hypothesis keeps its source row
+            assert torch.equal(rows[indices], rows)
         return rows[indices]
 
     def log_prob(self, row: int, tokens: list[int]) -> float:

@@ -270,7 +270,7 @@ class RedecodingDecoder:
         logits, _ = self.model(src, prefix)
         return torch.log_softmax(logits[:, -1], dim=-1), src
 
-    def reorder(self, src, indices):
+    def reorder(self, src, indices, *, same_sources=False):
         return src[indices]
 
 

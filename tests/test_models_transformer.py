@@ -195,7 +195,7 @@ class FullDecoder:
     def step(self, prefix, src):
         return self.model(src, prefix)[:, -1].log_softmax(-1), src
 
-    def reorder(self, src, indices):
+    def reorder(self, src, indices, *, same_sources=False):
         return src[indices]
 
 

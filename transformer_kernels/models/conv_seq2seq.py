@@ -205,11 +205,11 @@ class ConvDecoder(torch.nn.Module):
         logits = self.fc_out(self.dropout(self.hid2emb(hidden)))
         return torch.log_softmax(logits, dim=-1), DecoderState(state.encoder, tuple(conv_states))
 
-    def reorder(self, state: DecoderState, indices: Tensor) -> DecoderState:
-        """The state of rows ``indices`` (LongTensor ``[N']``), in that order."""
-        return DecoderState(
-            state.encoder.index_select(indices), tuple(s.index_select(0, indices) for s in state.conv_states)
-        )
+    def reorder(self, state: DecoderState, indices: Tensor, *, same_sources: bool = False) -> DecoderState:
+        """The state of rows ``indices`` (LongTensor ``[N']``), in that order; the encoder's output
+        kept as it is when every row keeps its source (:meth:`IncrementalDecoder.reorder`)."""
+        encoder = state.encoder if same_sources else state.encoder.index_select(indices)
+        return DecoderState(encoder, tuple(s.index_select(0, indices) for s in state.conv_states))
 
     def _conv_step(self, conv: GLUConv1d, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         """One causal position of ``conv``: ``x`` ``[N, C_in]`` -> ``(out [N, C], new state)``."""

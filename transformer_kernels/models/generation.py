@@ -25,8 +25,11 @@ class IncrementalDecoder(Protocol):
         """``prefix`` ``[N, t]`` (``t >= 1``, starting with the bos token) -> the log-probabilities
         ``[N, V]`` of token ``t`` and the state for the next call."""
 
-    def reorder(self, state: Any, indices: Tensor) -> Any:
-        """The state of rows ``indices`` (a LongTensor ``[N']``), in that order."""
+    def reorder(self, state: Any, indices: Tensor, *, same_sources: bool = False) -> Any:
+        """The state of rows ``indices`` (a LongTensor ``[N']``), in that order.  ``same_sources``:
+        each row of ``indices`` holds a hypothesis of the same source as the row it replaces (the
+        beams of one sentence trading places), so state that depends on the source alone (encoder
+        outputs, cross-attention keys and values) may be kept as it is instead of gathered."""
 
 
 @torch.no_grad()
@@ -91,6 +94,6 @@ def generate(
         if bool(finished.all()):
             break
         if beam_size > 1:  # greedy rows never move: gathering every cache again would copy it unchanged
-            state = decoder.reorder(state, source_rows)
+            state = decoder.reorder(state, source_rows, same_sources=True)
     best = row_base[::beam_size] + scores.view(batch_size, beam_size).argmax(dim=1)
     return prefix[best]

@@ -239,8 +239,8 @@ class _CachedDecoder:
         x, state = model.transformer.decoder.step(x, state)
         return model.output_projection(x[:, 0]).log_softmax(-1), state
 
-    def reorder(self, state: "_DecoderState", indices: Tensor) -> "_DecoderState":
-        return state.index(indices)
+    def reorder(self, state: "_DecoderState", indices: Tensor, *, same_sources: bool = False) -> "_DecoderState":
+        return state.index(indices, same_sources)
 
 
 # ----------------------------------------------------------------------------- the stack
@@ -327,7 +327,11 @@ class _LayerCache:
     memory_key: Tensor
     memory_value: Tensor
 
-    def index(self, indices: Tensor) -> "_LayerCache":
+    def index(self, indices: Tensor, same_sources: bool) -> "_LayerCache":
+        """The caches of hypotheses ``indices``; the cross-attention's kept as they are when every
+        hypothesis keeps its source (:meth:`IncrementalDecoder.reorder`)."""
+        if same_sources:
+            return _LayerCache(self.key[indices], self.value[indices], self.memory_key, self.memory_value)
         return _LayerCache(self.key[indices], self.value[indices], self.memory_key[indices], self.memory_value[indices])
 
 
@@ -338,9 +342,10 @@ class _DecoderState:
     memory_key_padding_mask: Tensor  # bool [N, S], True = source padding
     layers: tuple[_LayerCache, ...]
 
-    def index(self, indices: Tensor) -> "_DecoderState":
+    def index(self, indices: Tensor, same_sources: bool) -> "_DecoderState":
         """The state of hypotheses ``indices`` (LongTensor ``[N']``), in that order."""
-        return _DecoderState(self.memory_key_padding_mask[indices], tuple(c.index(indices) for c in self.layers))
+        mask = self.memory_key_padding_mask if same_sources else self.memory_key_padding_mask[indices]
+        return _DecoderState(mask, tuple(c.index(indices, same_sources) for c in self.layers))
 
 
 class _DecoderLayer(nn.Module):

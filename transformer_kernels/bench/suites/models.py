@@ -190,8 +190,8 @@ class _Redecoding:
         logits = output[0] if isinstance(output, tuple) else output
         return torch.log_softmax(logits[:, -1], dim=-1), src
 
-    def reorder(self, src: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return src[indices]
+    def reorder(self, src: torch.Tensor, indices: torch.Tensor, *, same_sources: bool = False) -> torch.Tensor:
+        return src if same_sources else src[indices]
 
 
 def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool) -> torch.Tensor:
