@@ -81,6 +81,11 @@ class RegisteredOp:
         # collects its tensors (to choose its route) from these positions.
         self._has_list_input = any(entry.startswith("Tensor[]") for entry in inputs)
         self._tensor_fields = tuple(field for field in self.field_names if hints[field] in (Tensor, Optional[Tensor]))
+        # Where each tensor field's gradient flag sits in ctx.needs_input_grad, by route: the
+        # registered op takes every field, the autograd.Function only the tensor fields.
+        num_inputs = len(inputs)
+        self._op_field_index = {field: num_inputs + i for i, field in enumerate(self.field_names)}
+        self._function_field_index = {field: num_inputs + i for i, field in enumerate(self._tensor_fields)}
         fields = [f"{_schema_type(hints[field])} {field}" for field in self.field_names]
         torch.library.define(self.qualname, f"({', '.join((*inputs, *fields, *flags, 'str backend'))}) -> {returns}")
         self._implementation: Optional[Callable] = None
@@ -125,8 +130,11 @@ class RegisteredOp:
         if self._function is not None and torch.is_grad_enabled():
             for tensor in tensors:
                 if tensor.requires_grad:
-                    # The typed arguments travel last, so the function's forward does not rebuild them.
-                    outputs = self._function.apply(*self.pack(typed), typed)
+                    # Autograd tracks the inputs and the tensor fields; the typed call travels last,
+                    # so the function's forward does not rebuild it.
+                    args = typed[len(self.inputs)]
+                    fields = [getattr(args, field) for field in self._tensor_fields]
+                    outputs = self._function.apply(*typed[: len(self.inputs)], *fields, typed)
                     return list(outputs) if self.returns == "Tensor[]" else outputs
         return self._implementation(*typed)
 
@@ -154,12 +162,15 @@ class RegisteredOp:
             setup_context(ctx, typed[:num_inputs], typed[num_inputs], output)
 
         def flat_setup_context(ctx, inputs, output) -> None:
+            ctx.field_index = self._op_field_index
             typed_setup_context(ctx, self.unpack(inputs), output)
 
         def flat_backward(ctx, *grad_outputs):
             input_grads, args_grads = backward(ctx, *grad_outputs)
             rest = (None,) * (len(self.flags) + 1)
             return (*input_grads, *(args_grads.get(name) for name in self.field_names), *rest)
+
+        tensor_fields = self._tensor_fields
 
         torch.library.register_autograd(self.qualname, flat_backward, setup_context=flat_setup_context)
 
@@ -168,24 +179,24 @@ class RegisteredOp:
         class Function(torch.autograd.Function):
             # forward(ctx, ...) rather than a separate setup_context: Function.apply binds the
             # arguments of that style with inspect.signature, tens of microseconds per call.
-            # Its arguments are the flat ones (autograd tracks the tensors among them), then the
-            # same call typed, which it runs: the flat form's tensors are the typed form's.
+            # Its arguments are the inputs and the tensor fields (what autograd tracks), then the
+            # same call typed, which it runs: those tensors are the typed call's.
             @staticmethod
-            def forward(ctx, *flat_and_typed):
-                typed = flat_and_typed[-1]
+            def forward(ctx, *tensors_and_typed):
+                typed = tensors_and_typed[-1]
+                ctx.field_index = self._function_field_index
                 outputs = implementation(*typed)
                 typed_setup_context(ctx, typed, outputs)
                 return tuple(outputs) if returns_list else outputs
 
             @staticmethod
             def backward(ctx, *grad_outputs):
-                grads = flat_backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
-                return (*grads, None)
+                input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
+                return (*input_grads, *(args_grads.get(name) for name in tensor_fields), None)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         self._function = Function
 
     def needs_grad(self, ctx, field: str) -> bool:
         """Whether the ``args`` field ``field`` (a tensor) needs a gradient in this backward."""
-        index = len(self.inputs) + self.field_names.index(field)
-        return ctx.needs_input_grad[index]
+        return ctx.needs_input_grad[ctx.field_index[field]]
