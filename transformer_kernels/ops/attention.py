@@ -303,17 +303,20 @@ def scaled_dot_product_attention(
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
+    named = (("query", query), ("key", key), ("value", value))
+    for name, tensor in named:
         check_tensor(name, tensor, floating=True)
         if tensor.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(tensor.shape)}")
-    check_same_dtype_device("query", query, key=key, value=value)
+    # One comparison each in the common case; check_same_dtype_device words the error.
+    if not (key.dtype == value.dtype == query.dtype and key.device == query.device and value.device == query.device):
+        check_same_dtype_device("query", query, key=key, value=value)
     lk, head_dim = key.shape[-2], query.shape[-1]
     if value.shape[-2] != lk:
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value.shape)}")
     if key.shape[-1] != head_dim:
         raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key.shape)}")
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
+    for name, tensor in named:
         if tensor.numel() == 0:
             raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(tensor.shape)}")
         if tensor.shape[-1] > MAX_HEAD_DIM:
@@ -400,7 +403,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         padding_lead_shape = (1,) * (len(lead_shape) + 1 - key_padding_mask.dim()) + key_padding_mask.shape[:-1]
 
     split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
-    q, k, v = (inputs.fold(t, split) for t in (q, k, v))
+    q, k, v = inputs.fold(q, split), inputs.fold(k, split), inputs.fold(v, split)
     if mask is not None:
         mask = inputs.fold(mask, split)
     padding = None
