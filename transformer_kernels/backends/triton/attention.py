@@ -936,7 +936,11 @@ if _OLD_TRITON:
     del _MASKED_CONFIGS[("grad_key_value", 256)]
 MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
-# diagonal paths at the short lengths the tests can afford.
+# diagonal paths at the short lengths the tests can afford.  Triton's jit chose
+# interpreted or compiled kernels when this module was imported (the setting is
+# read then, not per launch), so the tiles follow that choice; reading the
+# environment on every launch cost host time.
+_INTERPRETED = interpreter_enabled()
 _INTERPRETER_CONFIGS = {
     "forward": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
     "grad_key_value": KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=1),
@@ -955,7 +959,7 @@ _CONFIG_TABLES = {"dense": _DENSE_CONFIGS, "fast": _FAST_CONFIGS, "masked": _MAS
 def block_config(kernel: str, head_dim: int, head_dim_v: int, dtype: torch.dtype, variant: str) -> KernelConfig:
     """The configuration ``kernel`` ("forward", "grad_key_value" or "grad_query") runs with;
     ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``)."""
-    if interpreter_enabled():
+    if _INTERPRETED:
         return _INTERPRETER_CONFIGS[kernel]
     return _table_config(kernel, head_dim, head_dim_v, dtype, variant)
 
@@ -1137,7 +1141,7 @@ class _Masks:
         kwargs = dict(qk_scale=args.scale * math.log2(math.e), **dropout, CAUSAL=int(args.causal), **switches)
         return pointers, strides, kwargs
 
-    @property
+    @functools.cached_property
     def variant(self) -> str:
         """Which configuration table serves these masks: "masked" (a dense mask
         or dropout), "fast" (causal or key padding) or "dense" (none)."""
