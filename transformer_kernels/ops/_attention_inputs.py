@@ -163,6 +163,8 @@ def fold(tensor: Tensor, split: int) -> Tensor:
 
 
 def broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    if shape == target:  # the common case, without the walk below
+        return True
     if len(shape) > len(target):
         return False
     return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
