@@ -299,7 +299,7 @@ def test_block_config_picks_the_table_for_the_problem_and_the_gpu(kernel, head_d
     """The GPU tables (what the interpreter's small tiles replace): SHORT for 16-bit inputs without a
     dense mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, where it has an entry;
     else SM90's entry on sm_90; else the shared table of the mask variant; FLOAT32 for float32."""
-    monkeypatch.setattr(triton_attention, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(triton_attention, "_INTERPRETED", False)
     short_length = triton_attention.SHORT_MAX_LENGTH
 
     def config(dtype, variant, length):

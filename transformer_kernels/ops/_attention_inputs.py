@@ -77,7 +77,12 @@ def broadcast_qkv(query: Tensor, key: Tensor, value: Tensor, ndim: int, enable_g
     except that key/value heads that divide the query heads stay as they are: the backends serve
     grouped heads natively (``enable_gqa``, or a single key/value head shared by every query head).
     """
-    q, k, v = (canonical(t, ndim) for t in (query, key, value))
+    if ndim == 4 and query.dim() == key.dim() == value.dim() == 4:
+        # The common call, [B, H, L, X] inputs of one batch and head count, needs no view.
+        batch, heads = query.shape[:2]
+        if key.shape[:2] == value.shape[:2] == (batch, heads):
+            return query, key, value, (batch,)
+    q, k, v = canonical(query, ndim), canonical(key, ndim), canonical(value, ndim)
     lead_shape = _broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if lead_shape is None:
         raise ValueError(
@@ -158,6 +163,8 @@ def fold(tensor: Tensor, split: int) -> Tensor:
 
 
 def broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    if shape == target:  # the common case, without the walk below
+        return True
     if len(shape) > len(target):
         return False
     return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))

@@ -44,25 +44,19 @@ def _schema_type(annotation: Any) -> str:
     raise TypeError(f"no schema type for {annotation!r}")
 
 
-def _tensors(flat: Sequence[Any]) -> list[Tensor]:
-    tensors = []
-    for value in flat:
-        if isinstance(value, Tensor):
-            tensors.append(value)
-        elif isinstance(value, (list, tuple)):
-            tensors.extend(item for item in value if isinstance(item, Tensor))
-    return tensors
-
-
 def _runs_directly(tensors: list[Tensor]) -> bool:
     """Whether a call may skip the dispatcher: eager, no dispatch mode or functorch transform
     active, plain tensors only."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and all(type(tensor) in _PLAIN_TENSOR_TYPES for tensor in tensors)
-    )
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() != 0
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        return False
+    for tensor in tensors:
+        if type(tensor) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
 
 
 class RegisteredOp:
@@ -83,6 +77,15 @@ class RegisteredOp:
         self.qualname = f"{NAMESPACE}::{name}"
         self.field_names = tuple(field.name for field in dataclasses.fields(args_type))
         hints = typing.get_type_hints(args_type)
+        # Which inputs are tensor lists and which fields hold tensors, worked out once: every call
+        # collects its tensors (to choose its route) from these positions.
+        self._has_list_input = any(entry.startswith("Tensor[]") for entry in inputs)
+        self._tensor_fields = tuple(field for field in self.field_names if hints[field] in (Tensor, Optional[Tensor]))
+        # Where each tensor field's gradient flag sits in ctx.needs_input_grad, by route: the
+        # registered op takes every field, the autograd.Function only the tensor fields.
+        num_inputs = len(inputs)
+        self._op_field_index = {field: num_inputs + i for i, field in enumerate(self.field_names)}
+        self._function_field_index = {field: num_inputs + i for i, field in enumerate(self._tensor_fields)}
         fields = [f"{_schema_type(hints[field])} {field}" for field in self.field_names]
         torch.library.define(self.qualname, f"({', '.join((*inputs, *fields, *flags, 'str backend'))}) -> {returns}")
         self._implementation: Optional[Callable] = None
@@ -101,14 +104,38 @@ class RegisteredOp:
         fields = tuple(getattr(args, name) for name in self.field_names)
         return (*typed[:num_inputs], *fields, *typed[num_inputs + 1 :])
 
+    def _tensors(self, typed: Sequence[Any]) -> list[Tensor]:
+        """The tensors among the typed arguments: the inputs' (tensor lists flattened) and ``args``'s."""
+        num_inputs = len(self.inputs)
+        if self._has_list_input:
+            tensors = []
+            for value in typed[:num_inputs]:
+                if isinstance(value, (list, tuple)):
+                    tensors.extend(value)
+                elif value is not None:
+                    tensors.append(value)
+        else:
+            tensors = [value for value in typed[:num_inputs] if value is not None]
+        args = typed[num_inputs]
+        for field in self._tensor_fields:
+            value = getattr(args, field)
+            if value is not None:
+                tensors.append(value)
+        return tensors
+
     def __call__(self, *typed: Any) -> Any:
-        flat = self.pack(typed)
-        tensors = _tensors(flat)
+        tensors = self._tensors(typed)
         if not _runs_directly(tensors):
-            return getattr(torch.ops.transformer_kernels, self.name)(*flat)
-        if self._function is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            outputs = self._function.apply(*flat)
-            return list(outputs) if self.returns == "Tensor[]" else outputs
+            return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))
+        if self._function is not None and torch.is_grad_enabled():
+            for tensor in tensors:
+                if tensor.requires_grad:
+                    # Autograd tracks the inputs and the tensor fields; the typed call travels last,
+                    # so the function's forward does not rebuild it.
+                    args = typed[len(self.inputs)]
+                    fields = [getattr(args, field) for field in self._tensor_fields]
+                    outputs = self._function.apply(*typed[: len(self.inputs)], *fields, typed)
+                    return list(outputs) if self.returns == "Tensor[]" else outputs
         return self._implementation(*typed)
 
     def implement(self, function: Callable) -> Callable:
@@ -130,15 +157,20 @@ class RegisteredOp:
         num_inputs = len(self.inputs)
         implementation = self._implementation
 
-        def flat_setup_context(ctx, inputs, output) -> None:
-            typed = self.unpack(inputs)
+        def typed_setup_context(ctx, typed, output) -> None:
             ctx.backend = typed[-1]
             setup_context(ctx, typed[:num_inputs], typed[num_inputs], output)
+
+        def flat_setup_context(ctx, inputs, output) -> None:
+            ctx.field_index = self._op_field_index
+            typed_setup_context(ctx, self.unpack(inputs), output)
 
         def flat_backward(ctx, *grad_outputs):
             input_grads, args_grads = backward(ctx, *grad_outputs)
             rest = (None,) * (len(self.flags) + 1)
             return (*input_grads, *(args_grads.get(name) for name in self.field_names), *rest)
+
+        tensor_fields = self._tensor_fields
 
         torch.library.register_autograd(self.qualname, flat_backward, setup_context=flat_setup_context)
 
@@ -147,20 +179,24 @@ class RegisteredOp:
         class Function(torch.autograd.Function):
             # forward(ctx, ...) rather than a separate setup_context: Function.apply binds the
             # arguments of that style with inspect.signature, tens of microseconds per call.
+            # Its arguments are the inputs and the tensor fields (what autograd tracks), then the
+            # same call typed, which it runs: those tensors are the typed call's.
             @staticmethod
-            def forward(ctx, *flat):
-                outputs = implementation(*self.unpack(flat))
-                flat_setup_context(ctx, flat, outputs)
+            def forward(ctx, *tensors_and_typed):
+                typed = tensors_and_typed[-1]
+                ctx.field_index = self._function_field_index
+                outputs = implementation(*typed)
+                typed_setup_context(ctx, typed, outputs)
                 return tuple(outputs) if returns_list else outputs
 
             @staticmethod
             def backward(ctx, *grad_outputs):
-                return flat_backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
+                input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
+                return (*input_grads, *(args_grads.get(name) for name in tensor_fields), None)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         self._function = Function
 
     def needs_grad(self, ctx, field: str) -> bool:
         """Whether the ``args`` field ``field`` (a tensor) needs a gradient in this backward."""
-        index = len(self.inputs) + self.field_names.index(field)
-        return ctx.needs_input_grad[index]
+        return ctx.needs_input_grad[ctx.field_index[field]]

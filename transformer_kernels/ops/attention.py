@@ -303,17 +303,21 @@ def scaled_dot_product_attention(
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, tensor, floating=True)
+    named = (("query", query), ("key", key), ("value", value))
+    for name, tensor in named:
+        if not (isinstance(tensor, Tensor) and tensor.is_floating_point()):
+            check_tensor(name, tensor, floating=True)  # words the error
         if tensor.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(tensor.shape)}")
-    check_same_dtype_device("query", query, key=key, value=value)
+    # One comparison each in the common case; check_same_dtype_device words the error.
+    if not (key.dtype == value.dtype == query.dtype and key.device == query.device and value.device == query.device):
+        check_same_dtype_device("query", query, key=key, value=value)
     lk, head_dim = key.shape[-2], query.shape[-1]
     if value.shape[-2] != lk:
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value.shape)}")
     if key.shape[-1] != head_dim:
         raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key.shape)}")
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
+    for name, tensor in named:
         if tensor.numel() == 0:
             raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(tensor.shape)}")
         if tensor.shape[-1] > MAX_HEAD_DIM:
@@ -368,7 +372,8 @@ def _causal_and_mask(
 
 def _check_key_padding_mask(query: Tensor, key_padding_mask: object, sequence_shape: tuple, lk: int) -> None:
     check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,))
-    check_same_device("query", query, key_padding_mask=key_padding_mask)
+    if key_padding_mask.device != query.device:  # check_same_device words the error
+        check_same_device("query", query, key_padding_mask=key_padding_mask)
     expected = (*sequence_shape, lk)
     if not inputs.broadcasts_to(key_padding_mask.shape, expected):
         raise ValueError(
@@ -399,10 +404,12 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         _check_key_padding_mask(query, key_padding_mask, sequence_shape, lk)
         padding_lead_shape = (1,) * (len(lead_shape) + 1 - key_padding_mask.dim()) + key_padding_mask.shape[:-1]
 
-    split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
-    q, k, v = (inputs.fold(t, split) for t in (q, k, v))
-    if mask is not None:
-        mask = inputs.fold(mask, split)
+    split = len(lead_shape)
+    if split > 1:  # more than one leading dimension to fold; with one the inputs are [B, H, L, X] already
+        split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
+        q, k, v = inputs.fold(q, split), inputs.fold(k, split), inputs.fold(v, split)
+        if mask is not None:
+            mask = inputs.fold(mask, split)
     padding = None
     if key_padding_mask is not None:
         # Constant along the dimensions folded into heads (batch_split made sure): one row per batch element.

@@ -219,6 +219,8 @@ def glu_conv1d_step(
 
 
 def _check_number(name: str, value: object) -> float:
+    if type(value) is float:  # the common case, before the slower check against the numbers ABC
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
     return float(value)

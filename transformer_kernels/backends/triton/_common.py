@@ -66,7 +66,13 @@ class KernelConfig:
     def launch_kwargs(self) -> dict:
         """The ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` and ``GROUP_M`` constexprs
         that are set, with ``num_warps`` and ``num_stages``: the keyword
-        arguments a launch of the kernel takes from its configuration."""
+        arguments a launch of the kernel takes from its configuration.  One
+        dict per configuration, built on first use: spread it, never change it."""
+        return self._launch_kwargs
+
+    # functools.cached_property writes the instance's __dict__ directly, which a frozen dataclass allows.
+    @functools.cached_property
+    def _launch_kwargs(self) -> dict:
         constexprs = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
         return dict(
             {name: value for name, value in constexprs.items() if value is not None},

@@ -970,7 +970,11 @@ if _OLD_TRITON:
     del _MASKED_CONFIGS[("grad_key_value", 256)]
 MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
-# diagonal paths at the short lengths the tests can afford.
+# diagonal paths at the short lengths the tests can afford.  Triton's jit chose
+# interpreted or compiled kernels when this module was imported (the setting is
+# read then, not per launch), so the tiles follow that choice; reading the
+# environment on every launch cost host time.
+_INTERPRETED = interpreter_enabled()
 _INTERPRETER_CONFIGS = {
     "forward": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
     "grad_key_value": KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=1),
@@ -979,6 +983,7 @@ _INTERPRETER_CONFIGS = {
 # The delta pre-pass has no loop to pipeline: Triton's default stages.
 _DELTA_CONFIG = KernelConfig(block_m=32, num_warps=4, num_stages=3)
 _KEY_BOUNDS_CONFIG = KernelConfig(block_n=1024, num_warps=4, num_stages=1)
+_KEY_BOUNDS_ARGUMENTS = _KEY_BOUNDS_CONFIG.launch_kwargs()
 
 
 # The tables by mask variant (``_Masks.variant``) for 16-bit inputs.
@@ -993,12 +998,14 @@ def block_config(
     ``variant``: "dense", "fast" or "masked" (see ``_Masks.variant``); ``max_length``: the longer
     of the query and key lengths; ``capability``: the GPU's (``compute_capability``), None under
     the interpreter."""
-    if interpreter_enabled():
+    if _INTERPRETED:
         return _INTERPRETER_CONFIGS[kernel]
     bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
     return _table_config(kernel, bucket, dtype, variant, max_length, capability)
 
 
+# Bounded: decoding meets a new length on every step.
+@functools.lru_cache(maxsize=4096)
 def _table_config(
     kernel: str, bucket: int, dtype: torch.dtype, variant: str, max_length: int, capability: Optional[int]
 ) -> KernelConfig:
@@ -1034,11 +1041,18 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def _is_aligned(tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() % 16 == 0 and _aligned_layout(tensor.shape, tensor.stride())
+
+
+# Bounded: decoding meets a new length on every step.
+@functools.lru_cache(maxsize=4096)
+def _aligned_layout(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether a tensor of this shape and these strides meets ``_aligned``'s rules, its address
+    aside (looked up once per layout: every tensor of every call is checked)."""
     return (
-        tensor.data_ptr() % 16 == 0
-        and tensor.stride(-1) == 1
-        and tensor.shape[-1] % 16 == 0
-        and all(stride % 16 == 0 for stride, size in zip(tensor.stride()[:-1], tensor.shape[:-1]) if size > 1)
+        strides[-1] == 1
+        and shape[-1] % 16 == 0
+        and all(stride % 16 == 0 for stride, size in zip(strides[:-1], shape[:-1]) if size > 1)
     )
 
 
@@ -1081,15 +1095,16 @@ def _mask_arguments(
 ) -> tuple[list, list, dict]:
     """Pointers and strides (in kernel order, from key_padding_ptr on) and the
     constexpr switches of the optional masks; absent tensors pass ``None``."""
-    if key_padding_mask is not None and key_bounds is None:
+    if key_padding_mask is None:
+        padding_strides = (0, 0, 0, 0)  # the mask's and key_bounds'
+    elif key_bounds is None:
         raise ValueError("key_bounds must accompany key_padding_mask")
-    key_padding_mask, key_bounds, attn_mask = (_unit_last_stride(t) for t in (key_padding_mask, key_bounds, attn_mask))
+    else:
+        key_padding_mask, key_bounds = _unit_last_stride(key_padding_mask), _unit_last_stride(key_bounds)
+        padding_strides = (*key_padding_mask.stride(), *key_bounds.stride())
+    attn_mask = _unit_last_stride(attn_mask)
     pointers = [key_padding_mask, key_bounds, attn_mask]
-    strides = [
-        *(key_padding_mask.stride() if key_padding_mask is not None else (0, 0)),
-        *(key_bounds.stride() if key_bounds is not None else (0, 0)),
-        *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0)),
-    ]
+    strides = [*padding_strides, *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0))]
     switches = dict(
         HAS_KEY_PADDING=key_padding_mask is not None,
         HAS_DENSE_MASK=attn_mask is not None,
@@ -1105,7 +1120,10 @@ def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -
     return dict(dropout_seed_ptr=dropout_seed, dropout_threshold=threshold, dropout_scale=scale, HAS_DROPOUT=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _config_arguments(config: KernelConfig, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> dict:
+    """The launch keyword arguments that follow from the configuration and the head dims; one
+    dict per configuration, shared by its calls, which copy it and never change it."""
     return dict(
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_DV=next_power_of_2(head_dim_v),
@@ -1119,20 +1137,24 @@ def _config_arguments(config: KernelConfig, dtype: torch.dtype, head_dim: int, h
 def _even_head_dim(query: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether both head dims fill their power-of-two blocks, so the forward
     and dQ kernels load K and V tiles without a column mask."""
-    return all(dim == next_power_of_2(dim) for dim in (query.shape[-1], value.shape[-1]))
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    return head_dim == next_power_of_2(head_dim) and head_dim_v == next_power_of_2(head_dim_v)
 
 
 def _chunked_launches(
-    kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: list, kwargs: dict
+    kernel, num_blocks: int, num_head_batches: int, config_args: dict, args: tuple, kwargs: dict
 ) -> list[KernelLaunch]:
     """The launches of ``kernel`` over a (blocks, batch*heads) grid, split
     where batch*heads passes CUDA's grid limit."""
+    kwargs = {**kwargs, **config_args}
+    if num_head_batches <= _MAX_GRID_Y:  # one launch, nearly always
+        return [KernelLaunch(kernel, (num_blocks, num_head_batches), args, dict(kwargs, head_batch_start=0))]
     return [
         KernelLaunch(
             kernel,
             (num_blocks, min(_MAX_GRID_Y, num_head_batches - start)),
-            tuple(args),
-            dict(kwargs, head_batch_start=start, **config_args),
+            args,
+            dict(kwargs, head_batch_start=start),
         )
         for start in range(0, num_head_batches, _MAX_GRID_Y)
     ]
@@ -1170,7 +1192,7 @@ class _Masks:
         kwargs = dict(qk_scale=args.scale * math.log2(math.e), **dropout, CAUSAL=int(args.causal), **switches)
         return pointers, strides, kwargs
 
-    @property
+    @functools.cached_property
     def variant(self) -> str:
         """Which configuration table serves these masks: "masked" (a dense mask
         or dropout), "fast" (causal or key padding) or "dense" (none)."""
@@ -1191,11 +1213,11 @@ _KERNELS = {
 
 def _masked_kernel_launches(
     kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
-    pointers: list, strides: list[tuple[int, ...]], *extra_args, **extra_kwargs,
+    pointers: list, strides: tuple[int, ...], *extra_args, **extra_kwargs,
 ) -> list[KernelLaunch]:
     """Launches of the forward, dK/dV or dQ kernel, whose arguments run:
-    ``pointers``, the masks' pointers, ``strides`` (a tuple per tensor), the
-    masks' strides, the problem's sizes, ``extra_args``;
+    ``pointers``, the masks' pointers, ``strides`` (every stride of each tensor
+    in turn), the masks' strides, the problem's sizes, ``extra_args``;
     then the shared scalars and switches and ``extra_kwargs`` by name.
     ``query``/``key``/``value`` as ``_aligned`` returns them."""
     batch, num_q_heads, seq_len_q, head_dim = query.shape
@@ -1213,11 +1235,11 @@ def _masked_kernel_launches(
         num_blocks,
         num_head_batches,
         _config_arguments(config, query.dtype, head_dim, head_dim_v),
-        [
-            *pointers, *mask_pointers, *(stride for per_tensor in strides for stride in per_tensor), *mask_strides,
+        (
+            *pointers, *mask_pointers, *strides, *mask_strides,
             num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v, *extra_args,
-        ],
-        dict(kwargs, **extra_kwargs),
+        ),
+        {**kwargs, **extra_kwargs},
     )
 
 
@@ -1229,7 +1251,7 @@ def _forward_launches(
     return _masked_kernel_launches(
         "forward", query, key, value, masks,
         [query, key, value, out, lse],
-        [t.stride() for t in (query, key, value, out, lse)],
+        (*query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride()),
         EVEN_HEAD_DIM=_even_head_dim(query, value),
     )
 
@@ -1243,8 +1265,14 @@ def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
         _attention_key_bounds_kernel,
         (padding.shape[0],),
         (padding, bounds, *padding.stride(), *bounds.stride(), padding.shape[1]),
-        _KEY_BOUNDS_CONFIG.launch_kwargs(),
+        dict(_KEY_BOUNDS_ARGUMENTS),
     )]
+
+
+@functools.lru_cache(maxsize=None)
+def _delta_config_arguments(head_dim_v: int) -> dict:
+    """The delta kernel's launch keyword arguments for a head dim, shared like ``_config_arguments``'s."""
+    return dict(BLOCK_DV=next_power_of_2(head_dim_v), **_DELTA_CONFIG.launch_kwargs())
 
 
 def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> list[KernelLaunch]:
@@ -1254,8 +1282,8 @@ def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tens
         _attention_delta_kernel,
         cdiv(seq_len_q, _DELTA_CONFIG.block_m),
         batch * num_q_heads,
-        dict(BLOCK_DV=next_power_of_2(head_dim_v), **_DELTA_CONFIG.launch_kwargs()),
-        [grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v],
+        _delta_config_arguments(head_dim_v),
+        (grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v),
         {},
     )
 
@@ -1269,7 +1297,8 @@ def _grad_key_value_launches(
     return _masked_kernel_launches(
         "grad_key_value", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
-        [*(t.stride() for t in (query, key, value, grad_out, dk, dv)), scores_strides],
+        (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+         *scores_strides),
         key.shape[1],
         scale=masks.args.scale, STORE_GRAD_SCORES=grad_scores is not None,
     )
@@ -1280,7 +1309,7 @@ def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Ma
     return _masked_kernel_launches(
         "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
-        [t.stride() for t in (query, key, value, grad_out, dq)],
+        (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride()),
         scale=masks.args.scale, EVEN_HEAD_DIM=_even_head_dim(query, value),
     )
 

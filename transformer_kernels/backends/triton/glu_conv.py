@@ -366,8 +366,9 @@ def kernel_config(kernel: str, dtype: torch.dtype) -> KernelConfig:
 
 def _input_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of this op's dots on inputs of ``dtype``: float32
-    follows torch's convolution setting (cuDNN uses TF32 unless disabled)."""
-    return input_precision(dtype, fp32_conv_allows_tf32())
+    follows torch's convolution setting (cuDNN uses TF32 unless disabled), read only for float32
+    (16-bit dots ignore it)."""
+    return input_precision(dtype, dtype == torch.float32 and fp32_conv_allows_tf32())
 
 
 def unsupported_reason(

@@ -378,6 +378,7 @@ def _large_config(kernel: str) -> KernelConfig:
     return _WIDE_16BIT if kernel == "forward" else _LARGE_16BIT
 
 
+@functools.lru_cache(maxsize=4096)  # bounded: the token count changes with every batch shape
 def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> KernelConfig:
     """Tile configuration of ``kernel`` (one of ``KERNELS``) for an ``[m, n]``
     output."""
@@ -415,9 +416,14 @@ def _uses_torch_matmul(dtype: torch.dtype) -> bool:
 
 def _max_offset(t: torch.Tensor) -> int:
     """Largest element offset a kernel computes into ``t`` (the kernels index in int32)."""
-    if t.numel() == 0:
+    return _layout_max_offset(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=4096)  # bounded: the token count changes with every batch shape
+def _layout_max_offset(shape: torch.Size, strides: tuple[int, ...]) -> int:
+    if 0 in shape:
         return 0
-    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return sum((size - 1) * stride for size, stride in zip(shape, strides))
 
 
 def unsupported_reason(
@@ -477,7 +483,8 @@ def forward(
         return eager_qkv.forward(x, weight, bias, args)
     *batch, seq_len, embed_dim = x.shape
     num_proj = weight.shape[0] // embed_dim
-    outputs = [x.new_empty(args.output_shape(x)) for _ in range(num_proj)]
+    output_shape = args.output_shape(x)
+    outputs = [x.new_empty(output_shape) for _ in range(num_proj)]
     x3 = _as_3d(x)
     num_tokens = x3.shape[0] * seq_len
     if num_tokens == 0:
