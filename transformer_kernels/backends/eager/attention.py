@@ -115,9 +115,14 @@ def _sum_kv_heads(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _in_layout(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with ``target``'s dtype and strides (``target`` is filled when a copy is needed)."""
-    if tensor.dtype == target.dtype and tensor.stride() == target.stride():
-        return tensor
+    """``tensor`` with ``target``'s dtype and strides: itself, restrided as a view where only the
+    strides of size-1 dimensions differ (they address nothing: one query row, one head), else
+    ``target`` filled with a copy."""
+    if tensor.dtype == target.dtype:
+        if tensor.stride() == target.stride():
+            return tensor
+        if all(a == b for a, b, size in zip(tensor.stride(), target.stride(), tensor.shape) if size > 1):
+            return tensor.as_strided(target.shape, target.stride())
     return target.copy_(tensor)
 
 
