@@ -266,11 +266,30 @@ def train(config: TrainConfig) -> dict:
               f"({summary['tokens_per_s']:,.0f} tokens/s)")
         summary["examples"] = _decode_examples(trained, corpus, config.examples, device)
     if distributed:
-        # Every rank past its last collective before any leaves: rank 0 hosts the rendezvous store,
-        # and a rank still tearing down its group when rank 0 exits waits on it until the timeout.
-        dist.barrier()
-        dist.destroy_process_group()
+        _leave_process_group()
     return summary
+
+
+_LEFT_KEY = "transformer_kernels/ranks_left"  # the store counter of ranks that destroyed their group
+
+
+def _leave_process_group(wait_s: float = 60.0) -> None:
+    """Tear the process group down with rank 0 last.  Rank 0 hosts the rendezvous store, and a rank
+    still tearing down its group once rank 0 has exited waits on that store until gloo's 30-minute
+    timeout: an intermittent hang at exit (pytorch/pytorch#75097; a barrier first was not enough).
+    So every rank passes a barrier, the others destroy their group and say so through the store,
+    and rank 0 destroys its own once they all have (or after ``wait_s``)."""
+    store = dist.distributed_c10d._get_default_store()
+    others = dist.get_world_size() - 1
+    dist.barrier()
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        store.add(_LEFT_KEY, 1)
+        return
+    deadline = time.monotonic() + wait_s
+    while store.add(_LEFT_KEY, 0) < others and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dist.destroy_process_group()
 
 
 def _decode_examples(model, corpus: Corpus, count: int, device) -> list[tuple[str, str, str]]:
