@@ -888,8 +888,8 @@ _FAST_CONFIGS: dict[tuple[str, int], KernelConfig] = {
 # and dK/dV tiles spill on sm_90 without them, so this table has its own
 # entries there.  benchmarks/tune_attention.py on an H100 (triton 3.6) found
 # faster tiles for every kernel; of those only the d64 forward compiles
-# without spills under both triton versions on both architectures, the others
-# wait for a backward whose loop body holds fewer registers.
+# without spills under both triton versions on both architectures, and most
+# others on sm_90 alone (the SM90 table below).
 _DENSE_CONFIGS = {
     **_FAST_CONFIGS,
     ("forward", 64): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
