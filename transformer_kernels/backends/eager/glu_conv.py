@@ -107,12 +107,7 @@ def unsupported_reason(
 
 def padded_rows(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
     """``x`` padded with ``pad_value`` along positions, as a contiguous ``[B, Lp, C_in]``."""
-    batch, channels_in, length = x.shape
-    padded = x.new_empty(batch, pad_left + length + pad_right, channels_in)
-    padded[:, :pad_left].fill_(pad_value)
-    padded[:, pad_left + length :].fill_(pad_value)
-    padded[:, pad_left : pad_left + length].copy_(x.transpose(1, 2))
-    return padded
+    return winograd.padded_rows(x.transpose(1, 2), pad_left, pad_left + x.shape[2] + pad_right, pad_value)
 
 
 def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, pad_value: float) -> torch.Tensor:
@@ -149,8 +144,7 @@ def forward(
         z = F.conv1d(conv_input, weight, bias, padding=padding)  # [B, 2C, L_out], contiguous
         z_dim = 1
     elif chosen == "winograd":
-        weights = [u.t() for u in winograd.transformed_weight(weight)]
-        z = winograd.correlate(x.transpose(1, 2), weights, bias, pad_left, pad_right, pad_value)
+        z = winograd.convolve(x.transpose(1, 2), weight, bias, pad_left, pad_right, pad_value)
         z_dim = 2
     else:
         cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
@@ -270,21 +264,12 @@ def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
 def _backward_winograd(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
                        needs_grad_bias):
     grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2)  # [B, L_out, 2C]
-    x_rows = x.transpose(1, 2)
     grad_x = None
     if needs_grad_x:
-        # The input gradient correlates grad_z, zero-padded by k - 1 - pad, with the flipped,
-        # transposed filter, whose transform is U3, U1, U2, U0 (each [2C, C_in]).
-        transformed = winograd.transformed_weight(weight)
         grad_x = empty_output(x, x.shape[1], x.shape[2])
-        length_in = x.shape[2]
-        grad_rows = grad_x.transpose(1, 2)
-        out = grad_rows if grad_rows.is_contiguous() and length_in % 2 == 0 else None
-        rows = winograd.correlate(grad_z, [transformed[i] for i in (3, 1, 2, 0)], None,
-                                  winograd.KERNEL_SIZE - 1 - pad_left, winograd.KERNEL_SIZE - 1 - pad_right, 0.0,
-                                  out=out)
-        if out is None:
-            grad_rows.copy_(rows)
-    grad_weight = winograd.weight_gradient(grad_z, x_rows, pad_left, pad_right, pad_value) if needs_grad_weight else None
+        winograd.input_gradient(grad_z, weight, pad_left, pad_right, grad_x.transpose(1, 2))
+    grad_weight = None
+    if needs_grad_weight:
+        grad_weight = winograd.weight_gradient(grad_z, x.transpose(1, 2), pad_left, pad_right, pad_value)
     grad_bias = grad_z.sum((0, 1)) if needs_grad_bias else None
     return grad_x, grad_weight, grad_bias

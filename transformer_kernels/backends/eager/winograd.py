@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["KERNEL_SIZE", "transformed_weight", "correlate", "weight_gradient"]
+__all__ = ["KERNEL_SIZE", "tiles", "padded_rows", "convolve", "input_gradient", "weight_gradient"]
 
 KERNEL_SIZE = 3
 _TILE = 2  # output positions per tile
@@ -47,15 +47,14 @@ def tiles(length_out: int) -> int:
     return -(-length_out // _TILE)
 
 
-def _padded_rows(rows_of: torch.Tensor, pad_left: int, length: int, padded_length: int,
-                 pad_value: float) -> torch.Tensor:
-    """``[B, padded_length, C]``: ``pad_value``, then ``rows_of``'s ``length`` positions from
-    ``pad_left``, then ``pad_value`` again.  ``rows_of`` is ``[B, length, C]`` in any layout."""
-    batch, _, channels = rows_of.shape
-    padded = rows_of.new_empty(batch, padded_length, channels)
+def padded_rows(rows: torch.Tensor, pad_left: int, padded_length: int, pad_value: float) -> torch.Tensor:
+    """A contiguous ``[B, padded_length, C]``: ``pad_value``, then ``rows`` ``[B, L, C]`` (any
+    layout) from position ``pad_left``, then ``pad_value`` up to ``padded_length``."""
+    batch, length, channels = rows.shape
+    padded = rows.new_empty(batch, padded_length, channels)
     padded[:, :pad_left].fill_(pad_value)
-    padded[:, pad_left + length:].fill_(pad_value)
-    padded[:, pad_left : pad_left + length].copy_(rows_of)
+    padded[:, pad_left + length :].fill_(pad_value)
+    padded[:, pad_left : pad_left + length].copy_(rows)
     return padded
 
 
@@ -80,7 +79,7 @@ def transformed_weight(weight: torch.Tensor) -> torch.Tensor:
     return transformed
 
 
-def correlate(
+def _correlate(
     rows: torch.Tensor,
     weights: Sequence[torch.Tensor],
     bias: Optional[torch.Tensor],
@@ -98,7 +97,7 @@ def correlate(
     length_out = pad_left + length + pad_right - KERNEL_SIZE + 1
     tile_count = tiles(length_out)
     # The last tile's phantom position (odd L_out) reads padding beyond pad_right.
-    padded = _padded_rows(rows, pad_left, length, _TILE * tile_count + KERNEL_SIZE - 1, pad_value)
+    padded = padded_rows(rows, pad_left, _TILE * tile_count + KERNEL_SIZE - 1, pad_value)
     transformed = _input_transform(padded, tile_count)
     channels_out = weights[0].shape[1]
     products = rows.new_empty(4, batch * tile_count, channels_out)
@@ -119,17 +118,40 @@ def correlate(
     return out[:, :length_out]
 
 
+def convolve(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pad_left: int,
+             pad_right: int, pad_value: float) -> torch.Tensor:
+    """``conv1d(pad(x), weight, bias)`` for ``rows`` = ``x`` as ``[B, L, C_in]`` (any layout) and
+    ``weight`` ``[C_out, C_in, 3]``: ``[B, L_out, C_out]``, a view of a contiguous
+    ``[B, 2 * tiles(L_out), C_out]``."""
+    return _correlate(rows, [u.t() for u in transformed_weight(weight)], bias, pad_left, pad_right, pad_value)
+
+
+def input_gradient(grad_rows: torch.Tensor, weight: torch.Tensor, pad_left: int, pad_right: int,
+                   grad_input_rows: torch.Tensor) -> torch.Tensor:
+    """Writes the gradient of :func:`convolve`'s input, ``[B, L, C_in]``, into ``grad_input_rows``
+    (any layout) and returns it, for ``grad_rows`` ``[B, L_out, C_out]``: the correlation of
+    ``grad_rows``, zero-padded by ``2 - pad``, with the flipped, transposed filter, whose
+    transform is ``U3ᵀ, U1ᵀ, U2ᵀ, U0ᵀ``."""
+    transformed = transformed_weight(weight)
+    length = grad_input_rows.shape[1]
+    # The product tiles land in place when they cover the rows exactly.
+    in_place = grad_input_rows.is_contiguous() and length % _TILE == 0
+    rows = _correlate(grad_rows, [transformed[i] for i in (3, 1, 2, 0)], None, KERNEL_SIZE - 1 - pad_left,
+                      KERNEL_SIZE - 1 - pad_right, 0.0, out=grad_input_rows if in_place else None)
+    return grad_input_rows if in_place else grad_input_rows.copy_(rows)
+
+
 def weight_gradient(grad_rows: torch.Tensor, rows: torch.Tensor, pad_left: int, pad_right: int,
                     pad_value: float) -> torch.Tensor:
     """``dw[:, :, t] = Σ_{b,s} grad_rows[b, s]ᵀ xpad[b, s + t]``: ``[C_out, C_in, 3]`` for
     ``grad_rows`` ``[B, L_out, C_out]`` and ``rows`` ``[B, L, C_in]`` (both any layout)."""
-    batch, length, channels_in = rows.shape
+    batch, _, channels_in = rows.shape
     length_out, channels_out = grad_rows.shape[1], grad_rows.shape[2]
     tile_count = tiles(length_out)
-    padded = _padded_rows(rows, pad_left, length, _TILE * tile_count + KERNEL_SIZE - 1, pad_value)
+    padded = padded_rows(rows, pad_left, _TILE * tile_count + KERNEL_SIZE - 1, pad_value)
     transformed = _input_transform(padded, tile_count)
     # A g per tile, the phantom position's gradient zero: (g0, g0 + g1, g0 - g1, g1), P3's sign below.
-    grad_padded = _padded_rows(grad_rows, 0, length_out, _TILE * tile_count, 0.0)
+    grad_padded = padded_rows(grad_rows, 0, _TILE * tile_count, 0.0)
     g0, g1 = grad_padded[:, 0::_TILE], grad_padded[:, 1::_TILE]
     grad_transformed = grad_rows.new_empty(4, batch, tile_count, channels_out)
     grad_transformed[0].copy_(g0)
