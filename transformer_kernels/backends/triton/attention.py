@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 from typing import Optional
 
@@ -983,7 +984,6 @@ _INTERPRETER_CONFIGS = {
 # The delta pre-pass has no loop to pipeline: Triton's default stages.
 _DELTA_CONFIG = KernelConfig(block_m=32, num_warps=4, num_stages=3)
 _KEY_BOUNDS_CONFIG = KernelConfig(block_n=1024, num_warps=4, num_stages=1)
-_KEY_BOUNDS_ARGUMENTS = _KEY_BOUNDS_CONFIG.launch_kwargs()
 
 
 # The tables by mask variant (``_Masks.variant``) for 16-bit inputs.
@@ -1265,7 +1265,7 @@ def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
         _attention_key_bounds_kernel,
         (padding.shape[0],),
         (padding, bounds, *padding.stride(), *bounds.stride(), padding.shape[1]),
-        dict(_KEY_BOUNDS_ARGUMENTS),
+        dict(_KEY_BOUNDS_CONFIG.launch_kwargs()),
     )]
 
 
@@ -1462,23 +1462,21 @@ def compile_targets() -> list[CompileTarget]:
     ones with every switch on (bottom-right causal, key padding, float mask,
     dropout, dS store).  A SHORT target only where its table has an entry."""
     targets = []
-    for variant, dtype, switches, length, suffix in _TARGET_PROBLEMS:
-        for kernel_name in ("forward", "grad_key_value", "grad_query"):
-            for bucket in (64, 128, 256):
-                table = _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
-                if (kernel_name, bucket) not in table or (suffix and (kernel_name, bucket) not in _SHORT_CONFIGS):
-                    continue
-                by_config: dict[KernelConfig, list[int]] = {}
-                for capability in COMPILE_CAPABILITIES:
-                    config = _table_config(kernel_name, bucket, dtype, variant, length, capability)
-                    by_config.setdefault(config, []).append(capability)
-                for capabilities in by_config.values():
-                    targets.append(CompileTarget(
-                        f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}",
-                        functools.partial(_target_launch, kernel_name, bucket, dtype, switches, length,
-                                          capabilities[0]),
-                        tuple(capabilities),
-                    ))
+    kernels_and_buckets = list(itertools.product(("forward", "grad_key_value", "grad_query"), (64, 128, 256)))
+    for (variant, dtype, switches, length, suffix), (kernel_name, bucket) in itertools.product(
+        _TARGET_PROBLEMS, kernels_and_buckets
+    ):
+        table = _SHORT_CONFIGS if suffix else _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
+        if (kernel_name, bucket) not in table:
+            continue
+        by_config: dict[KernelConfig, list[int]] = {}
+        for capability in COMPILE_CAPABILITIES:
+            config = _table_config(kernel_name, bucket, dtype, variant, length, capability)
+            by_config.setdefault(config, []).append(capability)
+        name = f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}"
+        for capabilities in by_config.values():
+            launch = functools.partial(_target_launch, kernel_name, bucket, dtype, switches, length, capabilities[0])
+            targets.append(CompileTarget(name, launch, tuple(capabilities)))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
