@@ -404,12 +404,11 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         _check_key_padding_mask(query, key_padding_mask, sequence_shape, lk)
         padding_lead_shape = (1,) * (len(lead_shape) + 1 - key_padding_mask.dim()) + key_padding_mask.shape[:-1]
 
-    split = len(lead_shape)
-    if split > 1:  # more than one leading dimension to fold; with one the inputs are [B, H, L, X] already
-        split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
-        q, k, v = inputs.fold(q, split), inputs.fold(k, split), inputs.fold(v, split)
-        if mask is not None:
-            mask = inputs.fold(mask, split)
+    # batch_split and fold return at once for one leading dimension (4-D inputs, the usual call).
+    split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
+    q, k, v = inputs.fold(q, split), inputs.fold(k, split), inputs.fold(v, split)
+    if mask is not None:
+        mask = inputs.fold(mask, split)
     padding = None
     if key_padding_mask is not None:
         # Constant along the dimensions folded into heads (batch_split made sure): one row per batch element.
