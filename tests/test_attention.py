@@ -527,9 +527,9 @@ def _spy_on_forward(monkeypatch, backend: str) -> list:
     seen = []
     forward = module.forward
 
-    def spy(query, key, value, args):
+    def spy(query, key, value, args, needs_backward):
         seen[:] = [query, key, value, args.attn_mask]
-        return forward(query, key, value, args)
+        return forward(query, key, value, args, needs_backward)
 
     monkeypatch.setattr(module, "forward", spy)
     return seen
@@ -910,23 +910,31 @@ def _op_arguments(backend: str, device: torch.device, dropout: bool, float_mask:
 
 
 OPCHECK_CASES = [
-    backend_param(backend, dropout, float_mask, op="attention")
-    for backend, dropout, float_mask in [("eager", False, False), ("eager", True, False), ("eager", False, True),
-                                         ("triton", False, True)]
+    backend_param(backend, dropout, float_mask, needs_backward, op="attention")
+    for backend, dropout, float_mask, needs_backward in [
+        ("eager", False, False, True), ("eager", True, False, True), ("eager", True, False, False),
+        ("eager", False, True, True), ("triton", False, True, True),
+    ]
 ]
 
 
-@pytest.mark.parametrize(("backend", "dropout", "float_mask"), OPCHECK_CASES)
-def test_opcheck_forward_and_backward(backend, dropout, float_mask):
+@pytest.mark.parametrize(("backend", "dropout", "float_mask", "needs_backward"), OPCHECK_CASES)
+def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backward):
+    """Both ops, with each thing a forward saves for the backward: the lse (tiled flash paths), the
+    eager backend's materialized probabilities (dropout), or nothing (no backward was expected: the
+    backward computes the probabilities again)."""
     device = device_for(backend)
     args = _op_arguments(backend, device, dropout, float_mask)
-    torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, args)
+    forward_args = (*args[:-1], needs_backward, args[-1])
+    torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, forward_args)
 
-    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    out, lse = torch.ops.transformer_kernels.attention_forward(*detached)
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in forward_args]
+    out, saved = torch.ops.transformer_kernels.attention_forward(*detached)
+    expected_dim = (4 if needs_backward else 1) if backend == "eager" and dropout else 3
+    assert saved.dim() == expected_dim
     q, k, v, padding, mask, causal, scale, dropout_p, seed, _ = args
     backward_args = (
-        torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, padding,
+        torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, saved, padding,
         None if mask is None else mask.detach(), causal, scale, dropout_p, seed, float_mask, backend,
     )
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)

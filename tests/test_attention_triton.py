@@ -264,7 +264,7 @@ def test_dense_mask_rows_beyond_int32_offsets(kind):
     mask = buffer.as_strided((1, 1, lq, lk), (0, 0, row_stride, 1))
     mask.copy_(torch.rand(1, 1, lq, lk) > 0.3 if kind == "bool" else torch.randn(1, 1, lq, lk))
     query, key, value = (torch.randn(1, 1, length, 16) for length in (lq, lk, lk))
-    out, _ = triton_attention.forward(query, key, value, AttentionArgs(None, mask, Causal.NONE, 0.25, 0.0, None))
+    out, _ = triton_attention.forward(query, key, value, AttentionArgs(None, mask, Causal.NONE, 0.25, 0.0, None), False)
     expected = reference_attention(query, key, value, attn_mask=mask.contiguous(), scale=0.25)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 

@@ -275,7 +275,11 @@ def scaled_dot_product_attention(
         FlashAttention-style kernel pair that stores only the row
         log-sum-exps; ``eager`` runs on any device and floating dtype (fp64
         for :func:`torch.autograd.gradcheck`), composed of PyTorch ops, and on
-        CPU cuts padded keys and the causal triangle out of the work.
+        CPU cuts padded keys and the causal triangle out of the work.  Where
+        it materializes the scores (dropout, ``Ev != E``, one query row,
+        devices other than the CPU) and a backward pass will run, it keeps
+        the ``[B, Hq, Lq, Lk]`` probabilities for it, as torch's math
+        backend does.
 
     Returns:
         Tensor ``[..., Hq, Lq, Ev]``.
@@ -293,7 +297,11 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
-    out, _ = attention_forward(q, k, v, args, chosen)
+    needs_backward = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or (args.attn_mask is not None and args.attn_mask.requires_grad)
+    )
+    out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
     return out if out.shape == output_shape else out.view(output_shape)
 
 
@@ -431,12 +439,18 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 # Registered ops
 # ----------------------------------------------------------------------------
 
+# The forward's second output is what the backend keeps for its backward pass besides the inputs
+# and ``out``: the row log-sum-exps (``empty_lse``), or the eager backend's probabilities on short
+# sequences.  ``needs_backward`` (autograd will differentiate the call) lets a backend keep more
+# when it pays; the second output is not differentiable, and its layout is the backend's
+# (``empty_saved``).
 attention_forward = RegisteredOp(
-    "attention_forward", ("Tensor query", "Tensor key", "Tensor value"), AttentionArgs, "(Tensor, Tensor)"
+    "attention_forward", ("Tensor query", "Tensor key", "Tensor value"), AttentionArgs, "(Tensor, Tensor)",
+    flags=("bool needs_backward",),
 )
 attention_backward = RegisteredOp(
     "attention_backward",
-    ("Tensor grad_out", "Tensor query", "Tensor key", "Tensor value", "Tensor out", "Tensor lse"),
+    ("Tensor grad_out", "Tensor query", "Tensor key", "Tensor value", "Tensor out", "Tensor saved"),
     AttentionArgs,
     "(Tensor, Tensor, Tensor, Tensor)",
     flags=("bool attn_mask_needs_grad",),
@@ -444,22 +458,24 @@ attention_backward = RegisteredOp(
 
 
 @attention_forward.implement
-def _attention_forward(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs, backend: str):
-    """``out`` (:func:`empty_output`'s layout) and ``lse`` (:func:`empty_lse`'s)."""
-    return backend_module("attention", backend).forward(query, key, value, args)
+def _attention_forward(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs, needs_backward, backend):
+    """``out`` (:func:`empty_output`'s layout) and what the backend saves (its ``empty_saved``)."""
+    return backend_module("attention", backend).forward(query, key, value, args, needs_backward)
 
 
 @attention_forward.fake
-def _attention_forward_fake(query, key, value, args, backend):
-    return empty_output(query, value), empty_lse(query)
+def _attention_forward_fake(query, key, value, args, needs_backward, backend):
+    return empty_output(query, value), backend_module("attention", backend).empty_saved(
+        query, key, value, args, needs_backward
+    )
 
 
 @attention_backward.implement
-def _attention_backward(grad_out, query, key, value, out, lse, args: AttentionArgs, attn_mask_needs_grad, backend):
+def _attention_backward(grad_out, query, key, value, out, saved, args: AttentionArgs, attn_mask_needs_grad, backend):
     """``dq, dk, dv`` (:func:`empty_grads`'s layout) and ``dmask``: the attn_mask's gradient
     ``[B, Hq, Lq, Lk]`` in :func:`dmask_dtype` when ``attn_mask_needs_grad``, else empty."""
     dq, dk, dv, dmask = backend_module("attention", backend).backward(
-        grad_out, query, key, value, out, lse, args, attn_mask_needs_grad
+        grad_out, query, key, value, out, saved, args, attn_mask_needs_grad
     )
     if attn_mask_needs_grad:
         dmask = dmask.to(dmask_dtype(args.attn_mask.dtype)).contiguous()
@@ -467,7 +483,7 @@ def _attention_backward(grad_out, query, key, value, out, lse, args: AttentionAr
 
 
 @attention_backward.fake
-def _attention_backward_fake(grad_out, query, key, value, out, lse, args, attn_mask_needs_grad, backend):
+def _attention_backward_fake(grad_out, query, key, value, out, saved, args, attn_mask_needs_grad, backend):
     if attn_mask_needs_grad:
         dmask = args.attn_mask.new_empty(args.attn_mask.shape, dtype=dmask_dtype(args.attn_mask.dtype))
     else:
@@ -476,24 +492,24 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, args, attn_m
 
 
 def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:
-    out, lse = output
-    ctx.save_for_backward(*tensors, out, lse, args.key_padding_mask, args.attn_mask, args.dropout_seed)
-    # lse is for backward only: no gradient flows into it, so none is allocated (as zeros) for it.
-    ctx.mark_non_differentiable(lse)
+    out, saved = output
+    ctx.save_for_backward(*tensors, out, saved, args.key_padding_mask, args.attn_mask, args.dropout_seed)
+    # saved is for backward only: no gradient flows into it, so none is allocated (as zeros) for it.
+    ctx.mark_non_differentiable(saved)
     ctx.set_materialize_grads(False)
     # Tensors travel through save_for_backward only (autograd checks them for in-place changes).
     ctx.scalars = (args.causal, args.scale, args.dropout_p)
     ctx.attn_mask_needs_grad = args.attn_mask is not None and attention_forward.needs_grad(ctx, "attn_mask")
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, _grad_saved):
     if grad_out is None:
         return (None, None, None), {}
-    query, key, value, out, lse, key_padding_mask, attn_mask, dropout_seed = ctx.saved_tensors
+    query, key, value, out, saved, key_padding_mask, attn_mask, dropout_seed = ctx.saved_tensors
     causal, scale, dropout_p = ctx.scalars
     args = AttentionArgs(key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed)
     dq, dk, dv, dmask = attention_backward(
-        grad_out, query, key, value, out, lse, args, ctx.attn_mask_needs_grad, ctx.backend
+        grad_out, query, key, value, out, saved, args, ctx.attn_mask_needs_grad, ctx.backend
     )
     grad_mask = dmask.to(attn_mask.dtype) if ctx.attn_mask_needs_grad else None
     return (dq, dk, dv), {"attn_mask": grad_mask}

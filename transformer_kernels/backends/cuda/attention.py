@@ -21,7 +21,7 @@ from ...ops.attention import (
 )
 from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
 
-__all__ = ["forward", "backward", "unsupported_reason"]
+__all__ = ["forward", "backward", "empty_saved", "unsupported_reason"]
 
 # CUDA caps the second grid dimension, which holds batch * query heads.
 MAX_BATCH_HEADS = 65535
@@ -83,7 +83,12 @@ def _mask_arguments(args: AttentionArgs) -> tuple:
     return padding, bounds, args.attn_mask, int(args.causal), args.scale, seed, threshold, scale
 
 
-def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs):
+def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
+    """The forward keeps the row log-sum-exps for the backward pass, whether or not one runs."""
+    return empty_lse(query)
+
+
+def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
     """``out`` and ``lse`` (+inf on rows that see no key) in the layouts of
     :func:`~transformer_kernels.ops.attention.empty_output` and ``empty_lse``."""
     out, lse = empty_output(query, value), empty_lse(query)

@@ -29,12 +29,17 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
   empty row's +inf log-sum-exp makes its probabilities, hence its gradients,
   exactly 0.
 
-* **Math path** (one query row, dropout, different value head dim, non-CPU devices, and the
-  backward pass whenever the float mask needs a gradient): materialized
-  scores, masks as ``-inf``, a softmax that returns 0 on rows without any
-  key, an explicit dropout keep-mask; the backward pass recomputes the
-  probabilities from the saved log-sum-exp and applies the softmax-attention
-  gradient formulas.
+* **Materialized path** (one query row, dropout, different value head dim,
+  non-CPU devices, and the backward pass whenever the float mask needs a
+  gradient): scores materialized by ``bmm`` (one over ``B * H`` matrices, or
+  one per head that reads ``[B, L, H, D]``-strided inputs in place, see
+  :class:`_HeadBatches`), masks as ``-inf``, a softmax that returns 0 on rows
+  without any key, an explicit dropout keep-mask.  When autograd will run the
+  backward pass (the op's ``needs_backward``), the forward keeps the
+  probabilities, as the naive math does, and the backward applies the
+  softmax-attention gradient formulas to them; otherwise it keeps nothing.
+  The flash path's backward for a float mask's gradient recomputes them from
+  the saved log-sum-exp.
 
 The dropout keep-mask is drawn from a ``torch.Generator`` seeded from
 ``dropout_seed``, so the backward pass regenerates the identical mask.
@@ -50,7 +55,7 @@ import torch
 
 from ...ops.attention import AttentionArgs, Causal, empty_grads, empty_lse, empty_output, key_padding_bounds
 
-__all__ = ["unsupported_reason", "forward", "backward"]
+__all__ = ["unsupported_reason", "empty_saved", "forward", "backward"]
 
 _ATEN = torch.ops.aten
 _HAS_CPU_FLASH = hasattr(_ATEN, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
@@ -445,109 +450,182 @@ def _flash_backward(grad_out, query, key, value, out, lse, tiles: list[_Tile], s
 
 
 # ----------------------------------------------------------------------------
-# Math path
+# Materialized-probabilities path
 # ----------------------------------------------------------------------------
 
 
-def _masked_scores(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
-    """Scaled scores ``[B, Hk, G, Lq, Lk]`` plus the float mask, ``-inf`` where a mask excludes the key,
-    in float32 or wider.
+@dataclasses.dataclass(frozen=True)
+class _HeadBatches:
+    """How every (batch, head) pair's matmul runs: as one ``bmm`` over ``B * H`` matrices when
+    query, key, value and grad_out all fold ``[B, H]`` into one dimension as views (a
+    ``[B, H, L, X]``-contiguous layout, or one query row), else as one ``bmm`` per head.
 
-    Grouped-query heads are handled as ``[B, Hk, G, ...]`` so keys and values are never copied per head.
+    A ``bmm`` writes in place only into a contiguous output (any other one is filled matrix by
+    matrix); so the buffers this path allocates follow the order of its loop: batch-major when
+    folded, head-major (``[H, B, rows, cols]`` memory, seen as ``[B, H, rows, cols]``) per head.
+    (A ``bmm`` into one head of a ``[B, H, L, L]`` buffer measured 2.8 ms against 0.8 ms into a
+    contiguous one, at B=128, H=8, L=16.)  Per-head loops read ``[B, L, H, D]``-strided inputs, the
+    layout of a projection's output, in place.
     """
-    batch_size, num_heads, lq, _ = query.shape
-    num_kv_heads, lk = key.shape[1], key.shape[2]
-    compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    q = query.to(compute_dtype).unflatten(1, (num_kv_heads, num_heads // num_kv_heads))
-    k = key.to(compute_dtype).unsqueeze(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(args.scale)
 
+    folded: bool
+
+    @classmethod
+    def of(cls, *tensors: torch.Tensor) -> "_HeadBatches":
+        heads = tensors[0].shape[1]
+        return cls(all(t.shape[1] == heads and _folds(t) for t in tensors))
+
+    def empty(self, batch: int, heads: int, rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype):
+        if self.folded:
+            return like.new_empty((batch, heads, rows, cols), dtype=dtype)
+        return like.new_empty((heads, batch, rows, cols), dtype=dtype).transpose(0, 1)
+
+    def last_dim_op(self, op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        """``op`` (a softmax or its backward over the last dimension, which returns a contiguous
+        result) applied to this layout's buffers as the contiguous tensors they are."""
+        if self.folded:
+            return op(*tensors)
+        return op(*(t.transpose(0, 1) for t in tensors)).transpose(0, 1)
+
+    def matmul(self, a, b, out, alpha: float = 1.0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``out[:, h // (Ha / Ho)] (+)= alpha * a[:, h] @ b[:, h // (Ha / Hb)] (+ bias[:, h])`` for
+        every head ``h`` of ``a``, on ``[B, H, rows, cols]`` operands (``out`` from :meth:`empty`,
+        ``bias`` broadcastable to it, ``-inf`` excluding an entry).  Where ``out`` has fewer heads
+        than ``a`` (key/value heads of grouped-query attention), it sums their query heads."""
+        if self.folded:
+            # [B, H] of the bias (often [B, 1] or [1, 1]) only: a copy of B * H rows at most.
+            flat_bias = None if bias is None else bias.expand(*out.shape[:2], *bias.shape[2:]).flatten(0, 1)
+            _baddbmm(a.flatten(0, 1), b.flatten(0, 1), out.flatten(0, 1), alpha, flat_bias, False)
+            return out
+        heads = a.shape[1]
+        b_group, out_group = heads // b.shape[1], heads // out.shape[1]
+        for head in range(heads):
+            head_bias = None if bias is None else bias[:, head if bias.shape[1] > 1 else 0]
+            _baddbmm(a[:, head], b[:, head // b_group], out[:, head // out_group], alpha, head_bias, head % out_group > 0)
+        return out
+
+
+def _folds(tensor: torch.Tensor) -> bool:
+    """Whether ``[B, H, ...]`` flattens to ``[B * H, ...]`` as a view."""
+    return tensor.shape[1] == 1 or tensor.shape[0] == 1 or tensor.stride(0) == tensor.shape[1] * tensor.stride(1)
+
+
+def _baddbmm(a, b, out, alpha: float, bias: Optional[torch.Tensor], accumulate: bool) -> None:
+    if accumulate:
+        out.baddbmm_(a, b, alpha=alpha)
+    elif bias is not None:
+        torch.baddbmm(bias, a, b, alpha=alpha, out=out)
+    elif alpha != 1.0:
+        torch.baddbmm(out, a, b, beta=0.0, alpha=alpha, out=out)
+    else:
+        torch.bmm(a, b, out=out)
+
+
+def _excluded_keys(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> Optional[torch.Tensor]:
+    """Bool, True where a bool ``attn_mask``, the causal mask or key padding excludes a key, in the
+    smallest shape that broadcasts to ``[B, Hq, Lq, Lk]``; None when none applies."""
+    lq, lk = query.shape[2], key.shape[2]
     excluded = None
-    if args.attn_mask is not None:
-        mask = args.attn_mask.unflatten(1, q.shape[1:3])
-        if mask.dtype == torch.bool:
-            excluded = ~mask
-        else:
-            scores += mask
+    if args.attn_mask is not None and args.attn_mask.dtype == torch.bool:
+        excluded = ~_undo_broadcast(args.attn_mask)
     shift = _causal_shift(args.causal, lq, lk)
-    if shift is not None:
-        row_index = torch.arange(lq, device=query.device)[:, None]
-        key_index = torch.arange(lk, device=query.device)[None, :]
-        hidden = key_index > row_index + shift
+    if shift is not None and shift < lk - 1:  # else every row sees every key (a decoding step)
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu_(shift + 1)
         excluded = hidden if excluded is None else excluded | hidden
     if args.key_padding_mask is not None:
-        padding = args.key_padding_mask[:, None, None, None, :]
+        padding = args.key_padding_mask[:, None, None, :]
         excluded = padding if excluded is None else excluded | padding
+    return excluded
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scores(query, key, args: AttentionArgs, batches: _HeadBatches) -> tuple[torch.Tensor, bool]:
+    """Scaled, masked scores ``[B, Hq, Lq, Lk]`` (``-inf`` where a mask excludes the key) in
+    :func:`_compute_dtype`, in ``batches``' layout, and whether any mask applies.  A float mask is
+    the matmul's addend; the others fill ``-inf`` in one ``masked_fill_`` (fewer ops than an
+    additive bias built from them: a decoding step's attention pays per op)."""
+    batch_size, num_heads, lq, _ = query.shape
+    dtype = _compute_dtype(query.dtype)
+    bias = None
+    if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
+        bias = _undo_broadcast(args.attn_mask).to(dtype)
+    scores = batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
+    batches.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2), scores, args.scale, bias)
+    excluded = _excluded_keys(query, key, args)
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
-    return scores
+    return scores, bias is not None or excluded is not None
 
 
-def _math_probs(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialized softmax probabilities ``[B, Hk, G, Lq, Lk]`` and lse ``[B, Hq, Lq]`` (+inf on rows
-    without keys, whose probabilities are 0), in float32 or wider.
-
-    One fused softmax, and the lse from the row maximum ``m`` and the largest probability
-    ``exp(m - lse)``: ``lse = m - log(max p)`` (``max p`` is ``1 / Σ exp(s - m)``, in ``[1/Lk, 1]``).
-    One exp pass instead of the two of ``logsumexp`` and ``exp(s - lse)`` (a decoding step's
-    one-query attention measured 187 -> 175 us per call)."""
-    scores = _masked_scores(query, key, args)
-    row_max = scores.amax(-1, keepdim=True)
-    probs = torch.softmax(scores, -1)
-    lse = row_max - probs.amax(-1, keepdim=True).log_()
-    # Rows whose keys are all excluded: softmax gives NaN, and row_max is -inf.
-    no_keys = torch.isneginf(row_max)
-    probs.masked_fill_(no_keys, 0.0)
-    lse.masked_fill_(no_keys, float("inf"))
-    return probs, lse.squeeze(-1).flatten(1, 2)
+def _softmax(scores: torch.Tensor, masked: bool, batches: _HeadBatches) -> torch.Tensor:
+    """Softmax over the keys; 0 on rows whose keys are all excluded (``-inf``) when ``masked``.
+    (``aten._safe_softmax`` does the same in one op, measured 3x slower than these at a decoding
+    step's size.)"""
+    probs = batches.last_dim_op(lambda s: torch.softmax(s, -1), scores)
+    if masked:
+        probs.masked_fill_(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
+    return probs
 
 
-def _dropout_scale(probs_shape, dropout_p, dropout_seed, device, dtype) -> torch.Tensor:
-    """Per-weight dropout factor: ``1 / (1 - p)`` where kept, 0 where dropped, shaped like the probabilities."""
-    batch_size, num_kv_heads, group, lq, lk = probs_shape
-    keep = _dropout_keep_mask((batch_size, num_kv_heads * group, lq, lk), dropout_p, dropout_seed, device)
-    return (keep.to(dtype) * (1.0 / (1.0 - dropout_p))).unflatten(1, (num_kv_heads, group))
+def _dropout_scale(shape, args: AttentionArgs, device, dtype) -> torch.Tensor:
+    """Per-weight dropout factor ``[B, Hq, Lq, Lk]``: ``1 / (1 - p)`` where kept, 0 where dropped."""
+    keep = _dropout_keep_mask(shape, args.dropout_p, args.dropout_seed, device)
+    return keep.to(dtype) * (1.0 / (1.0 - args.dropout_p))
 
 
-def _math_forward(query, key, value, args: AttentionArgs):
-    probs, lse = _math_probs(query, key, args)
-    if args.dropout_p > 0.0:
-        probs = probs * _dropout_scale(probs.shape, args.dropout_p, args.dropout_seed, query.device, probs.dtype)
-    out = torch.matmul(probs, value.to(probs.dtype).unsqueeze(2)).flatten(1, 2)
-    return _in_layout(out, empty_output(query, value)), _in_layout(lse, empty_lse(query))
-
-
-def _math_backward(grad_out, query, key, value, lse, args: AttentionArgs, attn_mask_needs_grad):
-    """Softmax-attention backward on materialized probabilities, recomputed from the saved lse as
-    ``P = exp(S - lse)`` (0 on rows without keys, whose lse is +inf); ``dS = P * (dP - rowsum(P * dP))``."""
-    scale, dropout_p = args.scale, args.dropout_p
-    scores = _masked_scores(query, key, args)
-    group_shape = scores.shape[1:3]
-    probs = scores.sub_(lse.unflatten(1, group_shape).unsqueeze(-1)).exp_()
-    compute_dtype = probs.dtype
-    q = query.to(compute_dtype).unflatten(1, group_shape)
-    k = key.to(compute_dtype).unsqueeze(2)
-    v = value.to(compute_dtype).unsqueeze(2)
-    d_out = grad_out.to(compute_dtype).unflatten(1, group_shape)
-
+def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
+    """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
+    batches = _HeadBatches.of(query, key, value)
+    scores, masked = _scores(query, key, args, batches)
+    probs = _softmax(scores, masked, batches)
     dropped = probs
-    d_probs = torch.matmul(d_out, v.transpose(-1, -2))
-    if dropout_p > 0.0:
-        factor = _dropout_scale(probs.shape, dropout_p, args.dropout_seed, query.device, compute_dtype)
+    if args.dropout_p > 0.0:
+        dropped = probs * _dropout_scale(probs.shape, args, query.device, probs.dtype)
+    batch_size, num_heads, lq, _ = query.shape
+    out = batches.empty(batch_size, num_heads, lq, value.shape[-1], query, probs.dtype)
+    batches.matmul(dropped, value.to(probs.dtype), out)
+    out = _in_layout(out, empty_output(query, value))
+    return out, probs if needs_backward else probs.new_empty(0)
+
+
+def _recomputed_probs(query, key, lse: Optional[torch.Tensor], args: AttentionArgs) -> torch.Tensor:
+    """The forward's probabilities again: ``P = exp(S - lse)`` from its lse (0 on rows without keys,
+    whose lse is +inf), or the softmax of the scores when it saved nothing."""
+    batches = _HeadBatches.of(query, key)
+    scores, masked = _scores(query, key, args, batches)
+    if lse is not None:
+        return scores.sub_(lse.unsqueeze(-1)).exp_()
+    return _softmax(scores, masked, batches)
+
+
+def _probs_backward(grad_out, query, key, value, probs, args: AttentionArgs, attn_mask_needs_grad):
+    """Softmax-attention backward on the materialized probabilities ``P``:
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))``, ``dQ = dS K``,
+    ``dK = dS^T Q`` (the last two scaled)."""
+    batches = _HeadBatches.of(grad_out, query, key, value)
+    dtype = probs.dtype
+    batch_size, num_heads, lq, head_dim = query.shape
+    num_kv_heads, lk = key.shape[1], key.shape[2]
+    q, k, v, d_out = (t.to(dtype) for t in (query, key, value, grad_out))
+
+    d_probs = batches.matmul(d_out, v.transpose(-1, -2), batches.empty(batch_size, num_heads, lq, lk, query, dtype))
+    dropped = probs
+    if args.dropout_p > 0.0:
+        factor = _dropout_scale(probs.shape, args, query.device, dtype)
         dropped = probs * factor
         d_probs.mul_(factor)
-    grad_value = _sum_groups(torch.matmul(dropped.transpose(-1, -2), d_out))
-    d_scores = torch._softmax_backward_data(d_probs, probs, -1, compute_dtype)
-    grad_query = torch.matmul(d_scores, k).mul_(scale).flatten(1, 2)
-    grad_key = _sum_groups(torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale))
-    dmask = d_scores.flatten(1, 2) if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
+    value_heads = batches.empty(batch_size, num_kv_heads, lk, value.shape[-1], query, dtype)
+    grad_value = batches.matmul(dropped.transpose(-1, -2), d_out, value_heads)
+    d_scores = batches.last_dim_op(lambda dp, p: torch._softmax_backward_data(dp, p, -1, dtype), d_probs, probs)
+    grad_query = batches.matmul(d_scores, k, batches.empty(batch_size, num_heads, lq, head_dim, query, dtype), args.scale)
+    key_heads = batches.empty(batch_size, num_kv_heads, lk, head_dim, query, dtype)
+    grad_key = batches.matmul(d_scores.transpose(-1, -2), q, key_heads, args.scale)
+    dmask = d_scores if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
     grads = (_in_layout(g, t) for g, t in zip((grad_query, grad_key, grad_value), empty_grads(query, key, value)))
     return (*grads, dmask)
-
-
-def _sum_groups(grad: torch.Tensor) -> torch.Tensor:
-    """``[B, Hk, G, L, E]`` -> ``[B, Hk, L, E]``, summed over the query heads of each group (a view when G = 1)."""
-    return grad.squeeze(2) if grad.shape[2] == 1 else grad.sum(2)
 
 
 # ----------------------------------------------------------------------------
@@ -555,15 +633,28 @@ def _sum_groups(grad: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------
 
 
-def forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` and ``lse`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_output`
-    and :func:`~transformer_kernels.ops.attention.empty_lse`."""
+def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
+    """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path,
+    the lse (:func:`~transformer_kernels.ops.attention.empty_lse`); on the materialized path, the
+    probabilities ``[B, Hq, Lq, Lk]`` (float32 or wider, laid out as :class:`_HeadBatches`
+    allocates them), or an empty tensor when no backward pass will run."""
     if _uses_flash_tiles(query, value, args.dropout_p):
-        tiles = _plan(query, key, args)
-        return _flash_forward(query, key, value, tiles, args.scale)
-    return _math_forward(query, key, value, args)
+        return empty_lse(query)
+    dtype = _compute_dtype(query.dtype)
+    if not needs_backward:
+        return query.new_empty(0, dtype=dtype)
+    batch_size, num_heads, lq, _ = query.shape
+    return _HeadBatches.of(query, key, value).empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
+
+
+def forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` in the layout of :func:`~transformer_kernels.ops.attention.empty_output` and what
+    :func:`empty_saved` describes."""
+    if _uses_flash_tiles(query, value, args.dropout_p):
+        return _flash_forward(query, key, value, _plan(query, key, args), args.scale)
+    return _probs_forward(query, key, value, args, needs_backward)
 
 
 def backward(
@@ -572,14 +663,20 @@ def backward(
     key: torch.Tensor,
     value: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    saved: torch.Tensor,
     args: AttentionArgs,
     attn_mask_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` in the layouts of :func:`~transformer_kernels.ops.attention.empty_grads` and
-    ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``, else empty)."""
-    if not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
+    ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``, else empty).
+    ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), the lse
+    (3-D), or nothing (an empty tensor: the probabilities are computed again)."""
+    if saved.dim() == 4:
+        return _probs_backward(grad_out, query, key, value, saved, args, attn_mask_needs_grad)
+    lse = saved if saved.dim() == 3 else None
+    if lse is not None and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
         tiles = _plan(query, key, args)
         dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
-    return _math_backward(grad_out, query, key, value, lse, args, attn_mask_needs_grad)
+    probs = _recomputed_probs(query, key, lse, args)
+    return _probs_backward(grad_out, query, key, value, probs, args, attn_mask_needs_grad)

@@ -77,7 +77,7 @@ from ._common import (
     run_launches,
 )
 
-__all__ = ["unsupported_reason", "forward", "backward", "compile_targets"]
+__all__ = ["unsupported_reason", "empty_saved", "forward", "backward", "compile_targets"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
@@ -1328,8 +1328,13 @@ def _writable(target: torch.Tensor, width: int) -> torch.Tensor:
     return target.new_empty((*target.shape[:-1], width))
 
 
+def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
+    """The forward keeps the row log-sum-exps for the backward pass, whether or not one runs."""
+    return empty_lse(query)
+
+
 def forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward: ``out`` and ``lse`` (+inf on rows that see no key) in the layouts
     of :func:`~transformer_kernels.ops.attention.empty_output` and ``empty_lse``."""
