@@ -422,7 +422,9 @@ class _Decoder(nn.Module):
         ``[N, S, E]``, and empty self-attention caches."""
         caches = []
         for layer in self.layers:
-            memory_key, memory_value = layer.multihead_attn.project(memory, "kv")
+            # Contiguous [N, H, S, Dh], copied once: every step's attention then runs one batch of
+            # N * H matrices instead of one per head over the projection's [N, S, H, Dh] layout.
+            memory_key, memory_value = (t.contiguous() for t in layer.multihead_attn.project(memory, "kv"))
             empty = memory_key.new_empty(*memory_key.shape[:2], 0, memory_key.shape[-1])
             caches.append(_LayerCache(empty, empty, memory_key, memory_value))
         return _DecoderState(memory_key_padding_mask, tuple(caches))
