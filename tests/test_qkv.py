@@ -93,6 +93,26 @@ def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads):
         assert_close_to_reference(ours.all, expected.all, rtol=1e-4, atol=1e-4, same_dtype=True)
 
 
+@pytest.mark.parametrize(
+    "shape,chunk_tokens",
+    [((5, 3, 16), 7), ((2, 9, 16), 4), ((9, 16), 2), ((2, 2, 3, 16), 100)],
+    ids=["whole_sequences", "pieces_of_sequences", "unbatched", "one_chunk"],
+)
+def test_eager_forward_in_token_chunks(monkeypatch, shape, chunk_tokens):
+    """The packed product made and split chunk by chunk (whole sequences, pieces of one sequence)
+    gives the seeds' outputs, each in its own contiguous tensor."""
+    from transformer_kernels.backends.eager import qkv as eager_qkv
+
+    x, weight, b = _inputs(shape, 3)
+    monkeypatch.setattr(eager_qkv, "_CHUNK_ELEMENTS", chunk_tokens * weight.shape[0])
+    with torch.no_grad():
+        outputs = tk.qkv_projection(x, weight, b, num_heads=4, backend="eager")
+        expected = reference_qkv(x, weight, b, 4)
+    assert all(out.is_contiguous() for out in outputs)
+    assert len({out.data_ptr() for out in outputs}) == 3
+    assert_close_to_reference(outputs, expected, rtol=1e-5, atol=1e-5, same_dtype=True)
+
+
 def test_eager_gradcheck_float64():
     x, weight, b = _inputs((2, 3, 6), 3, torch.float64)
     assert torch.autograd.gradcheck(lambda *a: tk.qkv_projection(*a, num_heads=3, backend="eager"), (x, weight, b))

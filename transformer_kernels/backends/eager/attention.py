@@ -542,6 +542,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` without its host time when the dtype already matches (the usual call)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _scores(query, key, args: AttentionArgs, batches: _HeadBatches) -> tuple[torch.Tensor, bool]:
     """Scaled, masked scores ``[B, Hq, Lq, Lk]`` (``-inf`` where a mask excludes the key) in
     :func:`_compute_dtype`, in ``batches``' layout, and whether any mask applies.  A float mask is
@@ -551,9 +556,9 @@ def _scores(query, key, args: AttentionArgs, batches: _HeadBatches) -> tuple[tor
     dtype = _compute_dtype(query.dtype)
     bias = None
     if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
-        bias = _undo_broadcast(args.attn_mask).to(dtype)
+        bias = _as_dtype(_undo_broadcast(args.attn_mask), dtype)
     scores = batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
-    batches.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2), scores, args.scale, bias)
+    batches.matmul(_as_dtype(query, dtype), _as_dtype(key, dtype).transpose(-1, -2), scores, args.scale, bias)
     excluded = _excluded_keys(query, key, args)
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
@@ -566,7 +571,7 @@ def _softmax(scores: torch.Tensor, masked: bool, batches: _HeadBatches) -> torch
     step's size.)"""
     probs = batches.last_dim_op(lambda s: torch.softmax(s, -1), scores)
     if masked:
-        probs.masked_fill_(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
+        probs.masked_fill_(torch.isneginf(scores.amax(-1, keepdim=True)), 0.0)
     return probs
 
 
@@ -586,7 +591,7 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
         dropped = probs * _dropout_scale(probs.shape, args, query.device, probs.dtype)
     batch_size, num_heads, lq, _ = query.shape
     out = batches.empty(batch_size, num_heads, lq, value.shape[-1], query, probs.dtype)
-    batches.matmul(dropped, value.to(probs.dtype), out)
+    batches.matmul(dropped, _as_dtype(value, probs.dtype), out)
     out = _in_layout(out, empty_output(query, value))
     return out, probs if needs_backward else probs.new_empty(0)
 
@@ -609,7 +614,7 @@ def _probs_backward(grad_out, query, key, value, probs, args: AttentionArgs, att
     dtype = probs.dtype
     batch_size, num_heads, lq, head_dim = query.shape
     num_kv_heads, lk = key.shape[1], key.shape[2]
-    q, k, v, d_out = (t.to(dtype) for t in (query, key, value, grad_out))
+    q, k, v, d_out = (_as_dtype(t, dtype) for t in (query, key, value, grad_out))
 
     d_probs = batches.matmul(d_out, v.transpose(-1, -2), batches.empty(batch_size, num_heads, lq, lk, query, dtype))
     dropped = probs
