@@ -487,19 +487,25 @@ class _HeadBatches:
             return op(*tensors)
         return op(*(t.transpose(0, 1) for t in tensors)).transpose(0, 1)
 
-    def matmul(self, a, b, out, alpha: float = 1.0, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``out[:, h // (Ha / Ho)] (+)= alpha * a[:, h] @ b[:, h // (Ha / Hb)] (+ bias[:, h])`` for
-        every head ``h`` of ``a``, on ``[B, H, rows, cols]`` operands (``out`` from :meth:`empty`,
-        ``bias`` broadcastable to it, ``-inf`` excluding an entry).  Where ``out`` has fewer heads
-        than ``a`` (key/value heads of grouped-query attention), it sums their query heads."""
+    def matmul(
+        self, a, b, alpha: float = 1.0, bias: Optional[torch.Tensor] = None, heads: Optional[int] = None
+    ) -> torch.Tensor:
+        """``alpha * a @ b (+ bias)`` for ``a [B, H, rows, k]`` and ``b [B, Hb, k, cols]`` (head ``h``
+        of ``a`` with head ``h // (H / Hb)`` of ``b``; ``bias`` broadcastable to the result, ``-inf``
+        excluding an entry), as ``[B, heads or H, rows, cols]`` in this layout.  With ``heads`` < H
+        (the key/value heads of grouped-query attention), a result head sums its group's products.
+
+        Folded, ``torch.matmul`` views ``[B, H]`` as one dimension itself: fewer host-side ops than
+        flattening every operand for a ``bmm`` (a decoding step's attention pays per op)."""
+        batch_size, num_heads, rows, _ = a.shape
         if self.folded:
-            # [B, H] of the bias (often [B, 1] or [1, 1]) only: a copy of B * H rows at most.
-            flat_bias = None if bias is None else bias.expand(*out.shape[:2], *bias.shape[2:]).flatten(0, 1)
-            _baddbmm(a.flatten(0, 1), b.flatten(0, 1), out.flatten(0, 1), alpha, flat_bias, False)
-            return out
-        heads = a.shape[1]
-        b_group, out_group = heads // b.shape[1], heads // out.shape[1]
-        for head in range(heads):
+            product = torch.matmul(a, b)
+            if alpha != 1.0:
+                product.mul_(alpha)
+            return product if bias is None else product.add_(bias)
+        out = a.new_empty((heads or num_heads, batch_size, rows, b.shape[-1])).transpose(0, 1)
+        b_group, out_group = num_heads // b.shape[1], num_heads // out.shape[1]
+        for head in range(num_heads):
             head_bias = None if bias is None else bias[:, head if bias.shape[1] > 1 else 0]
             _baddbmm(a[:, head], b[:, head // b_group], out[:, head // out_group], alpha, head_bias, head % out_group > 0)
         return out
@@ -533,7 +539,7 @@ def _excluded_keys(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) 
         hidden = torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu_(shift + 1)
         excluded = hidden if excluded is None else excluded | hidden
     if args.key_padding_mask is not None:
-        padding = args.key_padding_mask[:, None, None, :]
+        padding = args.key_padding_mask.view(args.key_padding_mask.shape[0], 1, 1, lk)
         excluded = padding if excluded is None else excluded | padding
     return excluded
 
@@ -552,13 +558,11 @@ def _scores(query, key, args: AttentionArgs, batches: _HeadBatches) -> tuple[tor
     :func:`_compute_dtype`, in ``batches``' layout, and whether any mask applies.  A float mask is
     the matmul's addend; the others fill ``-inf`` in one ``masked_fill_`` (fewer ops than an
     additive bias built from them: a decoding step's attention pays per op)."""
-    batch_size, num_heads, lq, _ = query.shape
     dtype = _compute_dtype(query.dtype)
     bias = None
     if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
         bias = _as_dtype(_undo_broadcast(args.attn_mask), dtype)
-    scores = batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
-    batches.matmul(_as_dtype(query, dtype), _as_dtype(key, dtype).transpose(-1, -2), scores, args.scale, bias)
+    scores = batches.matmul(_as_dtype(query, dtype), _as_dtype(key, dtype).transpose(-1, -2), args.scale, bias)
     excluded = _excluded_keys(query, key, args)
     if excluded is not None:
         scores.masked_fill_(excluded, float("-inf"))
@@ -589,10 +593,7 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     dropped = probs
     if args.dropout_p > 0.0:
         dropped = probs * _dropout_scale(probs.shape, args, query.device, probs.dtype)
-    batch_size, num_heads, lq, _ = query.shape
-    out = batches.empty(batch_size, num_heads, lq, value.shape[-1], query, probs.dtype)
-    batches.matmul(dropped, _as_dtype(value, probs.dtype), out)
-    out = _in_layout(out, empty_output(query, value))
+    out = _in_layout(batches.matmul(dropped, _as_dtype(value, probs.dtype)), empty_output(query, value))
     return out, probs if needs_backward else probs.new_empty(0)
 
 
@@ -612,22 +613,19 @@ def _probs_backward(grad_out, query, key, value, probs, args: AttentionArgs, att
     ``dK = dS^T Q`` (the last two scaled)."""
     batches = _HeadBatches.of(grad_out, query, key, value)
     dtype = probs.dtype
-    batch_size, num_heads, lq, head_dim = query.shape
-    num_kv_heads, lk = key.shape[1], key.shape[2]
+    num_kv_heads = key.shape[1]
     q, k, v, d_out = (_as_dtype(t, dtype) for t in (query, key, value, grad_out))
 
-    d_probs = batches.matmul(d_out, v.transpose(-1, -2), batches.empty(batch_size, num_heads, lq, lk, query, dtype))
+    d_probs = batches.matmul(d_out, v.transpose(-1, -2))
     dropped = probs
     if args.dropout_p > 0.0:
         factor = _dropout_scale(probs.shape, args, query.device, dtype)
         dropped = probs * factor
         d_probs.mul_(factor)
-    value_heads = batches.empty(batch_size, num_kv_heads, lk, value.shape[-1], query, dtype)
-    grad_value = batches.matmul(dropped.transpose(-1, -2), d_out, value_heads)
+    grad_value = batches.matmul(dropped.transpose(-1, -2), d_out, heads=num_kv_heads)
     d_scores = batches.last_dim_op(lambda dp, p: torch._softmax_backward_data(dp, p, -1, dtype), d_probs, probs)
-    grad_query = batches.matmul(d_scores, k, batches.empty(batch_size, num_heads, lq, head_dim, query, dtype), args.scale)
-    key_heads = batches.empty(batch_size, num_kv_heads, lk, head_dim, query, dtype)
-    grad_key = batches.matmul(d_scores.transpose(-1, -2), q, key_heads, args.scale)
+    grad_query = batches.matmul(d_scores, k, args.scale)
+    grad_key = batches.matmul(d_scores.transpose(-1, -2), q, args.scale, heads=num_kv_heads)
     dmask = d_scores if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
     grads = (_in_layout(g, t) for g, t in zip((grad_query, grad_key, grad_value), empty_grads(query, key, value)))
     return (*grads, dmask)

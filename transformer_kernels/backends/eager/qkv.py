@@ -44,15 +44,29 @@ def forward(
     num_proj = weight.shape[0] // embed_dim
     num_heads = args.num_heads
     head_dim = embed_dim // num_heads
+    chunk_tokens = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    if x.numel() <= chunk_tokens * embed_dim:
+        # One chunk (a decoding step, the seeds' short batches): the fewest host-side ops.
+        packed = F.linear(x, weight, bias).view(*batch, seq_len, num_proj, num_heads, head_dim)
+        # Outputs of one op must not share storage: with n > 1 always copy, even when a head-split
+        # view happens to be contiguous already.
+        return [_head_split(packed.select(-3, i), copy=num_proj > 1) for i in range(num_proj)]
     sequences = x.reshape(-1, seq_len, embed_dim)
     num_seqs = sequences.shape[0]
     outputs = [x.new_empty(num_seqs, num_heads, seq_len, head_dim) for _ in range(num_proj)]
-    for seqs, positions in _token_chunks(num_seqs, seq_len, max(1, _CHUNK_ELEMENTS // weight.shape[0])):
+    for seqs, positions in _token_chunks(num_seqs, seq_len, chunk_tokens):
         packed = F.linear(sequences[seqs, positions], weight, bias)
         packed = packed.view(*packed.shape[:2], num_proj, num_heads, head_dim)
         for i, output in enumerate(outputs):
             output[seqs, :, positions].copy_(packed.select(2, i).transpose(1, 2))
     return [output.view(*batch, num_heads, seq_len, head_dim) for output in outputs]
+
+
+def _head_split(projection: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``[*batch, L, H, Dh]`` -> contiguous ``[*batch, H, L, Dh]``, a copy when ``copy`` even where it
+    already is contiguous."""
+    head_split = projection.transpose(-3, -2)
+    return head_split.clone(memory_format=torch.contiguous_format) if copy else head_split.contiguous()
 
 
 # The packed product [T, n*E] is made and split into heads in chunks of about this many elements
