@@ -2,6 +2,8 @@
 state_dict and outputs, cached generation against re-running forward, padding, torch.compile,
 training."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,6 +226,34 @@ def test_cached_generation_matches_rerunning_forward(impl, beam_size):
     for row in cached[ended]:
         after = row[row.tolist().index(EOS) + 1 :]
         assert after.eq(PAD).all()
+
+
+def test_fused_decoding_steps_call_the_registered_ops_directly(monkeypatch):
+    """A decoding step's projections and attentions skip the public functions (their checks and
+    backend choice cost host time on the order of a step's tiny ops) with the arguments those would
+    build; the encoder and the memory's projections go through them."""
+    import transformer_kernels.models.transformer as transformer_module
+
+    torch.manual_seed(0)
+    model = tiny_model("fused").eval()
+    src, _ = batch()
+    public = []
+    for name in ("scaled_dot_product_attention", "qkv_projection"):
+        real = getattr(transformer_module, name)
+        monkeypatch.setattr(transformer_module, name, lambda *a, _real=real, _name=name, **k: public.append(_name) or _real(*a, **k))
+    spy = ForwardSpy(monkeypatch, ops=("attention",), names=("eager",))
+    model.generate(src, max_len=4, bos_index=BOS, eos_index=EOS)
+    encoder_layers, decoder_layers = TINY["num_encoder_layers"], TINY["num_decoder_layers"]
+    assert public.count("scaled_dot_product_attention") == encoder_layers
+    assert public.count("qkv_projection") == encoder_layers + decoder_layers  # encoder qkv, memory kv
+    step_args = [args[3] for args in spy.inputs[encoder_layers:]]
+    # Each step: self- and cross-attention per layer.
+    assert len(step_args) >= 2 * decoder_layers and len(step_args) % (2 * decoder_layers) == 0
+    scale = 1.0 / math.sqrt(TINY["d_model"] // TINY["nhead"])  # the public function's default
+    for args in step_args:
+        assert (args.causal, args.attn_mask, args.dropout_p, args.scale) == (Causal.NONE, None, 0.0, scale)
+    assert [args.key_padding_mask is None for args in step_args[:2]] == [True, False]
+    assert torch.equal(step_args[1].key_padding_mask, src.eq(PAD))
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reference
+from .._backend import select_backend
 from ..nn import MultiheadAttention
-from ..ops.attention import scaled_dot_product_attention
-from ..ops.qkv import qkv_projection
+from ..ops.attention import OP_NAME as ATTENTION_NAME
+from ..ops.attention import AttentionArgs, Causal, attention_forward, scaled_dot_product_attention
+from ..ops.qkv import QkvProjectionArgs, qkv_projection, qkv_projection_forward
 from . import generation
 
 __all__ = ["Transformer"]
@@ -258,12 +260,16 @@ class _Attention(MultiheadAttention):
     def extra_repr(self) -> str:
         return ", ".join(filter(None, [f"impl={self.impl!r}", super().extra_repr()]))
 
+    def projection(self, which: str) -> tuple[Tensor, Tensor]:
+        """The ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) rows of ``in_proj_weight`` and ``in_proj_bias``."""
+        first, end = _PROJECTIONS[which]
+        rows = slice(first * self.embed_dim, end * self.embed_dim)
+        return self.in_proj_weight[rows], self.in_proj_bias[rows]
+
     def project(self, x: Tensor, which: str) -> tuple[Tensor, ...]:
         """``x [N, L, E]`` -> the ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) projections, each
         head-split ``[N, H, L, E / H]``."""
-        first, end = _PROJECTIONS[which]
-        rows = slice(first * self.embed_dim, end * self.embed_dim)
-        weight, bias = self.in_proj_weight[rows], self.in_proj_bias[rows]
+        weight, bias = self.projection(which)
         if self.impl == "fused":
             return qkv_projection(x, weight, bias, num_heads=self.num_heads, backend=self.backend)
         return reference.qkv_projection(x, weight, bias, self.num_heads)
@@ -289,6 +295,10 @@ class _Attention(MultiheadAttention):
                 q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, masked_value=float("-inf"),
                 dropout_p=dropout_p, dropout_keep_mask=keep,
             )
+        return self.merge_heads(out)
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """The attention's ``[N, H, L, Dh]`` output, heads merged, through ``out_proj``: ``[N, L, E]``."""
         batch, heads, length, head_dim = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))
 
@@ -335,17 +345,61 @@ class _LayerCache:
         return _LayerCache(self.key[indices], self.value[indices], self.memory_key[indices], self.memory_value[indices])
 
 
+class _StepCalls:
+    """How a generation's decoding steps call their projections and attentions.
+
+    On the fused path (outside autocast), they go to the registered ops directly, each with the
+    backend its call site chose at its first step.  A step computes one query row per hypothesis,
+    so the public functions' argument checks and backend choice cost about as much host time as
+    the ops themselves; every step passes the same kinds of model-built arguments, so the first
+    choice holds for the rest.  (Greedy generation at the small preset on a CPU: about 0.87x ->
+    1.0x the seeds' math.)  Otherwise the layer's own ``project``/``attend`` run.
+    """
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+        self._backends: dict[tuple[int, str], str] = {}
+
+    def _backend(self, layer: _Attention, op: str, public_name: str, *forward_args) -> str:
+        key = (id(layer), op)
+        backend = self._backends.get(key)
+        if backend is None:
+            backend = select_backend(op, public_name, layer.backend, forward_args[0], *forward_args)
+            self._backends[key] = backend
+        return backend
+
+    def project(self, layer: _Attention, x: Tensor, which: str) -> tuple[Tensor, ...]:
+        if not self.direct:
+            return layer.project(x, which)
+        weight, bias = layer.projection(which)
+        args = QkvProjectionArgs(layer.num_heads)
+        backend = self._backend(layer, "qkv", "qkv_projection", x, weight, bias, args)
+        return tuple(qkv_projection_forward(x, weight, bias, args, backend))
+
+    def attend(self, layer: _Attention, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """``attend(q, k, v, key_padding_mask=...)`` without a causal mask: the newest position sees
+        every cached one."""
+        if not self.direct:
+            return layer.attend(q, k, v, key_padding_mask=key_padding_mask)
+        # The public function's default scale, computed the same way.
+        args = AttentionArgs(key_padding_mask, None, Causal.NONE, 1.0 / math.sqrt(q.shape[-1]), 0.0, None)
+        backend = self._backend(layer, "attention", ATTENTION_NAME, q, k, v, args)
+        out, _ = attention_forward(q, k, v, args, False, backend)
+        return layer.merge_heads(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DecoderState:
     """What the decoder carries from one generation step to the next, for ``N`` hypotheses."""
 
-    memory_key_padding_mask: Tensor  # bool [N, S], True = source padding
+    memory_key_padding_mask: Tensor  # bool [N, S], True = source padding, contiguous
     layers: tuple[_LayerCache, ...]
+    calls: _StepCalls
 
     def index(self, indices: Tensor, same_sources: bool) -> "_DecoderState":
         """The state of hypotheses ``indices`` (LongTensor ``[N']``), in that order."""
         mask = self.memory_key_padding_mask if same_sources else self.memory_key_padding_mask[indices]
-        return _DecoderState(mask, tuple(c.index(indices, same_sources) for c in self.layers))
+        return _DecoderState(mask, tuple(c.index(indices, same_sources) for c in self.layers), self.calls)
 
 
 class _DecoderLayer(nn.Module):
@@ -372,19 +426,25 @@ class _DecoderLayer(nn.Module):
         memory_key, memory_value = self.multihead_attn.project(memory, "kv")
         return self._cross_attention_and_feed_forward(x, memory_key, memory_value, memory_key_padding_mask)
 
-    def step(self, x: Tensor, cache: _LayerCache, memory_key_padding_mask: Tensor) -> tuple[Tensor, _LayerCache]:
+    def step(
+        self, x: Tensor, cache: _LayerCache, memory_key_padding_mask: Tensor, calls: _StepCalls
+    ) -> tuple[Tensor, _LayerCache]:
         """``x [N, 1, E]``, the newest position, attending to itself and the cached positions."""
-        q, k, v = self.self_attn.project(x, "qkv")
+        q, k, v = calls.project(self.self_attn, x, "qkv")
         k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
-        x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v)))
-        x = self._cross_attention_and_feed_forward(x, cache.memory_key, cache.memory_value, memory_key_padding_mask)
-        return x, dataclasses.replace(cache, key=k, value=v)
+        x = self.norm1(x + self.dropout1(calls.attend(self.self_attn, q, k, v, None)))
+        (q,) = calls.project(self.multihead_attn, x, "q")
+        attended = calls.attend(self.multihead_attn, q, cache.memory_key, cache.memory_value, memory_key_padding_mask)
+        return self._add_cross_attention_and_feed_forward(x, attended), dataclasses.replace(cache, key=k, value=v)
 
     def _cross_attention_and_feed_forward(
         self, x: Tensor, memory_key: Tensor, memory_value: Tensor, memory_key_padding_mask: Tensor
     ) -> Tensor:
         (q,) = self.multihead_attn.project(x, "q")
         attended = self.multihead_attn.attend(q, memory_key, memory_value, key_padding_mask=memory_key_padding_mask)
+        return self._add_cross_attention_and_feed_forward(x, attended)
+
+    def _add_cross_attention_and_feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
         x = self.norm2(x + self.dropout2(attended))
         return self.norm3(x + self.dropout3(_feed_forward(self, x)))
 
@@ -427,14 +487,16 @@ class _Decoder(nn.Module):
             memory_key, memory_value = (t.contiguous() for t in layer.multihead_attn.project(memory, "kv"))
             empty = memory_key.new_empty(*memory_key.shape[:2], 0, memory_key.shape[-1])
             caches.append(_LayerCache(empty, empty, memory_key, memory_value))
-        return _DecoderState(memory_key_padding_mask, tuple(caches))
+        fused = self.layers[0].self_attn.impl == "fused"
+        direct = fused and not torch.is_autocast_enabled(memory.device.type)
+        return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct))
 
     def step(self, x: Tensor, state: _DecoderState) -> tuple[Tensor, _DecoderState]:
         """``x [N, 1, E]``, the embedded newest token of each hypothesis -> ``[N, 1, E]`` and the state
         with its keys and values appended."""
         caches = []
         for layer, cache in zip(self.layers, state.layers):
-            x, cache = layer.step(x, cache, state.memory_key_padding_mask)
+            x, cache = layer.step(x, cache, state.memory_key_padding_mask, state.calls)
             caches.append(cache)
         return self.norm(x), dataclasses.replace(state, layers=tuple(caches))
 
