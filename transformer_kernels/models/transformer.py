@@ -352,8 +352,8 @@ class _StepCalls:
     backend its call site chose at its first step.  A step computes one query row per hypothesis,
     so the public functions' argument checks and backend choice cost about as much host time as
     the ops themselves; every step passes the same kinds of model-built arguments, so the first
-    choice holds for the rest.  (Greedy generation at the small preset on a CPU: about 0.87x ->
-    1.0x the seeds' math.)  Otherwise the layer's own ``project``/``attend`` run.
+    choice holds for the rest.  (Greedy generation at the small preset on a CPU, quick report:
+    0.87x -> 1.08x the seeds' math.)  Otherwise the layer's own ``project``/``attend`` run.
     """
 
     def __init__(self, direct: bool) -> None:
