@@ -218,6 +218,22 @@ def test_value_head_dim_differs(kind):
     check_against_reference(case, "eager", tol=1e-9)
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("lq", [1, 9])
+@pytest.mark.parametrize("kind", ["causal_lower_right+pad_holes", "float_grad"])
+def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, layout):
+    """Eager's materialized path (here for a value head dim unlike the query's): one ``bmm`` over
+    ``B * H`` for ``[B, H, L, D]`` inputs of one head count, else one per query head, reading
+    ``[B, L, H, D]`` memory in place and summing the key/value gradients over each group."""
+    case = make_case(kind, 2, heads, kv_heads, lq, 12, 16, value_head_dim=24)
+    if layout == "blhd":
+        for name in ("query", "key", "value"):
+            tensor = case["leaves"][name].detach().transpose(1, 2).contiguous().transpose(1, 2)
+            case["leaves"][name] = tensor.requires_grad_()
+    check_against_reference(case, "eager", tol=1e-9)
+
+
 def backend_tolerance(backend: str) -> float:
     return 1e-9 if backend == "eager" else TRITON_TOLERANCE
 
