@@ -956,6 +956,26 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
 
 
+@pytest.mark.parametrize(("layout", "length", "needs_backward", "saved_dim"), [
+    ("bhld", 9, True, 4),    # short, folds, differentiated: the probabilities
+    ("bhld", 9, False, 3),   # no backward: the tiled flash path's lse
+    ("blhd", 9, True, 3),    # does not fold: the flash path
+    ("bhld", 65, True, 3),   # past _PROBS_MAX_SCORES: the flash path
+])
+def test_eager_keeps_probabilities_for_short_folding_calls(layout, length, needs_backward, saved_dim):
+    """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
+    calls on [B, H, L, D]-contiguous inputs keep the probabilities, the others the lse."""
+    shape = (2, 4, length, 16) if layout == "bhld" else (2, length, 4, 16)
+    q, k, v = (torch.randn(shape) if layout == "bhld" else torch.randn(shape).transpose(1, 2) for _ in range(3))
+    padding = make_padding("pad_holes", 2, length)
+    args = (q, k, v, padding, None, 1, 0.25, 0.0, None, needs_backward, "eager")
+    torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, args)
+    out, saved = torch.ops.transformer_kernels.attention_forward(*args)
+    assert saved.dim() == saved_dim
+    backward_args = (torch.randn_like(out), q, k, v, out, saved, padding, None, 1, 0.25, 0.0, None, False, "eager")
+    torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
+
+
 # Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would
 # hide a fake/real stride mismatch.  (Compiled C++ kernels stay cached by their source.)  torch's own
 # config.patch restores the settings; monkeypatch would delete these dynamically served attributes.

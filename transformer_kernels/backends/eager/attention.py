@@ -30,8 +30,9 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
   exactly 0.
 
 * **Materialized path** (one query row, dropout, different value head dim,
-  non-CPU devices, and the backward pass whenever the float mask needs a
-  gradient): scores materialized by ``bmm`` (one over ``B * H`` matrices, or
+  non-CPU devices, the backward pass whenever the float mask needs a gradient,
+  and short calls autograd will differentiate on ``[B, H, L, D]``-contiguous
+  inputs, see ``_PROBS_MAX_SCORES``): scores materialized by ``bmm`` (one over ``B * H`` matrices, or
   one per head that reads ``[B, L, H, D]``-strided inputs in place, see
   :class:`_HeadBatches`), masks as ``-inf``, a softmax that returns 0 on rows
   without any key, an explicit dropout keep-mask.  When autograd will run the
@@ -72,6 +73,15 @@ _PER_SEQUENCE_MIN_SCORES = 64 * 1024
 # Rows per block when a causal triangle is cut into blocks (see _segment_tiles): each block
 # computes about half a block of hidden scores on its diagonal, and costs one kernel call.
 _CAUSAL_ROW_BLOCK = 128
+# Up to this many scores per (batch, head), a call that autograd will differentiate, on inputs
+# that fold [B, H] into one dimension (the contiguous [B, H, L, D] that qkv_projection returns),
+# takes the materialized path and keeps its probabilities: the backward's four matmuls over
+# B * H matrices beat torch's CPU flash backward, which recomputes the scores in five tiny GEMMs
+# per head.  Measured at 1 thread, forward+backward against the naive math (flash -> kept
+# probabilities): B128 H8 D64 L16 0.55x -> 1.10x, L32 0.97x -> 1.21x, L64 1.31x -> 1.41x;
+# B16 H4 D32 L24 0.68x -> 1.15x, L40 1.06x -> 1.46x.  Inputs that do not fold (a [B, L, H, D]
+# view) would pay per-head matmuls and gradient copies: measured no gain there.
+_PROBS_MAX_SCORES = 64 * 64
 
 
 def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
@@ -637,11 +647,11 @@ def _probs_backward(grad_out, query, key, value, probs, args: AttentionArgs, att
 
 
 def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
-    """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path,
-    the lse (:func:`~transformer_kernels.ops.attention.empty_lse`); on the materialized path, the
+    """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path
+    (see :func:`_keeps_probs` for the short calls it leaves to the materialized one), the lse (:func:`~transformer_kernels.ops.attention.empty_lse`); on the materialized path, the
     probabilities ``[B, Hq, Lq, Lk]`` (float32 or wider, laid out as :class:`_HeadBatches`
     allocates them), or an empty tensor when no backward pass will run."""
-    if _uses_flash_tiles(query, value, args.dropout_p):
+    if not _keeps_probs(query, key, value, args, needs_backward) and _uses_flash_tiles(query, value, args.dropout_p):
         return empty_lse(query)
     dtype = _compute_dtype(query.dtype)
     if not needs_backward:
@@ -655,9 +665,19 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` in the layout of :func:`~transformer_kernels.ops.attention.empty_output` and what
     :func:`empty_saved` describes."""
-    if _uses_flash_tiles(query, value, args.dropout_p):
+    if not _keeps_probs(query, key, value, args, needs_backward) and _uses_flash_tiles(query, value, args.dropout_p):
         return _flash_forward(query, key, value, _plan(query, key, args), args.scale)
     return _probs_forward(query, key, value, args, needs_backward)
+
+
+def _keeps_probs(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
+    """Whether a call the tiled flash path could serve takes the materialized path instead, keeping
+    its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``)."""
+    return (
+        needs_backward
+        and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES
+        and _HeadBatches.of(query, key, value).folded
+    )
 
 
 def backward(
