@@ -513,7 +513,7 @@ class _HeadBatches:
             if alpha != 1.0:
                 product.mul_(alpha)
             return product if bias is None else product.add_(bias)
-        out = a.new_empty((heads or num_heads, batch_size, rows, b.shape[-1])).transpose(0, 1)
+        out = self.empty(batch_size, heads or num_heads, rows, b.shape[-1], a, a.dtype)
         b_group, out_group = num_heads // b.shape[1], num_heads // out.shape[1]
         for head in range(num_heads):
             head_bias = None if bias is None else bias[:, head if bias.shape[1] > 1 else 0]
