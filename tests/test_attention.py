@@ -234,6 +234,36 @@ def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, 
     check_against_reference(case, "eager", tol=1e-9)
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+@pytest.mark.parametrize("lq", [1, 9])
+@pytest.mark.parametrize("kind", ["pad_holes", "causal_lower_right+pad_holes", "float_grad", "float_broadcast_grad"])
+def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, monkeypatch):
+    """Eager's materialized path cut into one sequence per chunk: each chunk with its slice of the
+    key padding and of a per-sequence float mask (a broadcast one whole), its folded copies of the
+    operands, and its results written into the call's outputs, gradients and mask gradient."""
+    monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", 1)
+    case = make_case(kind, 3, heads, kv_heads, lq, 12, 16)
+    if layout == "blhd":
+        for name in ("query", "key", "value"):
+            tensor = case["leaves"][name].detach().transpose(1, 2).contiguous().transpose(1, 2)
+            case["leaves"][name] = tensor.requires_grad_()
+    check_against_reference(case, "eager", tol=1e-9)
+
+
+def test_batch_chunks_keep_the_call_wide_dropout_mask(monkeypatch):
+    """Chunks cut the one keep-mask the call's seed draws: a chunked call matches an unchunked one."""
+    q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    results = []
+    for chunk_bytes in (eager_attention._CHUNK_BYTES, 1):
+        monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", chunk_bytes)
+        torch.manual_seed(5)
+        out = tk.scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="eager")
+        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for unchunked, chunked in zip(*results):
+        torch.testing.assert_close(chunked, unchunked, rtol=1e-12, atol=1e-12)
+
+
 def backend_tolerance(backend: str) -> float:
     return 1e-9 if backend == "eager" else TRITON_TOLERANCE
 
@@ -956,17 +986,24 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
 
 
-@pytest.mark.parametrize(("layout", "length", "needs_backward", "saved_dim"), [
-    ("bhld", 9, True, 4),    # short, folds, differentiated: the probabilities
-    ("bhld", 9, False, 3),   # no backward: the tiled flash path's lse
-    ("blhd", 9, True, 3),    # does not fold: the flash path
-    ("bhld", 65, True, 3),   # past _PROBS_MAX_SCORES: the flash path
+@pytest.mark.parametrize(("layout", "length", "needs_backward", "chunk_bytes", "saved_dim"), [
+    ("bhld", 9, True, None, 4),   # short, differentiated: the probabilities
+    ("blhd", 9, True, None, 4),   # ... of any layout
+    ("blhd", 9, True, 1, 4),      # ... in chunks of sequences: batch-major
+    ("bhld", 9, False, None, 3),  # no backward: the tiled flash path's lse
+    ("gqa", 9, True, None, 3),    # grouped heads: the flash path
+    ("bhld", 65, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path
 ])
-def test_eager_keeps_probabilities_for_short_folding_calls(layout, length, needs_backward, saved_dim):
+def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim,
+                                                   monkeypatch):
     """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
-    calls on [B, H, L, D]-contiguous inputs keep the probabilities, the others the lse."""
-    shape = (2, 4, length, 16) if layout == "bhld" else (2, length, 4, 16)
-    q, k, v = (torch.randn(shape) if layout == "bhld" else torch.randn(shape).transpose(1, 2) for _ in range(3))
+    calls with one head count keep the probabilities, the others the lse."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", chunk_bytes)
+    shape = (2, 4, length, 16) if layout != "blhd" else (2, length, 4, 16)
+    q, k, v = (torch.randn(shape) if layout != "blhd" else torch.randn(shape).transpose(1, 2) for _ in range(3))
+    if layout == "gqa":
+        k, v = k[:, :2], v[:, :2]
     padding = make_padding("pad_holes", 2, length)
     args = (q, k, v, padding, None, 1, 0.25, 0.0, None, needs_backward, "eager")
     torch.library.opcheck(torch.ops.transformer_kernels.attention_forward, args)

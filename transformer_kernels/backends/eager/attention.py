@@ -31,11 +31,14 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
 
 * **Materialized path** (one query row, dropout, different value head dim,
   non-CPU devices, the backward pass whenever the float mask needs a gradient,
-  and short calls autograd will differentiate on ``[B, H, L, D]``-contiguous
-  inputs, see ``_PROBS_MAX_SCORES``): scores materialized by ``bmm`` (one over ``B * H`` matrices, or
-  one per head that reads ``[B, L, H, D]``-strided inputs in place, see
-  :class:`_HeadBatches`), masks as ``-inf``, a softmax that returns 0 on rows
-  without any key, an explicit dropout keep-mask.  When autograd will run the
+  and short calls with one head count that autograd will differentiate, see
+  ``_PROBS_MAX_SCORES``): scores materialized by ``bmm`` (one over ``B * H``
+  matrices, or one per head that reads ``[B, L, H, D]``-strided inputs in
+  place, see :class:`_HeadBatches`), masks as ``-inf``, a softmax that returns
+  0 on rows without any key, an explicit dropout keep-mask.  A large batch runs
+  in chunks of sequences whose operands are copied to fold (see
+  ``_CHUNK_BYTES``), so that each chunk's buffers stay in cache from one op to
+  the next.  When autograd will run the
   backward pass (the op's ``needs_backward``), the forward keeps the
   probabilities, as the naive math does, and the backward applies the
   softmax-attention gradient formulas to them; otherwise it keeps nothing.
@@ -73,15 +76,22 @@ _PER_SEQUENCE_MIN_SCORES = 64 * 1024
 # Rows per block when a causal triangle is cut into blocks (see _segment_tiles): each block
 # computes about half a block of hidden scores on its diagonal, and costs one kernel call.
 _CAUSAL_ROW_BLOCK = 128
-# Up to this many scores per (batch, head), a call that autograd will differentiate, on inputs
-# that fold [B, H] into one dimension (the contiguous [B, H, L, D] that qkv_projection returns),
-# takes the materialized path and keeps its probabilities: the backward's four matmuls over
-# B * H matrices beat torch's CPU flash backward, which recomputes the scores in five tiny GEMMs
-# per head.  Measured at 1 thread, forward+backward against the naive math (flash -> kept
-# probabilities): B128 H8 D64 L16 0.55x -> 1.10x, L32 0.97x -> 1.21x, L64 1.31x -> 1.41x;
-# B16 H4 D32 L24 0.68x -> 1.15x, L40 1.06x -> 1.46x.  Inputs that do not fold (a [B, L, H, D]
-# view) would pay per-head matmuls and gradient copies: measured no gain there.
+# Up to this many scores per (batch, head), a call that autograd will differentiate, with as many
+# key/value heads as query heads, takes the materialized path and keeps its probabilities: the
+# backward's four matmuls over B * H matrices beat torch's CPU flash backward, which recomputes
+# the scores in five tiny GEMMs per head and zero-fills its gradients.  Measured at 1 thread,
+# forward+backward against the naive math (flash -> kept probabilities, in chunks): B128 H8 D64
+# on [B, H, L, D]-contiguous inputs (what qkv_projection returns) L16 0.55x -> 1.0-1.1x, L64
+# 1.31x -> 1.48x; on [B, L, H, D] views (a projection's output split into heads) L16 0.74x ->
+# 1.1-1.4x, L64 1.44x -> 1.38-1.48x; B16 H4 L40 0.73x -> 1.14x.
 _PROBS_MAX_SCORES = 64 * 64
+# The materialized path runs in chunks of sequences of about this many bytes of operands,
+# gradients and score-sized buffers (each chunk's operands copied to [B, H, L, D], which folds),
+# so that a chunk's buffers stay in cache from one op to the next; one pass over the whole batch
+# streams every intermediate through memory (the machine's bandwidth, not its FLOPs, bounds these
+# small matmuls).  B128 H8 D64 L16 [B, L, H, D] views, forward+backward, per-round median vs the
+# naive math by chunk size: 1 MB 0.79x, 2 MB 0.96x, 4 MB 1.09x, 8 MB 1.03x, whole batch 0.79x.
+_CHUNK_BYTES = 4 << 20
 
 
 def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
@@ -498,27 +508,37 @@ class _HeadBatches:
         return op(*(t.transpose(0, 1) for t in tensors)).transpose(0, 1)
 
     def matmul(
-        self, a, b, alpha: float = 1.0, bias: Optional[torch.Tensor] = None, heads: Optional[int] = None
+        self,
+        a,
+        b,
+        alpha: float = 1.0,
+        bias: Optional[torch.Tensor] = None,
+        heads: Optional[int] = None,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``alpha * a @ b (+ bias)`` for ``a [B, H, rows, k]`` and ``b [B, Hb, k, cols]`` (head ``h``
         of ``a`` with head ``h // (H / Hb)`` of ``b``; ``bias`` broadcastable to the result, ``-inf``
         excluding an entry), as ``[B, heads or H, rows, cols]`` in this layout.  With ``heads`` < H
         (the key/value heads of grouped-query attention), a result head sums its group's products.
+        ``out``: a contiguous buffer the folded product is written into (None: a new one).
 
         Folded, ``torch.matmul`` views ``[B, H]`` as one dimension itself: fewer host-side ops than
         flattening every operand for a ``bmm`` (a decoding step's attention pays per op)."""
         batch_size, num_heads, rows, _ = a.shape
         if self.folded:
-            product = torch.matmul(a, b)
+            product = torch.matmul(a, b, out=out)
             if alpha != 1.0:
                 product.mul_(alpha)
             return product if bias is None else product.add_(bias)
         out = self.empty(batch_size, heads or num_heads, rows, b.shape[-1], a, a.dtype)
         b_group, out_group = num_heads // b.shape[1], num_heads // out.shape[1]
+        # Without a bias, one pass scales the whole result: a bmm with alpha measured 1.6x slower.
+        head_alpha = 1.0 if bias is None else alpha
         for head in range(num_heads):
             head_bias = None if bias is None else bias[:, head if bias.shape[1] > 1 else 0]
-            _baddbmm(a[:, head], b[:, head // b_group], out[:, head // out_group], alpha, head_bias, head % out_group > 0)
-        return out
+            accumulate = head % out_group > 0
+            _baddbmm(a[:, head], b[:, head // b_group], out[:, head // out_group], head_alpha, head_bias, accumulate)
+        return out if head_alpha == alpha else out.mul_(alpha)
 
 
 def _folds(tensor: torch.Tensor) -> bool:
@@ -595,16 +615,98 @@ def _dropout_scale(shape, args: AttentionArgs, device, dtype) -> torch.Tensor:
     return keep.to(dtype) * (1.0 / (1.0 - args.dropout_p))
 
 
+@dataclasses.dataclass(frozen=True)
+class _BatchChunk:
+    """One range of sequences of the materialized path, with the call's masks and dropout factor
+    cut to it."""
+
+    batch: Optional[slice]  # None: the whole call
+    args: AttentionArgs
+    dropout: Optional[torch.Tensor]
+
+    def operands(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The chunk of each ``[B, H, L, X]`` operand; when their heads match, as contiguous
+        copies, which fold (``[B, L, H, X]`` views would take per-head matmuls)."""
+        if self.batch is None:
+            return list(tensors)
+        chunks = [t[self.batch] for t in tensors]
+        if all(t.shape[1] == chunks[0].shape[1] for t in chunks):
+            chunks = [t.contiguous() for t in chunks]
+        return chunks
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.batch is None else tensor[self.batch]
+
+    def destination(self, target: torch.Tensor) -> Optional[torch.Tensor]:
+        """The chunk's slice of ``target`` when a folded matmul can write into it (contiguous)."""
+        if self.batch is None:
+            return None
+        part = target[self.batch]
+        return part if part.is_contiguous() else None
+
+    def store(self, result: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``target`` holding ``result``, the chunk's slice of it (unless ``result`` was written in
+        place, see :meth:`destination`).  The whole call's result stands in for ``target`` where
+        the layouts agree (:func:`_in_layout`)."""
+        if self.batch is None:
+            return _in_layout(result, target)
+        part = target[self.batch]
+        if part.data_ptr() != result.data_ptr():
+            part.copy_(result)
+        return target
+
+
+def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """Sequences per chunk of the materialized path: about ``_CHUNK_BYTES`` of operands, gradients
+    and score-sized buffers."""
+    _, num_heads, lq, head_dim = query.shape
+    num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
+    element_size = 8 if query.dtype == torch.float64 else 4
+    per_sequence = element_size * (
+        2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk) + 3 * num_heads * lq * lk
+    )
+    return max(1, _CHUNK_BYTES // per_sequence)
+
+
+def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, dtype):
+    """The materialized path's work cut into ranges of sequences (see ``_CHUNK_BYTES``), each with
+    the masks and dropout factor cut to it; one chunk, over the operands as they are, when the
+    batch fits."""
+    batch_size, num_heads, lq, _ = query.shape
+    dropout = None
+    if args.dropout_p > 0.0:
+        dropout = _dropout_scale((batch_size, num_heads, lq, key.shape[2]), args, query.device, dtype)
+    step = _chunk_size(query, key, value)
+    if step >= batch_size:
+        return [_BatchChunk(None, args, dropout)]
+    attn_mask = None if args.attn_mask is None else _undo_broadcast(args.attn_mask)
+    chunks = []
+    for start in range(0, batch_size, step):
+        batch = slice(start, start + step)
+        chunk_args = dataclasses.replace(
+            args,
+            key_padding_mask=None if args.key_padding_mask is None else args.key_padding_mask[batch],
+            attn_mask=attn_mask if attn_mask is None or attn_mask.shape[0] == 1 else attn_mask[batch],
+        )
+        chunks.append(_BatchChunk(batch, chunk_args, None if dropout is None else dropout[batch]))
+    return chunks
+
+
 def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
     """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
-    batches = _HeadBatches.of(query, key, value)
-    scores, masked = _scores(query, key, args, batches)
-    probs = _softmax(scores, masked, batches)
-    dropped = probs
-    if args.dropout_p > 0.0:
-        dropped = probs * _dropout_scale(probs.shape, args, query.device, probs.dtype)
-    out = _in_layout(batches.matmul(dropped, _as_dtype(value, probs.dtype)), empty_output(query, value))
-    return out, probs if needs_backward else probs.new_empty(0)
+    dtype = _compute_dtype(query.dtype)
+    out = empty_output(query, value)
+    saved = empty_saved(query, key, value, args, needs_backward)
+    for chunk in _batch_chunks(query, key, value, args, dtype):
+        q, k, v = chunk.operands(query, key, value)
+        batches = _HeadBatches.of(q, k, v)
+        scores, masked = _scores(q, k, chunk.args, batches)
+        probs = _softmax(scores, masked, batches)
+        dropped = probs if chunk.dropout is None else probs * chunk.dropout
+        out = chunk.store(batches.matmul(dropped, _as_dtype(v, dtype)), out)
+        if needs_backward:
+            saved = chunk.store(probs, saved)
+    return out, saved
 
 
 def _recomputed_probs(query, key, lse: Optional[torch.Tensor], args: AttentionArgs) -> torch.Tensor:
@@ -617,27 +719,42 @@ def _recomputed_probs(query, key, lse: Optional[torch.Tensor], args: AttentionAr
     return _softmax(scores, masked, batches)
 
 
-def _probs_backward(grad_out, query, key, value, probs, args: AttentionArgs, attn_mask_needs_grad):
-    """Softmax-attention backward on the materialized probabilities ``P``:
+def _probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn_mask_needs_grad):
+    """Softmax-attention backward on the materialized probabilities ``P`` (``saved`` when it holds
+    them, else recomputed from the lse it holds, or from nothing):
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))``, ``dQ = dS K``,
     ``dK = dS^T Q`` (the last two scaled)."""
-    batches = _HeadBatches.of(grad_out, query, key, value)
-    dtype = probs.dtype
+    dtype = _compute_dtype(query.dtype)
     num_kv_heads = key.shape[1]
-    q, k, v, d_out = (_as_dtype(t, dtype) for t in (query, key, value, grad_out))
-
-    d_probs = batches.matmul(d_out, v.transpose(-1, -2))
-    dropped = probs
-    if args.dropout_p > 0.0:
-        factor = _dropout_scale(probs.shape, args, query.device, dtype)
-        dropped = probs * factor
-        d_probs.mul_(factor)
-    grad_value = batches.matmul(dropped.transpose(-1, -2), d_out, heads=num_kv_heads)
-    d_scores = batches.last_dim_op(lambda dp, p: torch._softmax_backward_data(dp, p, -1, dtype), d_probs, probs)
-    grad_query = batches.matmul(d_scores, k, args.scale)
-    grad_key = batches.matmul(d_scores.transpose(-1, -2), q, args.scale, heads=num_kv_heads)
-    dmask = d_scores if attn_mask_needs_grad else query.new_empty(0, dtype=torch.float32)
-    grads = (_in_layout(g, t) for g, t in zip((grad_query, grad_key, grad_value), empty_grads(query, key, value)))
+    grads = list(empty_grads(query, key, value))
+    dmask = query.new_empty(0, dtype=torch.float32)
+    if attn_mask_needs_grad:
+        dmask = query.new_empty((*query.shape[:3], key.shape[2]), dtype=dtype)
+    for chunk in _batch_chunks(query, key, value, args, dtype):
+        d_out, q, k, v = (_as_dtype(t, dtype) for t in chunk.operands(grad_out, query, key, value))
+        if saved.dim() == 4:
+            probs = chunk.of(saved)
+        else:
+            probs = _recomputed_probs(q, k, chunk.of(saved) if saved.dim() == 3 else None, chunk.args)
+        batches = _HeadBatches.of(d_out, q, k, v)
+        d_probs = batches.matmul(d_out, v.transpose(-1, -2))
+        dropped = probs
+        if chunk.dropout is not None:
+            dropped = probs * chunk.dropout
+            d_probs.mul_(chunk.dropout)
+        grad_value = batches.matmul(
+            dropped.transpose(-1, -2), d_out, heads=num_kv_heads, out=chunk.destination(grads[2])
+        )
+        d_scores = batches.last_dim_op(lambda dp, p: torch._softmax_backward_data(dp, p, -1, dtype), d_probs, probs)
+        if attn_mask_needs_grad:
+            dmask = chunk.store(d_scores, dmask)
+            d_scores = d_scores * args.scale
+        else:  # the scale applied once to dS, not to both of its products
+            d_scores.mul_(args.scale)
+        grad_query = batches.matmul(d_scores, k, out=chunk.destination(grads[0]))
+        grad_key = batches.matmul(d_scores.transpose(-1, -2), q, heads=num_kv_heads, out=chunk.destination(grads[1]))
+        for index, grad in enumerate((grad_query, grad_key, grad_value)):
+            grads[index] = chunk.store(grad, grads[index])
     return (*grads, dmask)
 
 
@@ -657,7 +774,9 @@ def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, arg
     if not needs_backward:
         return query.new_empty(0, dtype=dtype)
     batch_size, num_heads, lq, _ = query.shape
-    return _HeadBatches.of(query, key, value).empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
+    # Chunks fold (see _BatchChunk.operands): their probabilities go to a batch-major buffer.
+    batches = _HeadBatches(True) if _chunk_size(query, key, value) < batch_size else _HeadBatches.of(query, key, value)
+    return batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
 
 
 def forward(
@@ -673,11 +792,7 @@ def forward(
 def _keeps_probs(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
     """Whether a call the tiled flash path could serve takes the materialized path instead, keeping
     its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``)."""
-    return (
-        needs_backward
-        and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES
-        and _HeadBatches.of(query, key, value).folded
-    )
+    return needs_backward and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES and key.shape[1] == query.shape[1]
 
 
 def backward(
@@ -694,12 +809,8 @@ def backward(
     ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``, else empty).
     ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), the lse
     (3-D), or nothing (an empty tensor: the probabilities are computed again)."""
-    if saved.dim() == 4:
-        return _probs_backward(grad_out, query, key, value, saved, args, attn_mask_needs_grad)
-    lse = saved if saved.dim() == 3 else None
-    if lse is not None and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
+    if saved.dim() == 3 and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p):
         tiles = _plan(query, key, args)
-        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, lse, tiles, args.scale)
+        dq, dk, dv = _flash_backward(grad_out, query, key, value, out, saved, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
-    probs = _recomputed_probs(query, key, lse, args)
-    return _probs_backward(grad_out, query, key, value, probs, args, attn_mask_needs_grad)
+    return _probs_backward(grad_out, query, key, value, saved, args, attn_mask_needs_grad)
