@@ -20,6 +20,15 @@ SCALE = math.sqrt(0.5)
 requires_triton = skip_unless_backend("triton", "glu_conv")
 
 
+@pytest.fixture(autouse=True)
+def _engines_alike(monkeypatch):
+    """The eager algorithm choices these tests name, on every CPU: oneDNN's convolution no faster
+    than the BLAS (see test_fast_onednn_convolution_replaces_winograd for the other case)."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 1.0)
+
+
 # (k, L, C_in, C): every k in {1, 2, 3, 5, 7}, L in {1, 3, 40, 1000}, C in {4, 24, 256, 520},
 # including L < k, C_in != C and channel counts that are not multiples of the Triton tiles.
 EAGER_SHAPES = [
@@ -126,6 +135,38 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
         padding=padding, pad_value=pad_value, residual_scale=SCALE,
     )
     assert _has_layout(out, channels_last)
+
+
+def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
+    """Where oneDNN's convolution outruns the BLAS (AVX-512 AMD CPUs), float32 takes it instead of
+    Winograd's BLAS GEMMs; float64, which oneDNN does not convolve, keeps Winograd."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 2.0)
+    for dtype, expected in ((torch.float32, "onednn"), (torch.float64, "winograd")):
+        x = torch.randn(2, 8, 200, dtype=dtype)
+        if expected == "onednn" and not torch.backends.mkldnn.is_available():
+            continue
+        assert [eager_glu_conv.algorithm(x, 3, 200, d) for d in ("forward", "backward")] == [expected] * 2
+    for channels_last, padding, pad_value in ((True, "same", 0.0), (True, "causal", 1.5), (False, "same", -0.5)):
+        x, weight, bias, residual = _make_inputs(2, 3, 200, 24, 16, dtype=torch.float32, channels_last=channels_last)
+        out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
+                                        padding=padding, pad_value=pad_value, residual_scale=SCALE)
+        assert _has_layout(out, channels_last)
+
+
+def test_onednn_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
+    """The probe runs on real tensors even under a fake-tensor mode (an op's fake kernel asks for
+    the algorithm while tracing), and its result is kept for the process."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", None)
+    with FakeTensorMode():
+        speedup = eager_glu_conv.onednn_speedup()
+    assert isinstance(speedup, float) and speedup >= 0.0
+    assert eager_glu_conv.onednn_speedup() == speedup
 
 
 def test_winograd_error_is_within_twice_the_direct_convolutions():
@@ -414,6 +455,18 @@ def test_opcheck(backend, channels_last):
 def test_opcheck_eager_winograd(length):
     """The eager backend's Winograd path saves z as a view of an even-length buffer (odd lengths)."""
     _opcheck("eager", "cpu", True, length)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_opcheck_eager_onednn(channels_last, monkeypatch):
+    """oneDNN both ways (a fast oneDNN takes kernel size 3 from Winograd): z channel-first after
+    F.conv1d, channel-last after the channels-last F.conv2d of a channel-last x."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 2.0)
+    _opcheck("eager", "cpu", channels_last, 200)
 
 
 @pytest.mark.parametrize("length", [7, 101], ids=["im2col", "winograd"])

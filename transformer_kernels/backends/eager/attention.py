@@ -658,8 +658,11 @@ class _BatchChunk:
 
 def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
     """Sequences per chunk of the materialized path: about ``_CHUNK_BYTES`` of operands, gradients
-    and score-sized buffers."""
-    _, num_heads, lq, head_dim = query.shape
+    and score-sized buffers; the whole batch for one query row (a decoding step's one score row
+    per head leaves nothing to keep in cache between ops, and a loop would cost host time)."""
+    batch_size, num_heads, lq, head_dim = query.shape
+    if lq == 1:
+        return batch_size
     num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
     element_size = 8 if query.dtype == torch.float64 else 4
     per_sequence = element_size * (
@@ -696,7 +699,7 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
     dtype = _compute_dtype(query.dtype)
     out = empty_output(query, value)
-    saved = empty_saved(query, key, value, args, needs_backward)
+    saved = empty_saved(query, key, value, args, True) if needs_backward else query.new_empty(0, dtype=dtype)
     for chunk in _batch_chunks(query, key, value, args, dtype):
         q, k, v = chunk.operands(query, key, value)
         batches = _HeadBatches.of(q, k, v)

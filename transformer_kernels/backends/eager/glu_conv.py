@@ -4,7 +4,8 @@ Three ways to run the convolution, chosen per call by :func:`algorithm` from
 the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
-  CPU, past a few hundred positions): four GEMMs of half the rows on
+  CPU, past a few hundred positions, unless oneDNN's convolution outruns the
+  BLAS by a third or more on this CPU, see ``onednn_speedup``): four GEMMs of half the rows on
   transformed windows, two thirds of the direct GEMM work, in every direction.
   The GEMMs are compute bound there, so no implementation doing the direct
   product count can run faster.
@@ -23,8 +24,10 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **oneDNN convolution** (float32 on a CPU with oneDNN, past the im2col
   GEMM's few positions when Winograd does not apply or does not pay yet):
-  ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
-  reorder the weight into oneDNN's blocked layout on every call.  That fixed
+  ``F.conv1d`` forward (``F.conv2d`` on the channels-last image a channel-last
+  ``x`` is, so that nothing reorders the activations) and
+  ``aten.convolution_backward`` backward, which reorder the weight into
+  oneDNN's blocked layout on every call.  That fixed
   cost loses to the im2col GEMM for a few output positions (decoding steps,
   short batches; a few hundred in the backward) and is repaid by oneDNN's
   faster GEMM kernels beyond them.
@@ -35,16 +38,18 @@ costs more than either direct path saves.
 
 Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
 output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
-``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs, a transposed
-``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
+``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs and after
+oneDNN on a channel-last ``x``, else a transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
 so recomputing them would make training slower than plain PyTorch.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
+import torch.utils._python_dispatch
 import torch.nn.functional as F
 
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
@@ -66,6 +71,46 @@ _IM2COL_MAX_POSITIONS_BACKWARD = 255
 # 1.3x both ways at 2048.
 _WINOGRAD_MIN_POSITIONS_FORWARD = 160
 _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
+# Winograd saves a third of the GEMM work but runs its GEMMs on the BLAS; oneDNN's convolution
+# runs all of it on its own kernels.  Where those are this much faster than the BLAS, per FLOP,
+# the direct convolution wins at every size: on AMD CPUs with AVX-512 MKL takes its AVX2 kernels
+# and oneDNN AVX-512 (217 against 98 GFLOP/s at one thread on an AMD EPYC of this project's CI,
+# where Winograd ran the seeds' layers at 0.62-0.78x the seed's oneDNN convolution, oneDNN at
+# 0.92-0.97x); on CPUs where both engines use the same vector width, Winograd stays ahead.
+_WINOGRAD_MAX_ONEDNN_SPEEDUP = 1.3
+# oneDNN's convolution of a channel-last input as a channels-last image pays from about this many
+# positions (B * L): C = 512, k = 3, B=16 L=20 0.93x the time of F.conv1d's, B=16 L=40 0.91x,
+# B=4 L=40 1.08x (its blocked weight costs more per call).
+_CHANNELS_LAST_MIN_POSITIONS = 256
+# oneDNN's convolution speed over the BLAS on this CPU (see onednn_speedup); None until measured.
+_onednn_speedup: Optional[float] = None
+
+
+def onednn_speedup() -> float:
+    """How many times faster oneDNN's float32 convolution runs than the BLAS's GEMM on this CPU,
+    per FLOP, at the torch thread count of the first call: measured once per process (the best of
+    five interleaved runs of a [4, 512, 64] x [512, 512, 3] convolution and its im2col GEMM, tens of
+    milliseconds), outside any tracing or dispatch mode; 0 without oneDNN."""
+    global _onednn_speedup
+    if _onednn_speedup is None:
+        _onednn_speedup = _measure_onednn_speedup() if torch.backends.mkldnn.is_available() else 0.0
+    return _onednn_speedup
+
+
+def _measure_onednn_speedup() -> float:
+    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 512, 64, generator=generator)
+        weight = torch.randn(512, 512, 3, generator=generator)
+        cols = torch.randn(4 * 64, 512 * 3, generator=generator)
+        runs = {"onednn": lambda: F.conv1d(x, weight, padding=1), "blas": lambda: torch.mm(cols, weight.view(512, -1).t())}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(5):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["blas"] / best["onednn"]
 
 
 def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
@@ -74,11 +119,13 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
+    onednn = on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
-            and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)):
+            and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
+            and not (onednn and onednn_speedup() >= _WINOGRAD_MAX_ONEDNN_SPEEDUP)):
         return "winograd"
     limit = _IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD
-    if on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available() and positions > limit:
+    if onednn and positions > limit:
         return "onednn"
     return "im2col"
 
@@ -86,12 +133,12 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward (for the fake kernel): the pre-activation
     ``[B, L_out, 2C]``: contiguous after the im2col GEMM, the first ``L_out`` positions of a
-    contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, a transposed contiguous
-    ``[B, 2C, L_out]`` after oneDNN."""
+    contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, after oneDNN contiguous for a
+    channel-last ``x`` and else a transposed contiguous ``[B, 2C, L_out]``."""
     kernel_size = weight.shape[2]
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
-    if chosen == "onednn":
+    if chosen == "onednn" and not is_channels_last(x):
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     if chosen == "winograd":
         return x.new_empty(x.shape[0], 2 * winograd.tiles(length_out), weight.shape[0])[:, :length_out]
@@ -120,10 +167,26 @@ def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, p
 
 def _conv_input(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> tuple[torch.Tensor, int]:
     """``(input, padding)`` for ``F.conv1d``: ``x`` itself with its symmetric zero padding
-    left to oneDNN, else ``x`` padded explicitly (asymmetric or non-zero padding) and 0."""
+    left to oneDNN, else ``x`` padded explicitly (asymmetric or non-zero padding; channel-last
+    when ``x`` is) and 0."""
     if pad_left == pad_right and pad_value == 0.0:
         return x, pad_left
+    if is_channels_last(x):
+        return padded_rows(x, pad_left, pad_right, pad_value).transpose(1, 2), 0
     return F.pad(x, (pad_left, pad_right), value=pad_value), 0
+
+
+def _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value) -> tuple[torch.Tensor, int]:
+    """``(z, z_dim)``: ``z`` as a contiguous ``[B, L_out, 2C]`` (``z_dim`` 2) from a channel-last
+    ``x`` past ``_CHANNELS_LAST_MIN_POSITIONS``, else as a contiguous ``[B, 2C, L_out]`` (``z_dim``
+    1).  oneDNN convolves the channels-last image ``[B, C_in, 1, L]`` a channel-last ``x`` already
+    is in memory in that layout, where ``F.conv1d`` reorders it first.  (That backward runs 1.45x
+    slower than ``F.conv1d``'s: the backward stays one-dimensional.)"""
+    conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
+    if is_channels_last(conv_input) and x.shape[0] * conv_input.shape[2] >= _CHANNELS_LAST_MIN_POSITIONS:
+        z = F.conv2d(conv_input.unsqueeze(2), weight.unsqueeze(2), bias, padding=(0, padding))
+        return z.squeeze(2).transpose(1, 2), 2
+    return F.conv1d(conv_input, weight, bias, padding=padding), 1
 
 
 def forward(
@@ -140,9 +203,7 @@ def forward(
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
     if chosen == "onednn":
-        conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-        z = F.conv1d(conv_input, weight, bias, padding=padding)  # [B, 2C, L_out], contiguous
-        z_dim = 1
+        z, z_dim = _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value)
     elif chosen == "winograd":
         z = winograd.convolve(x.transpose(1, 2), weight, bias, pad_left, pad_right, pad_value)
         z_dim = 2
@@ -217,7 +278,10 @@ def backward(
 
 def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
                      needs_grad_bias):
-    grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
+    if z.is_contiguous():  # channel-last z (see _onednn_convolution): its gradient channel-last too
+        grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2).transpose(1, 2)
+    else:
+        grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
     conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
     grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
         grad_z, conv_input, weight, [weight.shape[0]] if needs_grad_bias else None, [1], [padding], [1], False, [0],
