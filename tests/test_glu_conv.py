@@ -24,9 +24,9 @@ requires_triton = skip_unless_backend("triton", "glu_conv")
 def _engines_alike(monkeypatch):
     """The eager algorithm choices these tests name, on every CPU: oneDNN's convolution no faster
     than the BLAS (see test_fast_onednn_convolution_replaces_winograd for the other case)."""
-    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
 
-    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 1.0)
+    monkeypatch.setattr(onednn, "_speedup", 1.0)
 
 
 # (k, L, C_in, C): every k in {1, 2, 3, 5, 7}, L in {1, 3, 40, 1000}, C in {4, 24, 256, 520},
@@ -141,8 +141,9 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
     """Where oneDNN's convolution outruns the BLAS (AVX-512 AMD CPUs), float32 takes it instead of
     Winograd's BLAS GEMMs; float64, which oneDNN does not convolve, keeps Winograd."""
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
 
-    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 2.0)
+    monkeypatch.setattr(onednn, "_speedup", 2.0)
     for dtype, expected in ((torch.float32, "onednn"), (torch.float64, "winograd")):
         x = torch.randn(2, 8, 200, dtype=dtype)
         if expected == "onednn" and not torch.backends.mkldnn.is_available():
@@ -153,20 +154,6 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
         out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
                                         padding=padding, pad_value=pad_value, residual_scale=SCALE)
         assert _has_layout(out, channels_last)
-
-
-def test_onednn_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
-    """The probe runs on real tensors even under a fake-tensor mode (an op's fake kernel asks for
-    the algorithm while tracing), and its result is kept for the process."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
-
-    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", None)
-    with FakeTensorMode():
-        speedup = eager_glu_conv.onednn_speedup()
-    assert isinstance(speedup, float) and speedup >= 0.0
-    assert eager_glu_conv.onednn_speedup() == speedup
 
 
 def test_winograd_error_is_within_twice_the_direct_convolutions():
@@ -463,9 +450,9 @@ def test_opcheck_eager_onednn(channels_last, monkeypatch):
     F.conv1d, channel-last after the channels-last F.conv2d of a channel-last x."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
 
-    monkeypatch.setattr(eager_glu_conv, "_onednn_speedup", 2.0)
+    monkeypatch.setattr(onednn, "_speedup", 2.0)
     _opcheck("eager", "cpu", channels_last, 200)
 
 

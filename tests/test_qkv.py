@@ -71,16 +71,28 @@ def _check_against_references(backend, shape, num_heads, num_proj, dtype, bias, 
 # --------------------------------------------------------------------------- eager
 
 
+@pytest.fixture(params=["blas", "onednn"])
+def gemm_engine(request, monkeypatch):
+    """The eager projection's GEMMs on torch's BLAS or on oneDNN's GEMM, the faster of which this
+    CPU runs (backends/eager/onednn.py)."""
+    from transformer_kernels.backends.eager import onednn
+
+    if request.param == "onednn" and onednn._LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(onednn, "_speedup", 2.0 if request.param == "onednn" else 1.0)
+    return request.param
+
+
 @pytest.mark.parametrize("num_proj", [1, 2, 3])
 @pytest.mark.parametrize("shape,num_heads", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_eager_matches_references(shape, num_heads, num_proj, bias):
+def test_eager_matches_references(shape, num_heads, num_proj, bias, gemm_engine):
     _check_against_references("eager", shape, num_heads, num_proj, torch.float32, bias, dict(rtol=1e-5, atol=1e-5))
 
 
 @pytest.mark.parametrize("num_proj", [1, 3])
 @pytest.mark.parametrize("token_major_grads", [False, True])
-def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads):
+def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads, gemm_engine):
     """float32 at 600 tokens (the shapes above stay small): forward and backward against both
     references, with contiguous and token-major ([*batch, L, H, Dh]) gradients."""
     inputs = _inputs((3, 200, 64), num_proj)
@@ -98,7 +110,7 @@ def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads):
     [((5, 3, 16), 7), ((2, 9, 16), 4), ((9, 16), 2), ((2, 2, 3, 16), 100)],
     ids=["whole_sequences", "pieces_of_sequences", "unbatched", "one_chunk"],
 )
-def test_eager_forward_in_token_chunks(monkeypatch, shape, chunk_tokens):
+def test_eager_forward_in_token_chunks(monkeypatch, shape, chunk_tokens, gemm_engine):
     """The packed product made and split chunk by chunk (whole sequences, pieces of one sequence)
     gives the seeds' outputs, each in its own contiguous tensor."""
     from transformer_kernels.backends.eager import qkv as eager_qkv

@@ -116,4 +116,11 @@ def environment(device: torch.device, dtype: torch.dtype, size: str) -> dict:
     except ImportError:
         env["triton"] = None
     env["peak"] = peaks(device, dtype)
+    if device.type == "cpu":
+        from ..backends.eager import onednn
+
+        # Which kernels torch's CPU engines run here decides the eager backend's choices
+        # (backends/eager/onednn.py): reports of different CPUs compare only with these in view.
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["onednn_gemm_speedup"] = onednn.speedup()
     return env

@@ -4,8 +4,8 @@ Three ways to run the convolution, chosen per call by :func:`algorithm` from
 the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
-  CPU, past a few hundred positions, unless oneDNN's convolution outruns the
-  BLAS by a third or more on this CPU, see ``onednn_speedup``): four GEMMs of half the rows on
+  CPU, past a few hundred positions, unless oneDNN outruns the BLAS by a third
+  or more on this CPU, see :func:`.onednn.speedup`): four GEMMs of half the rows on
   transformed windows, two thirds of the direct GEMM work, in every direction.
   The GEMMs are compute bound there, so no implementation doing the direct
   product count can run faster.
@@ -45,15 +45,13 @@ so recomputing them would make training slower than plain PyTorch.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
-import torch.utils._python_dispatch
 import torch.nn.functional as F
 
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
-from . import winograd
+from . import onednn, winograd
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "algorithm", "padded_rows"]
 
@@ -72,45 +70,16 @@ _IM2COL_MAX_POSITIONS_BACKWARD = 255
 _WINOGRAD_MIN_POSITIONS_FORWARD = 160
 _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
 # Winograd saves a third of the GEMM work but runs its GEMMs on the BLAS; oneDNN's convolution
-# runs all of it on its own kernels.  Where those are this much faster than the BLAS, per FLOP,
-# the direct convolution wins at every size: on AMD CPUs with AVX-512 MKL takes its AVX2 kernels
-# and oneDNN AVX-512 (217 against 98 GFLOP/s at one thread on an AMD EPYC of this project's CI,
-# where Winograd ran the seeds' layers at 0.62-0.78x the seed's oneDNN convolution, oneDNN at
-# 0.92-0.97x); on CPUs where both engines use the same vector width, Winograd stays ahead.
+# runs all of it on its own kernels.  Where those are this much faster than the BLAS
+# (:func:`.onednn.speedup`), the direct convolution wins at every size: on the AMD EPYC of this
+# project's CI (oneDNN 2.2x the BLAS), Winograd ran the seeds' layers at 0.62-0.78x the seed's
+# oneDNN convolution and oneDNN at 0.92-0.97x; where both engines use the same vector width,
+# Winograd stays ahead.
 _WINOGRAD_MAX_ONEDNN_SPEEDUP = 1.3
 # oneDNN's convolution of a channel-last input as a channels-last image pays from about this many
 # positions (B * L): C = 512, k = 3, B=16 L=20 0.93x the time of F.conv1d's, B=16 L=40 0.91x,
 # B=4 L=40 1.08x (its blocked weight costs more per call).
 _CHANNELS_LAST_MIN_POSITIONS = 256
-# oneDNN's convolution speed over the BLAS on this CPU (see onednn_speedup); None until measured.
-_onednn_speedup: Optional[float] = None
-
-
-def onednn_speedup() -> float:
-    """How many times faster oneDNN's float32 convolution runs than the BLAS's GEMM on this CPU,
-    per FLOP, at the torch thread count of the first call: measured once per process (the best of
-    five interleaved runs of a [4, 512, 64] x [512, 512, 3] convolution and its im2col GEMM, tens of
-    milliseconds), outside any tracing or dispatch mode; 0 without oneDNN."""
-    global _onednn_speedup
-    if _onednn_speedup is None:
-        _onednn_speedup = _measure_onednn_speedup() if torch.backends.mkldnn.is_available() else 0.0
-    return _onednn_speedup
-
-
-def _measure_onednn_speedup() -> float:
-    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 512, 64, generator=generator)
-        weight = torch.randn(512, 512, 3, generator=generator)
-        cols = torch.randn(4 * 64, 512 * 3, generator=generator)
-        runs = {"onednn": lambda: F.conv1d(x, weight, padding=1), "blas": lambda: torch.mm(cols, weight.view(512, -1).t())}
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(5):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best["blas"] / best["onednn"]
 
 
 def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
@@ -119,13 +88,13 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
-    onednn = on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    onednn_applies = on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
-            and not (onednn and onednn_speedup() >= _WINOGRAD_MAX_ONEDNN_SPEEDUP)):
+            and not (onednn_applies and onednn.speedup() >= _WINOGRAD_MAX_ONEDNN_SPEEDUP)):
         return "winograd"
     limit = _IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD
-    if onednn and positions > limit:
+    if onednn_applies and positions > limit:
         return "onednn"
     return "im2col"
 

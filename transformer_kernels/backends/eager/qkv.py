@@ -13,10 +13,10 @@ them in place, accumulating into one ``grad_x`` and into row blocks of one
 ``grad_weight``; otherwise (the usual contiguous ``[*batch, H, L, Dh]``) one
 copy packs them into ``[T, n*E]`` and the gradients are one GEMM each.
 
-The GEMMs run through ``F.linear`` / ``torch.mm`` (the BLAS).  Not through a
-1x1 ``F.conv2d`` on the tokens viewed as a channels-last image, hoping for
-oneDNN: torch 2.13's CPU wheel dispatches that to ``slow_conv2d``, the same
-BLAS GEMM, and it measured the same forward and backward at 8192 tokens.
+The GEMMs run through :func:`.onednn.linear`: oneDNN's GEMM where it outruns
+the BLAS on this CPU, else ``F.linear``.  (A 1x1 ``F.conv2d`` on the tokens
+viewed as a channels-last image reaches no oneDNN kernel: torch 2.13's CPU
+wheel dispatches it to ``slow_conv2d``, the BLAS GEMM.)
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ...ops.qkv import QkvProjectionArgs
+from . import onednn
 
 __all__ = ["unsupported_reason", "forward", "backward"]
 
@@ -47,7 +47,7 @@ def forward(
     chunk_tokens = max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if x.numel() <= chunk_tokens * embed_dim:
         # One chunk (a decoding step, the seeds' short batches): the fewest host-side ops.
-        packed = F.linear(x, weight, bias).view(*batch, seq_len, num_proj, num_heads, head_dim)
+        packed = onednn.linear(x, weight, bias).view(*batch, seq_len, num_proj, num_heads, head_dim)
         # Outputs of one op must not share storage: with n > 1 always copy, even when a head-split
         # view happens to be contiguous already.
         return [_head_split(packed.select(-3, i), copy=num_proj > 1) for i in range(num_proj)]
@@ -55,7 +55,7 @@ def forward(
     num_seqs = sequences.shape[0]
     outputs = [x.new_empty(num_seqs, num_heads, seq_len, head_dim) for _ in range(num_proj)]
     for seqs, positions in _token_chunks(num_seqs, seq_len, chunk_tokens):
-        packed = F.linear(sequences[seqs, positions], weight, bias)
+        packed = onednn.linear(sequences[seqs, positions], weight, bias)
         packed = packed.view(*packed.shape[:2], num_proj, num_heads, head_dim)
         for i, output in enumerate(outputs):
             output[seqs, :, positions].copy_(packed.select(2, i).transpose(1, 2))
@@ -127,18 +127,15 @@ def backward(
 
     grad_x = x.new_empty(0)
     if needs_grad_x:
-        grad_x = torch.mm(*blocks[0])
+        grad_x = onednn.linear(blocks[0][0], blocks[0][1].t())
         for g, w in blocks[1:]:
-            grad_x.addmm_(g, w)
+            grad_x.add_(onednn.linear(g, w.t()))
         grad_x = grad_x.view(x.shape)
 
     grad_weight = x.new_empty(0)
     if needs_grad_weight:
-        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        rows = 0
-        for g, _ in blocks:
-            torch.mm(g.t(), x2d, out=grad_weight[rows : rows + g.shape[1]])
-            rows += g.shape[1]
+        products = [onednn.linear(g.t(), x2d.t()) for g, _ in blocks]
+        grad_weight = products[0] if len(products) == 1 else torch.cat(products)
 
     grad_bias = x.new_empty(0)
     if has_bias and needs_grad_bias:

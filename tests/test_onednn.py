@@ -1,0 +1,57 @@
+"""The eager backends' choice of oneDNN's float32 CPU kernels (backends/eager/onednn.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from transformer_kernels.backends.eager import onednn
+
+requires_onednn = pytest.mark.skipif(onednn._LINEAR is None, reason="torch built without oneDNN")
+
+
+def test_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
+    """The probe runs on real tensors even under a fake-tensor mode (an op's fake kernel asks for
+    the GLU algorithm while tracing), and its result is kept for the process."""
+    monkeypatch.setattr(onednn, "_speedup", None)
+    with FakeTensorMode():
+        speedup = onednn.speedup()
+    assert isinstance(speedup, float) and speedup >= 0.0
+    assert onednn.speedup() == speedup
+
+
+@requires_onednn
+@pytest.mark.parametrize("faster", [True, False])
+def test_linear_takes_onednn_only_for_dense_float32_operands_where_it_is_faster(monkeypatch, faster):
+    """Contiguous and transposed-contiguous operands go to oneDNN's GEMM when it is the faster
+    engine; a slice of columns (which oneDNN would read 1000x slower), float64, empty
+    contractions and products below _LINEAR_MIN_MACS go to F.linear; every way the result is
+    F.linear's."""
+    monkeypatch.setattr(onednn, "_speedup", 2.0 if faster else 1.0)
+    calls = []
+    real = onednn._LINEAR
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(onednn, "_LINEAR", spy)
+    weight, bias = torch.randn(6, 8), torch.randn(6)
+    cases = [  # (input, weight, bias, whether oneDNN serves it when faster), at _LINEAR_MIN_MACS = 1
+        (torch.randn(3, 5, 8), weight, bias, True),               # contiguous N-D input
+        (torch.randn(8, 7).t(), weight, None, True),               # transposed input
+        (torch.randn(5, 8), torch.randn(8, 6).t(), None, True),    # transposed weight
+        (torch.randn(5, 16)[:, :8], weight, bias, False),          # a slice of columns
+        (torch.randn(5, 8, dtype=torch.float64), weight.double(), None, False),
+        (torch.randn(5, 0), torch.randn(6, 0), None, False),       # empty contraction
+    ]
+    threshold_cases = [  # at the real _LINEAR_MIN_MACS
+        (torch.randn(15, 256), torch.randn(256, 256), None, False),  # 983040 multiply-adds
+        (torch.randn(16, 256), torch.randn(256, 256), None, True),   # 1048576
+    ]
+    for min_macs, group in ((1, cases), (onednn._LINEAR_MIN_MACS, threshold_cases)):
+        monkeypatch.setattr(onednn, "_LINEAR_MIN_MACS", min_macs)
+        for input, w, b, served in group:
+            calls.clear()
+            torch.testing.assert_close(onednn.linear(input, w, b), F.linear(input, w, b), rtol=1e-5, atol=1e-5)
+            assert bool(calls) == (served and faster), tuple(input.shape)

@@ -1,0 +1,87 @@
+"""oneDNN's float32 CPU kernels, where they outrun the BLAS on this CPU.
+
+torch runs a float32 matmul on a CPU through its BLAS (MKL in the x86 wheels) and a convolution
+through oneDNN.  Which engine is faster depends on the CPU: on AMD CPUs with AVX-512, MKL runs its
+AVX2 kernels and oneDNN AVX-512 (on the 2-core AMD EPYC of this project's CI, oneDNN's GEMM,
+``mkldnn::_linear_pointwise``, the one inductor's CPU backend calls, ran 230 against the BLAS's
+105 GFLOP/s at one thread, from 16 to 2048 rows of the seeds' QKV projection); on Intel CPUs
+both use AVX-512.  :func:`speedup` measures the ratio once per process, and the eager backends
+choose by it: :func:`linear` for the QKV projection's GEMMs, and the GLU convolution's algorithm.
+
+oneDNN's GEMM sums each output over the whole contraction in one pass, where MKL blocks it: its
+float32 error is about twice MKL's (RMS, K = 512), still a float32 GEMM's.  Winograd's transforms
+would amplify it past twice torch's own convolution, so the GLU convolution keeps its GEMMs on the
+BLAS.  And oneDNN reads a matrix densely or not at all (a slice of columns took 1000x longer), so
+:func:`linear` hands it only contiguous or transposed-contiguous operands.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils._python_dispatch
+
+__all__ = ["speedup", "linear"]
+
+_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+# oneDNN's GEMM serves the QKV projection from this speed-up over the BLAS on: a near tie keeps
+# torch's own matmul.
+_LINEAR_MIN_SPEEDUP = 1.2
+# ... and from this many multiply-adds on: below, its fixed cost per call (its primitive looked up
+# or made, the weight reordered) outweighs its faster kernels.  At one thread on the CI's AMD EPYC,
+# [16, 128] x [128, 384] took 21 us against the BLAS's 19, [64, 128] x [128, 384] 40 against 63;
+# decoding steps of a small Transformer ran 0.87x as fast with every GEMM on oneDNN.
+_LINEAR_MIN_MACS = 1 << 20
+# oneDNN's GEMM speed over the BLAS's on this CPU (see speedup); None until measured.
+_speedup: Optional[float] = None
+
+
+def speedup() -> float:
+    """How many times faster oneDNN's float32 GEMM runs than the BLAS's on this CPU: measured once
+    per process, at the torch thread count of the first call (the best of five interleaved runs
+    of a [512, 512] x [512, 1024] product each, tens of milliseconds), outside any tracing or
+    dispatch mode; 0 without oneDNN."""
+    global _speedup
+    if _speedup is None:
+        _speedup = _measure() if _LINEAR is not None else 0.0
+    return _speedup
+
+
+def _measure() -> float:
+    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(512, 512, generator=generator)
+        weight = torch.randn(1024, 512, generator=generator)
+        runs = {"onednn": lambda: _LINEAR(a, weight, None, "none", [], ""), "blas": lambda: F.linear(a, weight)}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(5):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["blas"] / best["onednn"]
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() or (tensor.dim() == 2 and tensor.t().is_contiguous())
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
+    for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
+    the BLAS; else ``F.linear``.  Not differentiable: for the backends' kernels, below autograd."""
+    if (
+        input.dtype == torch.float32
+        and input.device.type == "cpu"
+        and input.numel() * weight.shape[0] >= _LINEAR_MIN_MACS
+        and weight.shape[1] > 0  # oneDNN refuses an empty contraction
+        and _dense(input)
+        and _dense(weight)
+        and _LINEAR is not None
+        and speedup() >= _LINEAR_MIN_SPEEDUP
+    ):
+        return _LINEAR(input, weight, bias, "none", [], "")
+    return F.linear(input, weight, bias)
