@@ -55,3 +55,25 @@ def test_linear_takes_onednn_only_for_dense_float32_operands_where_it_is_faster(
             calls.clear()
             torch.testing.assert_close(onednn.linear(input, w, b), F.linear(input, w, b), rtol=1e-5, atol=1e-5)
             assert bool(calls) == (served and faster), tuple(input.shape)
+
+
+@requires_onednn
+def test_linear_and_glu_leave_onednn_when_the_user_turns_it_off(monkeypatch):
+    """``torch.backends.mkldnn.flags(enabled=False)`` keeps the eager backend off oneDNN, as it
+    keeps torch's own convolutions: the QKV GEMM on F.linear, the GLU convolution on Winograd or
+    the im2col GEMM."""
+    from transformer_kernels.backends.eager import glu_conv
+
+    monkeypatch.setattr(onednn, "_speedup", 2.0)
+    monkeypatch.setattr(onednn, "_LINEAR_MIN_MACS", 1)
+    calls = []
+    real = onednn._LINEAR
+    monkeypatch.setattr(onednn, "_LINEAR", lambda *args: calls.append(1) or real(*args))
+    x = torch.randn(2, 8, 200)
+    with torch.backends.mkldnn.flags(enabled=False):
+        onednn.linear(torch.randn(5, 8), torch.randn(6, 8))
+        assert glu_conv.algorithm(x, 5, 200, "forward") == "im2col"
+        assert glu_conv.algorithm(x, 3, 200, "forward") == "winograd"
+    assert not calls
+    onednn.linear(torch.randn(5, 8), torch.randn(6, 8))
+    assert calls and glu_conv.algorithm(x, 5, 200, "forward") == "onednn"

@@ -88,7 +88,8 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
-    onednn_applies = on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    onednn_applies = (on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                      and torch.backends.mkldnn.enabled)
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
             and not (onednn_applies and onednn.speedup() >= _WINOGRAD_MAX_ONEDNN_SPEEDUP)):

@@ -72,7 +72,7 @@ def _dense(tensor: torch.Tensor) -> bool:
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
     for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
-    the BLAS; else ``F.linear``.  Not differentiable: for the backends' kernels, below autograd."""
+    the BLAS and ``torch.backends.mkldnn.enabled``; else ``F.linear``.  Not differentiable: for the backends' kernels, below autograd."""
     if (
         input.dtype == torch.float32
         and input.device.type == "cpu"
@@ -81,6 +81,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         and _dense(input)
         and _dense(weight)
         and _LINEAR is not None
+        and torch.backends.mkldnn.enabled  # as torch's own convolutions, off when the user turned oneDNN off
         and speedup() >= _LINEAR_MIN_SPEEDUP
     ):
         return _LINEAR(input, weight, bias, "none", [], "")
