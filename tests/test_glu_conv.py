@@ -444,16 +444,18 @@ def test_opcheck_eager_winograd(length):
     _opcheck("eager", "cpu", True, length)
 
 
+@pytest.mark.parametrize("length", [20, 200], ids=["conv1d_im2col_backward", "channels_last_both_ways"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_opcheck_eager_onednn(channels_last, monkeypatch):
-    """oneDNN both ways (a fast oneDNN takes kernel size 3 from Winograd): z channel-first after
-    F.conv1d, channel-last after the channels-last F.conv2d of a channel-last x."""
+def test_opcheck_eager_onednn(channels_last, length, monkeypatch):
+    """oneDNN forward (a fast oneDNN takes kernel size 3 from Winograd): z channel-first after
+    F.conv1d, channel-last after the channels-last F.conv2d of a channel-last x past
+    _CHANNELS_LAST_MIN_POSITIONS; backward on oneDNN (400 positions) or the im2col GEMM (40)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     from transformer_kernels.backends.eager import onednn
 
     monkeypatch.setattr(onednn, "_speedup", 2.0)
-    _opcheck("eager", "cpu", channels_last, 200)
+    _opcheck("eager", "cpu", channels_last, length)
 
 
 @pytest.mark.parametrize("length", [7, 101], ids=["im2col", "winograd"])

@@ -108,7 +108,7 @@ def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> tor
     kernel_size = weight.shape[2]
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
-    if chosen == "onednn" and not is_channels_last(x):
+    if chosen == "onednn" and not _onednn_channels_last(x, length_out):
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     if chosen == "winograd":
         return x.new_empty(x.shape[0], 2 * winograd.tiles(length_out), weight.shape[0])[:, :length_out]
@@ -146,16 +146,21 @@ def _conv_input(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float
     return F.pad(x, (pad_left, pad_right), value=pad_value), 0
 
 
-def _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value) -> tuple[torch.Tensor, int]:
-    """``(z, z_dim)``: ``z`` as a contiguous ``[B, L_out, 2C]`` (``z_dim`` 2) from a channel-last
-    ``x`` past ``_CHANNELS_LAST_MIN_POSITIONS``, else as a contiguous ``[B, 2C, L_out]`` (``z_dim``
-    1).  oneDNN convolves the channels-last image ``[B, C_in, 1, L]`` a channel-last ``x`` already
-    is in memory in that layout, where ``F.conv1d`` reorders it first.  (That backward runs 1.45x
-    slower than ``F.conv1d``'s: the backward stays one-dimensional.)"""
+def _onednn_channels_last(x: torch.Tensor, length_out: int) -> bool:
+    """Whether oneDNN convolves ``x`` forward as the channels-last image ``[B, C_in, 1, L]`` it is
+    in memory (a channel-last ``x``, from ``_CHANNELS_LAST_MIN_POSITIONS`` output positions), where
+    ``F.conv1d`` would reorder it first; z is then a contiguous ``[B, L_out, 2C]``.  (That
+    backward runs 1.45x slower than ``F.conv1d``'s: the backward stays one-dimensional.)"""
+    return is_channels_last(x) and x.shape[0] * length_out >= _CHANNELS_LAST_MIN_POSITIONS
+
+
+def _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value, length_out) -> tuple[torch.Tensor, int]:
+    """``(z, z_dim)``: ``z`` as a contiguous ``[B, L_out, 2C]`` (``z_dim`` 2) when
+    :func:`_onednn_channels_last`, else as a contiguous ``[B, 2C, L_out]`` (``z_dim`` 1)."""
     conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-    if is_channels_last(conv_input) and x.shape[0] * conv_input.shape[2] >= _CHANNELS_LAST_MIN_POSITIONS:
+    if _onednn_channels_last(x, length_out):
         z = F.conv2d(conv_input.unsqueeze(2), weight.unsqueeze(2), bias, padding=(0, padding))
-        return z.squeeze(2).transpose(1, 2), 2
+        return z.squeeze(2).transpose(1, 2).contiguous(), 2  # a no-op but where a size-1 dim blurs the layout
     return F.conv1d(conv_input, weight, bias, padding=padding), 1
 
 
@@ -173,7 +178,7 @@ def forward(
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
     if chosen == "onednn":
-        z, z_dim = _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value)
+        z, z_dim = _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value, length_out)
     elif chosen == "winograd":
         z = winograd.convolve(x.transpose(1, 2), weight, bias, pad_left, pad_right, pad_value)
         z_dim = 2
