@@ -139,7 +139,8 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
 
 def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
     """Where oneDNN's convolution outruns the BLAS (AVX-512 AMD CPUs), float32 takes it instead of
-    Winograd's BLAS GEMMs; float64, which oneDNN does not convolve, keeps Winograd."""
+    Winograd's BLAS GEMMs, and the backward from fewer positions instead of the im2col GEMM;
+    float64, which oneDNN does not convolve, keeps Winograd."""
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
     from transformer_kernels.backends.eager import onednn
 
@@ -149,6 +150,12 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
         if expected == "onednn" and not torch.backends.mkldnn.is_available():
             continue
         assert [eager_glu_conv.algorithm(x, 3, 200, d) for d in ("forward", "backward")] == [expected] * 2
+    if torch.backends.mkldnn.is_available():
+        x = torch.randn(2, 8, 50)  # 100 positions
+        assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "onednn"
+        monkeypatch.setattr(onednn, "_speedup", 1.0)
+        assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "im2col"
+        monkeypatch.setattr(onednn, "_speedup", 2.0)
     for channels_last, padding, pad_value in ((True, "same", 0.0), (True, "causal", 1.5), (False, "same", -0.5)):
         x, weight, bias, residual = _make_inputs(2, 3, 200, 24, 16, dtype=torch.float32, channels_last=channels_last)
         out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,

@@ -69,13 +69,16 @@ _IM2COL_MAX_POSITIONS_BACKWARD = 255
 # 1.3x both ways at 2048.
 _WINOGRAD_MIN_POSITIONS_FORWARD = 160
 _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
-# Winograd saves a third of the GEMM work but runs its GEMMs on the BLAS; oneDNN's convolution
-# runs all of it on its own kernels.  Where those are this much faster than the BLAS
-# (:func:`.onednn.speedup`), the direct convolution wins at every size: on the AMD EPYC of this
-# project's CI (oneDNN 2.2x the BLAS), Winograd ran the seeds' layers at 0.62-0.78x the seed's
-# oneDNN convolution and oneDNN at 0.92-0.97x; where both engines use the same vector width,
-# Winograd stays ahead.
-_WINOGRAD_MAX_ONEDNN_SPEEDUP = 1.3
+# Winograd and the im2col GEMM run their GEMMs on the BLAS; oneDNN's convolution runs all of its
+# work on its own kernels.  Where those are this much faster than the BLAS (:func:`.onednn.speedup`),
+# the direct convolution takes over: on the AMD EPYC of this project's CI (oneDNN 2.2x the BLAS),
+# Winograd ran the seeds' layers at 0.62-0.78x the seed's oneDNN convolution and oneDNN at
+# 0.92-0.97x; where both engines use the same vector width, Winograd stays ahead.
+_FAST_ONEDNN_SPEEDUP = 1.3
+# ... and the backward's im2col GEMM keeps only this many positions: a stack of 10 layers of
+# B=4, L=40 (160 positions) fwd+bwd 0.73x the seed with im2col, 0.94x with oneDNN; B=2, L=20
+# (40 positions) 1.13x with im2col either way.
+_IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN = 64
 # oneDNN's convolution of a channel-last input as a channels-last image pays from about this many
 # positions (B * L): C = 512, k = 3, B=16 L=20 0.93x the time of F.conv1d's, B=16 L=40 0.91x,
 # B=4 L=40 1.08x (its blocked weight costs more per call).
@@ -90,11 +93,15 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     forward = direction == "forward"
     onednn_applies = (on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
                       and torch.backends.mkldnn.enabled)
+    fast_onednn = onednn_applies and onednn.speedup() >= _FAST_ONEDNN_SPEEDUP
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
-            and not (onednn_applies and onednn.speedup() >= _WINOGRAD_MAX_ONEDNN_SPEEDUP)):
+            and not fast_onednn):
         return "winograd"
-    limit = _IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD
+    if forward:
+        limit = _IM2COL_MAX_POSITIONS_FORWARD
+    else:
+        limit = _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN if fast_onednn else _IM2COL_MAX_POSITIONS_BACKWARD
     if onednn_applies and positions > limit:
         return "onednn"
     return "im2col"
@@ -253,7 +260,7 @@ def backward(
 
 def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
                      needs_grad_bias):
-    if z.is_contiguous():  # channel-last z (see _onednn_convolution): its gradient channel-last too
+    if z.is_contiguous():  # channel-last z (see _onednn_channels_last): its gradient channel-last too
         grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2).transpose(1, 2)
     else:
         grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
