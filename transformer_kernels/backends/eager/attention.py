@@ -699,7 +699,7 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
     dtype = _compute_dtype(query.dtype)
     out = empty_output(query, value)
-    saved = empty_saved(query, key, value, args, True) if needs_backward else query.new_empty(0, dtype=dtype)
+    saved = _empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
     for chunk in _batch_chunks(query, key, value, args, dtype):
         q, k, v = chunk.operands(query, key, value)
         batches = _HeadBatches.of(q, k, v)
@@ -768,16 +768,20 @@ def _probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, att
 
 def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
     """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path
-    (see :func:`_keeps_probs` for the short calls it leaves to the materialized one), the lse (:func:`~transformer_kernels.ops.attention.empty_lse`); on the materialized path, the
-    probabilities ``[B, Hq, Lq, Lk]`` (float32 or wider, laid out as :class:`_HeadBatches`
-    allocates them), or an empty tensor when no backward pass will run."""
-    if not _keeps_probs(query, key, value, args, needs_backward) and _uses_flash_tiles(query, value, args.dropout_p):
+    (see :func:`_takes_flash_tiles`), the lse (:func:`~transformer_kernels.ops.attention.empty_lse`);
+    on the materialized path, the probabilities (float32 or wider, :func:`_empty_probs`), or an
+    empty tensor when no backward pass will run."""
+    if _takes_flash_tiles(query, key, value, args, needs_backward):
         return empty_lse(query)
     dtype = _compute_dtype(query.dtype)
-    if not needs_backward:
-        return query.new_empty(0, dtype=dtype)
+    return _empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+
+
+def _empty_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The materialized path's probabilities ``[B, Hq, Lq, Lk]``: batch-major when the batch runs
+    in chunks (they fold, see :meth:`_BatchChunk.operands`), else as :class:`_HeadBatches` lays out
+    the whole call's."""
     batch_size, num_heads, lq, _ = query.shape
-    # Chunks fold (see _BatchChunk.operands): their probabilities go to a batch-major buffer.
     batches = _HeadBatches(True) if _chunk_size(query, key, value) < batch_size else _HeadBatches.of(query, key, value)
     return batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
 
@@ -787,15 +791,19 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` in the layout of :func:`~transformer_kernels.ops.attention.empty_output` and what
     :func:`empty_saved` describes."""
-    if not _keeps_probs(query, key, value, args, needs_backward) and _uses_flash_tiles(query, value, args.dropout_p):
+    if _takes_flash_tiles(query, key, value, args, needs_backward):
         return _flash_forward(query, key, value, _plan(query, key, args), args.scale)
     return _probs_forward(query, key, value, args, needs_backward)
 
 
-def _keeps_probs(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
-    """Whether a call the tiled flash path could serve takes the materialized path instead, keeping
-    its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``)."""
-    return needs_backward and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES and key.shape[1] == query.shape[1]
+def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
+    """Whether the forward runs on the tiled flash path: a call it can serve, unless the call is
+    short, autograd will differentiate it and its heads match, when the materialized path keeps
+    its probabilities for the backward pass instead (see ``_PROBS_MAX_SCORES``)."""
+    keeps_probs = (
+        needs_backward and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES and key.shape[1] == query.shape[1]
+    )
+    return not keeps_probs and _uses_flash_tiles(query, value, args.dropout_p)
 
 
 def backward(

@@ -39,8 +39,9 @@ costs more than either direct path saves.
 Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
 output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
 ``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs and after
-oneDNN on a channel-last ``x``, else a transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost,
-so recomputing them would make training slower than plain PyTorch.
+oneDNN on a channel-last ``x``, else a transposed ``[B, 2C, L_out]`` after
+oneDNN) for backward: the GEMMs are the whole cost, so recomputing them would
+make training slower than plain PyTorch.
 """
 
 from __future__ import annotations
@@ -91,8 +92,7 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
-    onednn_applies = (on_cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                      and torch.backends.mkldnn.enabled)
+    onednn_applies = on_cpu and x.dtype == torch.float32 and onednn.enabled()
     fast_onednn = onednn_applies and onednn.speedup() >= _FAST_ONEDNN_SPEEDUP
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
 
-__all__ = ["speedup", "linear"]
+__all__ = ["enabled", "speedup", "linear"]
 
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN's GEMM serves the QKV projection from this speed-up over the BLAS on: a near tie keeps
@@ -37,6 +37,12 @@ _LINEAR_MIN_SPEEDUP = 1.2
 _LINEAR_MIN_MACS = 1 << 20
 # oneDNN's GEMM speed over the BLAS's on this CPU (see speedup); None until measured.
 _speedup: Optional[float] = None
+
+
+def enabled() -> bool:
+    """oneDNN is built into torch and the user has not turned it off (``torch.backends.mkldnn``,
+    which torch's own convolutions follow too)."""
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 def speedup() -> float:
@@ -72,7 +78,8 @@ def _dense(tensor: torch.Tensor) -> bool:
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
     for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
-    the BLAS and ``torch.backends.mkldnn.enabled``; else ``F.linear``.  Not differentiable: for the backends' kernels, below autograd."""
+    the BLAS and is :func:`enabled`; else ``F.linear``.  Not differentiable: for the backends'
+    kernels, below autograd."""
     if (
         input.dtype == torch.float32
         and input.device.type == "cpu"
@@ -81,7 +88,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         and _dense(input)
         and _dense(weight)
         and _LINEAR is not None
-        and torch.backends.mkldnn.enabled  # as torch's own convolutions, off when the user turned oneDNN off
+        and enabled()
         and speedup() >= _LINEAR_MIN_SPEEDUP
     ):
         return _LINEAR(input, weight, bias, "none", [], "")
