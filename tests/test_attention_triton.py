@@ -296,9 +296,10 @@ def test_padding_an_odd_head_dim_keeps_broadcast_dims_broadcast():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("capability", [80, 90])
 def test_block_config_picks_the_table_for_the_problem_and_the_gpu(kernel, head_dim, capability, monkeypatch):
-    """The GPU tables (what the interpreter's small tiles replace): SHORT for 16-bit inputs without a
-    dense mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, where it has an entry;
-    else SM90's entry on sm_90; else the shared table of the mask variant; FLOAT32 for float32."""
+    """The GPU tables (what the interpreter's small tiles replace): for 16-bit inputs without a dense
+    mask or dropout whose sequences are at most SHORT_MAX_LENGTH long, SM90's "short" entry on
+    sm_90, else SHORT, where they have one; else SM90's entry on sm_90; else the shared table of
+    the mask variant; FLOAT32 for float32."""
     monkeypatch.setattr(triton_attention, "_INTERPRETED", False)
     short_length = triton_attention.SHORT_MAX_LENGTH
 
@@ -310,6 +311,8 @@ def test_block_config_picks_the_table_for_the_problem_and_the_gpu(kernel, head_d
         if capability >= 90:
             shared = triton_attention._SM90_CONFIGS.get((variant, kernel, head_dim), shared)
         short = triton_attention._SHORT_CONFIGS.get((kernel, head_dim), shared)
+        if capability >= 90:
+            short = triton_attention._SM90_CONFIGS.get(("short", kernel, head_dim), short)
         assert config(torch.bfloat16, variant, short_length) == short
         assert config(torch.float16, variant, short_length + 1) == shared
     masked = triton_attention._MASKED_CONFIGS[(kernel, head_dim)]

@@ -63,7 +63,6 @@ EXPECTED_MMA = {80: "mma.sync", 90: "wgmma"}
 FALLBACKS = {
     ("attention_forward_*_d256_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_forward_fp32_*@sm_90", "mma.sync"): "BLOCK_M 32",
-    ("attention_grad_key_value_bf16_d64_*@sm_90", "mma.sync"): "BLOCK_N 32",
     ("attention_grad_key_value_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16",
     ("attention_grad_key_value_fp16_*@sm_90", "mma.sync"): "BLOCK_N 16 or 32 (MASKED tiles)",
     ("attention_grad_key_value_fp32_*@sm_90", "mma.sync"): "BLOCK_N 16",
@@ -86,7 +85,6 @@ FALLBACKS = {
     # transposed back, to a second dot through registers (convert_layout,
     # tt.trans); with mma.sync dots that keeps the load synchronous.
     ("attention_grad_key_value_*@sm_80", "sync:q_t"): "q_t also feeds dK transposed, from registers",
-    ("attention_grad_key_value_bf16_d64_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (BLOCK_N 32)",
     ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
     ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
     ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",

@@ -915,8 +915,9 @@ _MASKED_CONFIGS: dict[tuple[str, int], KernelConfig] = {
 # tile of 128 rows would leave half to seven eighths of every program's rows
 # empty there; 64 rows is the smallest tile that still lowers to wgmma on
 # sm_90 (a dot's M must be a multiple of 64), and dK/dV at head dim 128 gets
-# 64 keys for the same reason.  dK/dV at head dim 64 keeps its FAST tile:
-# every 64-key tile tried (16 to 64 queries, 4 or 8 warps) spills on sm_80.
+# 64 keys for the same reason.  dK/dV at head dim 64 keeps its FAST tile on
+# sm_80, where every 64-key tile tried (16 to 64 queries, 4 or 8 warps)
+# spills; sm_90 has its own (the SM90 table's "short" entry).
 # Chosen by compiling, not yet timed on a GPU: benchmarks/tune_attention.py
 # --short sweeps them.
 SHORT_MAX_LENGTH = 64
@@ -941,6 +942,14 @@ _SM90_CONFIGS: dict[tuple[str, str, int], KernelConfig] = {
     **{(table, "grad_query", 128): KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
        for table in ("dense", "fast")},
     ("dense", "grad_key_value", 128): KernelConfig(block_m=32, block_n=128, num_warps=8, num_stages=3),
+    # dK/dV at head dim 64 (the seeds'), whose shared 32-key tiles are too short for wgmma: the
+    # sweep's fastest d64 tile, (16, 128, 4, 4), 35% faster, spills under triton 3.6; its 3-stage
+    # twin does not without causal or padding, and with them 8 warps hold it.  Chosen by compiling
+    # (0 stack, wgmma, operands 3 deep under triton 3.6 and 3.9), not timed themselves.
+    ("dense", "grad_key_value", 64): KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    ("fast", "grad_key_value", 64): KernelConfig(block_m=16, block_n=128, num_warps=8, num_stages=3),
+    # ... and 64 keys for SHORT inputs (an entry "short" is looked up before the SHORT table).
+    ("short", "grad_key_value", 64): KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2),
 }
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
@@ -1012,9 +1021,13 @@ def _table_config(
     """:func:`block_config` on a GPU, for head dim ``bucket`` (64, 128 or 256)."""
     if dtype == torch.float32:
         return _FLOAT32_CONFIGS[(kernel, bucket)]
-    if variant != "masked" and max_length <= SHORT_MAX_LENGTH and (kernel, bucket) in _SHORT_CONFIGS:
-        return _SHORT_CONFIGS[(kernel, bucket)]
-    if capability is not None and capability >= 90 and (variant, kernel, bucket) in _SM90_CONFIGS:
+    sm90 = capability is not None and capability >= 90
+    if variant != "masked" and max_length <= SHORT_MAX_LENGTH:
+        if sm90 and ("short", kernel, bucket) in _SM90_CONFIGS:
+            return _SM90_CONFIGS[("short", kernel, bucket)]
+        if (kernel, bucket) in _SHORT_CONFIGS:
+            return _SHORT_CONFIGS[(kernel, bucket)]
+    if sm90 and (variant, kernel, bucket) in _SM90_CONFIGS:
         return _SM90_CONFIGS[(variant, kernel, bucket)]
     return _CONFIG_TABLES[variant][(kernel, bucket)]
 
@@ -1465,14 +1478,17 @@ def compile_targets() -> list[CompileTarget]:
     one ``block_config`` picks there (``_table_config``): DENSE configs with no switch, FAST and
     SHORT ones with bottom-right causal and key padding, MASKED and FLOAT32
     ones with every switch on (bottom-right causal, key padding, float mask,
-    dropout, dS store).  A SHORT target only where its table has an entry."""
+    dropout, dS store).  A SHORT target only where the SHORT table, or the SM90 table's "short"
+    entries, have one."""
     targets = []
     kernels_and_buckets = list(itertools.product(("forward", "grad_key_value", "grad_query"), (64, 128, 256)))
     for (variant, dtype, switches, length, suffix), (kernel_name, bucket) in itertools.product(
         _TARGET_PROBLEMS, kernels_and_buckets
     ):
-        table = _SHORT_CONFIGS if suffix else _FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]
-        if (kernel_name, bucket) not in table:
+        if suffix:
+            if (kernel_name, bucket) not in _SHORT_CONFIGS and ("short", kernel_name, bucket) not in _SM90_CONFIGS:
+                continue
+        elif (kernel_name, bucket) not in (_FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]):
             continue
         by_config: dict[KernelConfig, list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
