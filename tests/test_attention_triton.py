@@ -316,6 +316,8 @@ def test_block_config_picks_the_table_for_the_problem_and_the_gpu(kernel, head_d
         assert config(torch.bfloat16, variant, short_length) == short
         assert config(torch.float16, variant, short_length + 1) == shared
     masked = triton_attention._MASKED_CONFIGS[(kernel, head_dim)]
+    if capability >= 90:
+        masked = triton_attention._SM90_CONFIGS.get(("masked", kernel, head_dim), masked)
     assert config(torch.float16, "masked", 16) == masked
     if head_dim <= MAX_FLOAT32_HEAD_DIM_ON_GPU:
         assert config(torch.float32, "fast", 16) == triton_attention._FLOAT32_CONFIGS[(kernel, head_dim)]

@@ -64,10 +64,9 @@ FALLBACKS = {
     ("attention_forward_*_d256_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_forward_fp32_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_grad_key_value_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16",
-    ("attention_grad_key_value_fp16_*@sm_90", "mma.sync"): "BLOCK_N 16 or 32 (MASKED tiles)",
     ("attention_grad_key_value_fp32_*@sm_90", "mma.sync"): "BLOCK_N 16",
     ("attention_grad_query_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16",
-    ("attention_grad_query_fp16_*@sm_90", "mma.sync"): "BLOCK_M 16 or 32 (MASKED tiles)",
+    ("attention_grad_query_fp16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16 (MASKED tile)",
     ("attention_grad_query_fp32_*@sm_90", "mma.sync"): "BLOCK_M 16",
     # tf32x3 dots (float32 attention) are three TF32 tensor-core products, held
     # to the same instructions as 16-bit ones; "ieee" ones never use tensor cores.
@@ -85,10 +84,14 @@ FALLBACKS = {
     # transposed back, to a second dot through registers (convert_layout,
     # tt.trans); with mma.sync dots that keeps the load synchronous.
     ("attention_grad_key_value_*@sm_80", "sync:q_t"): "q_t also feeds dK transposed, from registers",
-    ("attention_grad_key_value_fp16_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tiles)",
     ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
-    ("attention_grad_query_fp16_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tiles)",
+    ("attention_grad_query_fp16_d256_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tile)",
 }
+if not attention._OLD_TRITON:  # triton 3.6 has no MASKED dK/dV tile at head dim 256 (refused instead)
+    FALLBACKS.update({
+        ("attention_grad_key_value_fp16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16 (MASKED tile)",
+        ("attention_grad_key_value_fp16_d256_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tile)",
+    })
 
 
 def fallbacks(case_id: str) -> dict:

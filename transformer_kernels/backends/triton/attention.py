@@ -950,6 +950,12 @@ _SM90_CONFIGS: dict[tuple[str, str, int], KernelConfig] = {
     ("fast", "grad_key_value", 64): KernelConfig(block_m=16, block_n=128, num_warps=8, num_stages=3),
     # ... and 64 keys for SHORT inputs (an entry "short" is looked up before the SHORT table).
     ("short", "grad_key_value", 64): KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2),
+    # MASKED backward tiles own 64 keys (dK/dV) or 64 queries (dQ), wgmma's smallest M, where the
+    # shared ones own 16 or 32; chosen by compiling like the dK/dV d64 ones above.
+    **{("masked", "grad_key_value", bucket): KernelConfig(block_m=16, block_n=64, num_warps=8, num_stages=2)
+       for bucket in (64, 128)},
+    ("masked", "grad_query", 64): KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    ("masked", "grad_query", 128): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
 }
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
