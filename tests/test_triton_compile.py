@@ -61,11 +61,9 @@ EXPECTED_MMA = {80: "mma.sync", 90: "wgmma"}
 # (BLOCK_M) in the attention forward and dQ kernels, the key block (BLOCK_N)
 # in dK/dV.
 FALLBACKS = {
-    ("attention_forward_*_d256_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_forward_fp32_*@sm_90", "mma.sync"): "BLOCK_M 32",
     ("attention_grad_key_value_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16",
     ("attention_grad_key_value_fp32_*@sm_90", "mma.sync"): "BLOCK_N 16",
-    ("attention_grad_query_bf16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16",
     ("attention_grad_query_fp16_d256_*@sm_90", "mma.sync"): "BLOCK_M 16 (MASKED tile)",
     ("attention_grad_query_fp32_*@sm_90", "mma.sync"): "BLOCK_M 16",
     # tf32x3 dots (float32 attention) are three TF32 tensor-core products, held
@@ -77,8 +75,10 @@ FALLBACKS = {
         "the tap shifts x's tile by an unknown offset, so 16-bit x loads 2 bytes at a time, "
         "under cp.async's 4-byte minimum (float32 x is pipelined)"
     ),
-    ("attention_forward_fp16_d256_all_masks@sm_*", "sync:*"): "num_stages 1 in its config",
-    ("attention_grad_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
+    ("attention_forward_fp16_d256_all_masks@sm_80", "sync:*"): "num_stages 1 in its config",
+    ("attention_grad_key_value_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
+    ("attention_grad_query_*_d256_*@sm_80", "sync:*"): "num_stages 1 in its config",
+    ("attention_grad_query_fp16_d256_*@sm_90", "sync:*"): "num_stages 1 in its config (MASKED tile)",
     ("attention_*_fp32_*@sm_*", "sync:*"): "num_stages 1 in its config",
     # The kernel loads Q (dK/dV) or K (dQ) transposed and also feeds it,
     # transposed back, to a second dot through registers (convert_layout,

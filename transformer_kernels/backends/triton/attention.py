@@ -956,6 +956,14 @@ _SM90_CONFIGS: dict[tuple[str, str, int], KernelConfig] = {
        for bucket in (64, 128)},
     ("masked", "grad_query", 64): KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
     ("masked", "grad_query", 128): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    # Head dim 256: 64 queries for the forward and dQ, where the shared tiles' 16 or 32 rows do not
+    # reach wgmma; two stages, which keep K and V in shared memory rather than registers.  (Neither
+    # dK/dV at 256 nor the MASKED dQ at 256 has a 64-row tile that does not spill.)
+    **{(table, "forward", 256): KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+       for table in ("dense", "fast")},
+    ("masked", "forward", 256): KernelConfig(block_m=64, block_n=16, num_warps=8, num_stages=2),
+    **{(table, "grad_query", 256): KernelConfig(block_m=64, block_n=16, num_warps=8, num_stages=2)
+       for table in ("dense", "fast")},
 }
 # FLOAT32: tf32x3 dots (three tensor-core products, ~fp32 accuracy) hold a
 # high and a low part of every operand, and each warp holds whole rows of the
