@@ -33,6 +33,7 @@ tensors and ``k`` (tap), ``i`` (input channel), ``o`` (output channel),
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -41,11 +42,13 @@ import triton.language as tl
 
 from ...ops.glu_conv import GluConvArgs, empty_output
 from ._common import (
+    COMPILE_CAPABILITIES,
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
     KernelConfig,
     KernelLaunch,
     cdiv,
+    compute_capability,
     fp32_conv_allows_tf32,
     input_precision,
     num_sms,
@@ -359,8 +362,23 @@ _CONFIGS = {
 }
 
 
-def kernel_config(kernel: str, dtype: torch.dtype) -> KernelConfig:
-    """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of ``dtype``."""
+# sm_90, 16-bit: the tiles above give each warpgroup an m64n32 wgmma (forward) or one warpgroup
+# per program (backward), too little to keep Hopper's tensor cores busy.  These are the Triton
+# matmul tutorial's Hopper shapes (two warpgroups, 128 rows, 64-wide K steps; the forward's two
+# accumulators keep it at 64 channels): compiled without spills under triton 3.6 and 3.9, every
+# dot wgmma and the weight operands pipelined (tests/test_triton_compile.py), not yet timed.
+_SM90_16BIT_CONFIGS = {
+    "forward": KernelConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
+    "grad_input": KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    "grad_weight": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
+}
+
+
+def kernel_config(kernel: str, dtype: torch.dtype, capability: Optional[int]) -> KernelConfig:
+    """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of
+    ``dtype`` on a GPU of compute ``capability`` (None under the interpreter)."""
+    if dtype != torch.float32 and capability is not None and capability >= 90:
+        return _SM90_16BIT_CONFIGS[kernel]
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
@@ -408,7 +426,7 @@ def forward(
     if x.shape[0] > 0:
         launch = _preactivation_launch(
             x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
-            args.residual_scale, _input_precision(x.dtype),
+            args.residual_scale, _input_precision(x.dtype), compute_capability(x.device),
         )
         run_launches([launch], x)
     return out, packed
@@ -426,13 +444,14 @@ def _preactivation_launch(
     pad_value: float,
     residual_scale: float,
     precision: str,
+    capability: Optional[int],
 ) -> KernelLaunch:
     """``_glu_conv_forward_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
     for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
     epilogue."""
     batch, channels_in, length_in = x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("forward", x.dtype)
+    config = kernel_config("forward", x.dtype, capability)
     unused_strides = (0, 0, 0)
     grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
     return KernelLaunch(_glu_conv_forward_kernel, grid, (
@@ -488,19 +507,20 @@ def backward(
     ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
     pre-activation from ``x``.
     """
-    precision = _input_precision(x.dtype)
-    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision)
-    grad_x = _grad_input(grad_z, packed, x, args, precision) if needs_grad_x else x.new_empty(0)
+    precision, capability = _input_precision(x.dtype), compute_capability(x.device)
+    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision, capability)
+    grad_x = _grad_input(grad_z, packed, x, args, precision, capability) if needs_grad_x else x.new_empty(0)
     grad_bias_wanted = needs_grad_bias and bias is not None
     grad_weight = grad_bias = weight.new_empty(0)
     if needs_grad_weight or grad_bias_wanted:
         grad_weight, grad_bias = _grad_weight_and_bias(
-            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, precision
+            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, precision, capability
         )
     return grad_x, grad_weight, grad_bias
 
 
-def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision: str) -> torch.Tensor:
+def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision: str,
+                        capability: Optional[int]) -> torch.Tensor:
     """The pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``, stored channel-last (both
     GEMMs after it read it along channels); the kernel recomputes the pre-activation from ``x``."""
     batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
@@ -508,29 +528,30 @@ def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision:
     if batch > 0:
         launch = _preactivation_launch(
             x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
-            precision,
+            precision, capability,
         )
         run_launches([launch], x)
     return grad_z
 
 
-def _grad_input(grad_z, packed, x, args: GluConvArgs, precision: str) -> torch.Tensor:
+def _grad_input(grad_z, packed, x, args: GluConvArgs, precision: str, capability: Optional[int]) -> torch.Tensor:
     """``grad_x`` in the op's output layout for ``x``."""
     grad_x = empty_output(x, x.shape[1], x.shape[2])
     if x.shape[0] > 0:
-        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision)], grad_z)
+        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision, capability)], grad_z)
     return grad_x
 
 
 def _grad_weight_and_bias(
-    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, precision: str
+    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, precision: str,
+    capability: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_weight`` and ``grad_bias``, each empty unless wanted.  One kernel computes float32
     partial sums of both (the bias's is its row sum) over row ranges that fill the GPU, reduced
     afterwards: deterministic, no atomics."""
     channels_z, channels_in, kernel_size = weight.shape
     rows_out = x.shape[0] * grad_z.shape[2]
-    config = kernel_config("grad_weight", x.dtype)
+    config = kernel_config("grad_weight", x.dtype, capability)
     block_rows = config.block_k
     tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
@@ -541,7 +562,7 @@ def _grad_weight_and_bias(
     grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
     launch = _grad_weight_launch(
         x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
-        grad_bias_wanted, precision,
+        grad_bias_wanted, precision, capability,
     )
     run_launches([launch], x)
     grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if grad_weight_wanted else weight.new_empty(0)
@@ -550,13 +571,14 @@ def _grad_weight_and_bias(
 
 
 def _grad_input_launch(
-    grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, precision: str
+    grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, precision: str,
+    capability: Optional[int],
 ) -> KernelLaunch:
     """``_glu_conv_grad_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
     ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
     batch, channels_in, length_in = grad_x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("grad_input", grad_x.dtype)
+    config = kernel_config("grad_input", grad_x.dtype, capability)
     grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
     return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
         grad_z, packed, grad_x,
@@ -575,12 +597,13 @@ def _grad_weight_launch(
     pad_value: float,
     has_bias: bool,
     precision: str,
+    capability: Optional[int],
 ) -> KernelLaunch:
     """``_glu_conv_grad_weight_kernel`` writing float32 partial sums
     ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
     batch, channels_in, length_in = x.shape
     splits, channels_z, _, kernel_size = grad_weight_partial.shape
-    config = kernel_config("grad_weight", x.dtype)
+    config = kernel_config("grad_weight", x.dtype, capability)
     tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
         x, grad_z, grad_weight_partial, grad_bias_partial,
@@ -594,7 +617,7 @@ def _grad_weight_launch(
 _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH = 4, 256, 4, 512
 
 
-def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: bool) -> KernelLaunch:
+def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: bool, capability: int) -> KernelLaunch:
     batch, channels, kernel_size, length = _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH
     pad_left = (kernel_size - 1) // 2
     x = torch.empty(batch, channels, length, dtype=dtype)
@@ -604,32 +627,38 @@ def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: 
         bias = torch.empty(2 * channels, dtype=dtype)
         if compute_grad:
             return _preactivation_launch(
-                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, precision
+                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, precision, capability
             )
         return _preactivation_launch(
-            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, precision
+            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, precision,
+            capability,
         )
     if kind == "grad_input":
-        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, precision)
+        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, precision, capability)
     splits = 2
     return _grad_weight_launch(
         x, grad_z, torch.empty(splits, 2 * channels, channels, kernel_size), torch.empty(splits, 2 * channels),
-        pad_left, batch * length // splits, 0.0, True, precision,
+        pad_left, batch * length // splits, 0.0, True, precision, capability,
     )
 
 
 def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
-    representative problem."""
+    representative problem, on each architecture with the configuration :func:`kernel_config`
+    picks there."""
     # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
-    return [
-        CompileTarget(
-            f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}",
-            functools.partial(_target_launch, kind, dtype, precision, compute_grad),
+    targets = []
+    for (dtype, precision), (kind, compute_grad) in itertools.product(variants, kernels):
+        by_config: dict[KernelConfig, list[int]] = {}
+        for capability in COMPILE_CAPABILITIES:
+            by_config.setdefault(kernel_config(kind, dtype, capability), []).append(capability)
+        name = f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
+        targets.extend(
+            CompileTarget(name, functools.partial(_target_launch, kind, dtype, precision, compute_grad, capabilities[0]),
+                          tuple(capabilities))
+            for capabilities in by_config.values()
         )
-        for dtype, precision in variants
-        for kind, compute_grad in kernels
-    ]
+    return targets
