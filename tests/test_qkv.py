@@ -205,6 +205,18 @@ def test_triton_every_config_path(monkeypatch, num_sms):
     _check_against_references("triton", (2, 520, 16), 2, 3, torch.float16, True, dict(rtol=1e-2, atol=1e-2))
 
 
+@requires_triton
+@pytest.mark.skipif(CUDA, reason="interpreter-only: forces tile configurations through the SM count")
+def test_triton_forward_takes_128x128_tiles_where_128x256_ones_leave_sms_idle(monkeypatch):
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+
+    # 1040 tokens x 288 features: 18 tiles of 128x256 would leave 20 SMs idle, 27 of 128x128 do not.
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", lambda device: 20)
+    forward_cfg = triton_qkv.gemm_config("forward", 1040, 288, 20)
+    assert (forward_cfg.block_m, forward_cfg.block_n) == (128, 128)
+    _check_against_references("triton", (2, 520, 96), 2, 3, torch.float16, True, dict(rtol=1e-2, atol=1e-2))
+
+
 @pytest.mark.parametrize("backend", backend_params("qkv"))
 def test_strided_inputs_and_unusual_gradients(backend):
     device = device_for(backend)
