@@ -25,10 +25,10 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from transformer_kernels.backends.triton import attention, glu_conv, qkv  # noqa: E402
+from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
 from transformer_kernels.backends.triton._common import compile_source  # noqa: E402
 
-MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv}
+MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 

@@ -127,8 +127,6 @@ def test_glu_conv_forward_budget(host_ops):
     assert len(forward_ops) <= FORWARD_BUDGET, forward_ops
 
 
-@pytest.mark.xfail(strict=True, reason="the weight gradient's split partial sums are reduced and cast "
-                   "with torch ops, and grad_z is allocated through a transpose")
 def test_glu_conv_backward_budget(host_ops):
     _, backward_ops = host_ops("glu_conv", _glu_conv_call())
     assert len(backward_ops) <= BACKWARD_BUDGET, backward_ops

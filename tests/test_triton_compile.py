@@ -34,9 +34,9 @@ import pytest
 triton = pytest.importorskip("triton")
 
 import transformer_kernels  # noqa: E402
-from transformer_kernels.backends.triton import attention, glu_conv, qkv  # noqa: E402
+from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
 
-MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv}
+MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
 # Opt-in shared memory per block: sm_80 (A100) 163 KiB, sm_90 (H100) 227 KiB.
 SHARED_MEMORY_LIMIT = {80: 166912, 90: 232448}
 CASES = [
@@ -71,6 +71,7 @@ FALLBACKS = {
     ("glu_conv_*-fp32-ieee@sm_*", "fma"): 'input_precision "ieee": exact float32 products, on FMA by design',
     ("attention_delta_*@sm_*", "none"): "row sums of dO * O, no dot",
     ("attention_key_bounds@sm_*", "none"): "a scan of the padding mask, no dot",
+    ("split_sum-*@sm_*", "none"): "a sum of float32 partial sums, no dot",
     ("glu_conv_*16-tf32@sm_*", "sync:x_tile"): (
         "the tap shifts x's tile by an unknown offset, so 16-bit x loads 2 bytes at a time, "
         "under cp.async's 4-byte minimum (float32 x is pipelined)"

@@ -54,6 +54,7 @@ from ._common import (
     num_sms,
     run_launches,
 )
+from ._split_sum import split_sum_launch
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "compile_targets"]
 
@@ -511,11 +512,12 @@ def backward(
     grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision, capability)
     grad_x = _grad_input(grad_z, packed, x, args, precision, capability) if needs_grad_x else x.new_empty(0)
     grad_bias_wanted = needs_grad_bias and bias is not None
-    grad_weight = grad_bias = weight.new_empty(0)
     if needs_grad_weight or grad_bias_wanted:
         grad_weight, grad_bias = _grad_weight_and_bias(
             grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, precision, capability
         )
+    else:
+        grad_weight = grad_bias = weight.new_empty(0)
     return grad_x, grad_weight, grad_bias
 
 
@@ -524,7 +526,7 @@ def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision:
     """The pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``, stored channel-last (both
     GEMMs after it read it along channels); the kernel recomputes the pre-activation from ``x``."""
     batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
-    grad_z = torch.empty(batch, length_out, channels_z, dtype=x.dtype, device=x.device).transpose(1, 2)
+    grad_z = x.new_empty_strided((batch, channels_z, length_out), (length_out * channels_z, 1, channels_z))
     if batch > 0:
         launch = _preactivation_launch(
             x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
@@ -548,7 +550,7 @@ def _grad_weight_and_bias(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_weight`` and ``grad_bias``, each empty unless wanted.  One kernel computes float32
     partial sums of both (the bias's is its row sum) over row ranges that fill the GPU, reduced
-    afterwards: deterministic, no atomics."""
+    afterwards (:func:`._split_sum.split_sum_launch`): deterministic, no atomics."""
     channels_z, channels_in, kernel_size = weight.shape
     rows_out = x.shape[0] * grad_z.shape[2]
     config = kernel_config("grad_weight", x.dtype, capability)
@@ -559,14 +561,20 @@ def _grad_weight_and_bias(
     # An empty batch still runs one split, which writes zeros.
     splits = max(1, cdiv(rows_out, rows_per_split))
     grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
-    grad_bias_partial = x.new_empty(splits, channels_z, dtype=torch.float32)
-    launch = _grad_weight_launch(
+    # Without a bias the kernel writes no bias sums: the weight's partials stand in for the pointer.
+    grad_bias_partial = (x.new_empty(splits, channels_z, dtype=torch.float32) if grad_bias_wanted
+                         else grad_weight_partial)
+    launches = [_grad_weight_launch(
         x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
         grad_bias_wanted, precision, capability,
-    )
-    run_launches([launch], x)
-    grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if grad_weight_wanted else weight.new_empty(0)
-    grad_bias = grad_bias_partial.sum(0).to(weight.dtype) if grad_bias_wanted else weight.new_empty(0)
+    )]
+    grad_weight, grad_bias = (weight.new_empty(weight.shape) if grad_weight_wanted else weight.new_empty(0),
+                              weight.new_empty(channels_z) if grad_bias_wanted else weight.new_empty(0))
+    if grad_weight_wanted:
+        launches.append(split_sum_launch(grad_weight_partial, grad_weight))
+    if grad_bias_wanted:
+        launches.append(split_sum_launch(grad_bias_partial, grad_bias))
+    run_launches(launches, x)
     return grad_weight, grad_bias
 
 

@@ -42,6 +42,7 @@ from ._common import (
 # ``num_sms``, and tests replace this module attribute to force a tile
 # configuration.
 from ._common import num_sms as multiprocessor_count
+from ._split_sum import split_sum_launch
 
 __all__ = [
     "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "unsupported_reason",
@@ -623,11 +624,15 @@ def _grad_weight_and_bias(
         else:
             grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
             grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if grad_bias_wanted else grad_w_out
-        launch = _grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)
-        run_launches([launch], x3)
+        launches = [_grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)]
         if splits > 1:
-            grad_w_out = grad_w_out.sum(0).to(weight.dtype) if grad_weight_wanted else grad_w_out
-            grad_b_out = grad_b_out.sum(0).to(weight.dtype) if grad_bias_wanted else grad_b_out
+            if grad_weight_wanted:
+                grad_w_partials, grad_w_out = grad_w_out, weight.new_empty(features, in_features)
+                launches.append(split_sum_launch(grad_w_partials, grad_w_out))
+            if grad_bias_wanted:
+                grad_b_partials, grad_b_out = grad_b_out, weight.new_empty(features)
+                launches.append(split_sum_launch(grad_b_partials, grad_b_out))
+        run_launches(launches, x3)
     return (
         grad_w_out if grad_weight_wanted else weight.new_empty(0),
         grad_b_out if grad_bias_wanted else weight.new_empty(0),

@@ -1,0 +1,54 @@
+"""The reduction after a split weight-gradient GEMM, shared by the QKV projection and the GLU
+convolution: their weight-gradient kernels split the token (or position) range over programs
+that each write float32 partial sums ``[splits, *shape]``, and one launch of
+:func:`split_sum_launch` adds them up and casts them to the gradient's dtype, where
+``partials.sum(0).to(dtype)`` would be two torch ops, each a kernel launch on a GPU.
+Deterministic: the splits are added in order, no atomics.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelConfig, KernelLaunch, cdiv
+
+__all__ = ["split_sum_launch", "compile_targets"]
+
+_CONFIG = KernelConfig(block_m=1024, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _split_sum_kernel(partials_ptr, out_ptr, numel, num_splits, BLOCK_M: tl.constexpr):
+    # out[i] = sum over s of partials[s, i], accumulated in float32 in split order.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = offsets < numel
+    partial_ptrs = partials_ptr + offsets
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for _ in range(num_splits):
+        total += tl.load(partial_ptrs, mask=in_range, other=0.0)
+        partial_ptrs += numel  # the next split's row: pointer arithmetic, 64-bit
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=in_range)
+
+
+def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
+    """``out = partials.sum(0)`` cast to ``out``'s dtype: ``partials`` a contiguous float32
+    ``[splits, *out.shape]``, ``out`` contiguous."""
+    numel = out.numel()
+    return KernelLaunch(_split_sum_kernel, (cdiv(numel, _CONFIG.block_m),), (partials, out, numel, partials.shape[0]),
+                        _CONFIG.launch_kwargs())
+
+
+def _target_launch(dtype: torch.dtype) -> KernelLaunch:
+    return split_sum_launch(torch.empty(4, 3 * 512, 512), torch.empty(3 * 512, 512, dtype=dtype))
+
+
+def compile_targets() -> list[CompileTarget]:
+    """The reduction into each gradient dtype."""
+    return [
+        CompileTarget(f"split_sum-{TORCH_TO_TRITON_DTYPE[dtype]}", functools.partial(_target_launch, dtype))
+        for dtype in TORCH_TO_TRITON_DTYPE
+    ]
