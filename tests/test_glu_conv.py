@@ -156,22 +156,37 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
         monkeypatch.setattr(onednn, "_speedup", 1.0)
         assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "im2col"
         monkeypatch.setattr(onednn, "_speedup", 2.0)
-    for channels_last, padding, pad_value in ((True, "same", 0.0), (True, "causal", 1.5), (False, "same", -0.5)):
-        x, weight, bias, residual = _make_inputs(2, 3, 200, 24, 16, dtype=torch.float32, channels_last=channels_last)
-        out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
-                                        padding=padding, pad_value=pad_value, residual_scale=SCALE)
-        assert _has_layout(out, channels_last)
+    # The weight gradient both ways: oneDNN's convolution backward, and the im2col GEMM that takes
+    # it over from _GEMM_WEIGHT_GRADIENT_MIN_DEPTH (C_in * k) on, here from 1.
+    for min_depth, with_bias in ((eager_glu_conv._GEMM_WEIGHT_GRADIENT_MIN_DEPTH, True), (1, True), (1, False)):
+        monkeypatch.setattr(eager_glu_conv, "_GEMM_WEIGHT_GRADIENT_MIN_DEPTH", min_depth)
+        for channels_last, padding, pad_value in ((True, "same", 0.0), (True, "causal", 1.5), (False, "same", -0.5)):
+            x, weight, bias, residual = _make_inputs(2, 3, 200, 24, 16, dtype=torch.float32,
+                                                     channels_last=channels_last, bias=with_bias)
+            assert eager_glu_conv._weight_gradient_on_gemm(x, 24 * 3, 200) == (min_depth == 1)
+            out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
+                                            padding=padding, pad_value=pad_value, residual_scale=SCALE)
+            assert _has_layout(out, channels_last)
 
 
-def test_winograd_error_is_within_twice_the_direct_convolutions():
-    """Winograd's transforms add rounding: its float32 error against float64 (RMS and max, output
-    and gradients) stays within 2x that of torch's direct convolution on the seeds' sizes
-    (C = 512, a 1536-term sum per output; measured about 1.5x RMS)."""
+@pytest.mark.parametrize("gemm_speedup,algorithm", [(1.0, "winograd"), (2.0, "onednn")],
+                         ids=["winograd", "onednn_gemm_weight_gradient"])
+def test_fp32_error_is_within_twice_the_direct_convolutions(gemm_speedup, algorithm, monkeypatch):
+    """Winograd's transforms add rounding, and so could oneDNN's kernels where the eager backend
+    picks others than torch's convolution would (its GEMM for the weight gradient; a channels-last
+    convolution erred 4x): the float32 error against float64 (RMS and max, output and gradients)
+    stays within 2x that of torch's direct convolution on the seeds' sizes (C = 512, a 1536-term
+    sum per output; measured about 1.5x RMS for Winograd)."""
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
 
+    if algorithm == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(onednn, "_speedup", gemm_speedup)
     x, weight, bias, _ = _make_inputs(4, 3, 80, 512, 512, dtype=torch.float32, channels_last=True, residual=False)
-    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == "winograd"
-    assert eager_glu_conv.algorithm(x, 3, 80, "backward") == "winograd"
+    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == algorithm
+    assert eager_glu_conv.algorithm(x, 3, 80, "backward") == algorithm
+    assert eager_glu_conv._weight_gradient_on_gemm(x, 3 * 512, 80) == (algorithm == "onednn")
     grad = torch.randn(4, 512, 80)
 
     def results(fn, dtype):
@@ -455,8 +470,7 @@ def test_opcheck_eager_winograd(length):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
 def test_opcheck_eager_onednn(channels_last, length, monkeypatch):
     """oneDNN forward (a fast oneDNN takes kernel size 3 from Winograd): z channel-first after
-    F.conv1d, channel-last after the channels-last F.conv2d of a channel-last x past
-    _CHANNELS_LAST_MIN_POSITIONS; backward on oneDNN (400 positions) or the im2col GEMM (40)."""
+    F.conv1d, whatever x's layout; backward on oneDNN (400 positions) or the im2col GEMM (40)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     from transformer_kernels.backends.eager import onednn

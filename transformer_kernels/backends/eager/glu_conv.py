@@ -24,10 +24,14 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **oneDNN convolution** (float32 on a CPU with oneDNN, past the im2col
   GEMM's few positions when Winograd does not apply or does not pay yet):
-  ``F.conv1d`` forward (``F.conv2d`` on the channels-last image a channel-last
-  ``x`` is, so that nothing reorders the activations) and
-  ``aten.convolution_backward`` backward, which reorder the weight into
-  oneDNN's blocked layout on every call.  That fixed
+  ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
+  reorder the weight into oneDNN's blocked layout on every call.  (Convolving a
+  channel-last ``x`` as the channels-last image ``[B, C_in, 1, L]`` it is in
+  memory would skip reordering the activations, but oneDNN runs another
+  algorithm there: at C = 512 its float32 output erred 4x as much as
+  ``F.conv1d``'s, for no gain in speed forward and backward together.)  Where
+  oneDNN is fast, the weight gradient is the im2col GEMM on oneDNN's GEMM
+  kernels instead (see ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH``).  That fixed
   cost loses to the im2col GEMM for a few output positions (decoding steps,
   short batches; a few hundred in the backward) and is repaid by oneDNN's
   faster GEMM kernels beyond them.
@@ -38,9 +42,8 @@ costs more than either direct path saves.
 
 Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
 output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
-``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs and after
-oneDNN on a channel-last ``x``, else a transposed ``[B, 2C, L_out]`` after
-oneDNN) for backward: the GEMMs are the whole cost, so recomputing them would
+``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs, a
+transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost, so recomputing them would
 make training slower than plain PyTorch.
 """
 
@@ -80,10 +83,12 @@ _FAST_ONEDNN_SPEEDUP = 1.3
 # B=4, L=40 (160 positions) fwd+bwd 0.73x the seed with im2col, 0.94x with oneDNN; B=2, L=20
 # (40 positions) 1.13x with im2col either way.
 _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN = 64
-# oneDNN's convolution of a channel-last input as a channels-last image pays from about this many
-# positions (B * L): C = 512, k = 3, B=16 L=20 0.93x the time of F.conv1d's, B=16 L=40 0.91x,
-# B=4 L=40 1.08x (its blocked weight costs more per call).
-_CHANNELS_LAST_MIN_POSITIONS = 256
+# ... and past those, the weight gradient leaves oneDNN's convolution backward for the im2col GEMM
+# on oneDNN's GEMM kernels (the input gradient stays): C = 512, k = 3, the backward 1.5x at 160
+# positions, 1.2x at 320, 1.2x at 640; C = 256 and 128 lost 3% and 6%.  Its float32 error stayed
+# within 1.1x (max) of torch's convolution backward from 160 to 4096 positions.
+_GEMM_WEIGHT_GRADIENT_MIN_DEPTH = 1536
+_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS = 1024
 
 
 def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
@@ -110,12 +115,12 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward (for the fake kernel): the pre-activation
     ``[B, L_out, 2C]``: contiguous after the im2col GEMM, the first ``L_out`` positions of a
-    contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, after oneDNN contiguous for a
-    channel-last ``x`` and else a transposed contiguous ``[B, 2C, L_out]``."""
+    contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, a transposed contiguous
+    ``[B, 2C, L_out]`` after oneDNN."""
     kernel_size = weight.shape[2]
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
-    if chosen == "onednn" and not _onednn_channels_last(x, length_out):
+    if chosen == "onednn":
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     if chosen == "winograd":
         return x.new_empty(x.shape[0], 2 * winograd.tiles(length_out), weight.shape[0])[:, :length_out]
@@ -153,24 +158,6 @@ def _conv_input(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float
     return F.pad(x, (pad_left, pad_right), value=pad_value), 0
 
 
-def _onednn_channels_last(x: torch.Tensor, length_out: int) -> bool:
-    """Whether oneDNN convolves ``x`` forward as the channels-last image ``[B, C_in, 1, L]`` it is
-    in memory (a channel-last ``x``, from ``_CHANNELS_LAST_MIN_POSITIONS`` output positions), where
-    ``F.conv1d`` would reorder it first; z is then a contiguous ``[B, L_out, 2C]``.  (That
-    backward runs 1.45x slower than ``F.conv1d``'s: the backward stays one-dimensional.)"""
-    return is_channels_last(x) and x.shape[0] * length_out >= _CHANNELS_LAST_MIN_POSITIONS
-
-
-def _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value, length_out) -> tuple[torch.Tensor, int]:
-    """``(z, z_dim)``: ``z`` as a contiguous ``[B, L_out, 2C]`` (``z_dim`` 2) when
-    :func:`_onednn_channels_last`, else as a contiguous ``[B, 2C, L_out]`` (``z_dim`` 1)."""
-    conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-    if _onednn_channels_last(x, length_out):
-        z = F.conv2d(conv_input.unsqueeze(2), weight.unsqueeze(2), bias, padding=(0, padding))
-        return z.squeeze(2).transpose(1, 2).contiguous(), 2  # a no-op but where a size-1 dim blurs the layout
-    return F.conv1d(conv_input, weight, bias, padding=padding), 1
-
-
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -185,7 +172,9 @@ def forward(
     length_out = args.output_length(x.shape[2], kernel_size)
     chosen = algorithm(x, kernel_size, length_out, "forward")
     if chosen == "onednn":
-        z, z_dim = _onednn_convolution(x, weight, bias, pad_left, pad_right, pad_value, length_out)
+        conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
+        z = F.conv1d(conv_input, weight, bias, padding=padding)
+        z_dim = 1
     elif chosen == "winograd":
         z = winograd.convolve(x.transpose(1, 2), weight, bias, pad_left, pad_right, pad_value)
         z_dim = 2
@@ -260,15 +249,23 @@ def backward(
 
 def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
                      needs_grad_bias):
-    if z.is_contiguous():  # channel-last z (see _onednn_channels_last): its gradient channel-last too
-        grad_z = torch.ops.aten.glu_backward(grad_out.transpose(1, 2), z, 2).transpose(1, 2)
-    else:
-        grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
+    grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
     conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-    grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-        grad_z, conv_input, weight, [weight.shape[0]] if needs_grad_bias else None, [1], [padding], [1], False, [0],
-        1, [needs_grad_x, needs_grad_weight, needs_grad_bias],
-    )
+    gemm_weight_gradient = (needs_grad_weight and _weight_gradient_on_gemm(x, weight.shape[1] * weight.shape[2],
+                                                                            grad_z.shape[2]))
+    # oneDNN computes the bias gradient with the weight's: the GEMM takes both, or neither.
+    wanted = [needs_grad_x, needs_grad_weight and not gemm_weight_gradient, needs_grad_bias and not gemm_weight_gradient]
+    grad_input = grad_weight = grad_bias = None
+    if any(wanted):
+        grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad_z, conv_input, weight, [weight.shape[0]] if wanted[2] else None, [1], [padding], [1], False,
+            [0], 1, wanted,
+        )
+    if gemm_weight_gradient:
+        cols = _windows(x, weight.shape[2], pad_left, pad_right, pad_value)
+        grad_rows = grad_z.transpose(1, 2).reshape(cols.shape[0], weight.shape[0])
+        grad_weight = onednn.linear(grad_rows.t(), cols.t()).view(weight.shape)
+        grad_bias = grad_rows.sum(0) if needs_grad_bias else None
     grad_x = None
     if needs_grad_x:
         # grad_input is a contiguous [B, C_in, L(+padding)]: it is grad_x only for a
@@ -279,6 +276,17 @@ def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
             grad_x = empty_output(x, x.shape[1], x.shape[2])
             grad_x.copy_(grad_input[:, :, pad_left - padding : pad_left - padding + x.shape[2]])
     return grad_x, grad_weight, grad_bias
+
+
+def _weight_gradient_on_gemm(x: torch.Tensor, depth: int, length_out: int) -> bool:
+    """Whether the oneDNN backward computes the weight gradient as the im2col GEMM on oneDNN's GEMM
+    kernels (``grad_z.T @ cols``, a ``B * L_out`` long contraction), where oneDNN's own backward
+    of the weight runs slower: a fast oneDNN (see ``_FAST_ONEDNN_SPEEDUP``), ``C_in * k`` of
+    ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH`` or more, and at most ``_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS``
+    output positions (its windows hold 3x the input)."""
+    return (depth >= _GEMM_WEIGHT_GRADIENT_MIN_DEPTH
+            and x.shape[0] * length_out <= _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS
+            and onednn.speedup() >= _FAST_ONEDNN_SPEEDUP)
 
 
 def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
