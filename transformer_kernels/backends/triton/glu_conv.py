@@ -32,6 +32,7 @@ tensors and ``k`` (tap), ``i`` (input channel), ``o`` (output channel),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Optional
@@ -383,6 +384,22 @@ def kernel_config(kernel: str, dtype: torch.dtype, capability: Optional[int]) ->
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dots:
+    """How a call's dots run: their ``input_precision`` and the GPU's compute ``capability`` (None
+    under the interpreter), which picks the tiles (:func:`kernel_config`)."""
+
+    precision: str
+    capability: Optional[int]
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "_Dots":
+        return cls(_input_precision(x.dtype), compute_capability(x.device))
+
+    def config(self, kernel: str, dtype: torch.dtype) -> KernelConfig:
+        return kernel_config(kernel, dtype, self.capability)
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of this op's dots on inputs of ``dtype``: float32
     follows torch's convolution setting (cuDNN uses TF32 unless disabled), read only for float32
@@ -427,7 +444,7 @@ def forward(
     if x.shape[0] > 0:
         launch = _preactivation_launch(
             x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
-            args.residual_scale, _input_precision(x.dtype), compute_capability(x.device),
+            args.residual_scale, _Dots.of(x),
         )
         run_launches([launch], x)
     return out, packed
@@ -444,15 +461,14 @@ def _preactivation_launch(
     length_out: int,
     pad_value: float,
     residual_scale: float,
-    precision: str,
-    capability: Optional[int],
+    dots: _Dots,
 ) -> KernelLaunch:
     """``_glu_conv_forward_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
     for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
     epilogue."""
     batch, channels_in, length_in = x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("forward", x.dtype, capability)
+    config = dots.config("forward", x.dtype)
     unused_strides = (0, 0, 0)
     grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
     return KernelLaunch(_glu_conv_forward_kernel, grid, (
@@ -480,7 +496,7 @@ def _preactivation_launch(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         COMPUTE_GRAD=grad_out is not None,
-        INPUT_PRECISION=precision,
+        INPUT_PRECISION=dots.precision,
         **config.launch_kwargs(),
     ))
 
@@ -508,21 +524,20 @@ def backward(
     ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
     pre-activation from ``x``.
     """
-    precision, capability = _input_precision(x.dtype), compute_capability(x.device)
-    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, precision, capability)
-    grad_x = _grad_input(grad_z, packed, x, args, precision, capability) if needs_grad_x else x.new_empty(0)
+    dots = _Dots.of(x)
+    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, dots)
+    grad_x = _grad_input(grad_z, packed, x, args, dots) if needs_grad_x else x.new_empty(0)
     grad_bias_wanted = needs_grad_bias and bias is not None
     if needs_grad_weight or grad_bias_wanted:
         grad_weight, grad_bias = _grad_weight_and_bias(
-            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, precision, capability
+            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, dots
         )
     else:
         grad_weight = grad_bias = weight.new_empty(0)
     return grad_x, grad_weight, grad_bias
 
 
-def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision: str,
-                        capability: Optional[int]) -> torch.Tensor:
+def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, dots: _Dots) -> torch.Tensor:
     """The pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``, stored channel-last (both
     GEMMs after it read it along channels); the kernel recomputes the pre-activation from ``x``."""
     batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
@@ -530,30 +545,29 @@ def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, precision:
     if batch > 0:
         launch = _preactivation_launch(
             x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
-            precision, capability,
+            dots,
         )
         run_launches([launch], x)
     return grad_z
 
 
-def _grad_input(grad_z, packed, x, args: GluConvArgs, precision: str, capability: Optional[int]) -> torch.Tensor:
+def _grad_input(grad_z, packed, x, args: GluConvArgs, dots: _Dots) -> torch.Tensor:
     """``grad_x`` in the op's output layout for ``x``."""
     grad_x = empty_output(x, x.shape[1], x.shape[2])
     if x.shape[0] > 0:
-        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, precision, capability)], grad_z)
+        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, dots)], grad_z)
     return grad_x
 
 
 def _grad_weight_and_bias(
-    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, precision: str,
-    capability: Optional[int],
+    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, dots: _Dots,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_weight`` and ``grad_bias``, each empty unless wanted.  One kernel computes float32
     partial sums of both (the bias's is its row sum) over row ranges that fill the GPU, reduced
     afterwards (:func:`._split_sum.split_sum_launch`): deterministic, no atomics."""
     channels_z, channels_in, kernel_size = weight.shape
     rows_out = x.shape[0] * grad_z.shape[2]
-    config = kernel_config("grad_weight", x.dtype, capability)
+    config = dots.config("grad_weight", x.dtype)
     block_rows = config.block_k
     tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
@@ -566,7 +580,7 @@ def _grad_weight_and_bias(
                          else grad_weight_partial)
     launches = [_grad_weight_launch(
         x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
-        grad_bias_wanted, precision, capability,
+        grad_bias_wanted, dots,
     )]
     grad_weight, grad_bias = (weight.new_empty(weight.shape) if grad_weight_wanted else weight.new_empty(0),
                               weight.new_empty(channels_z) if grad_bias_wanted else weight.new_empty(0))
@@ -579,20 +593,19 @@ def _grad_weight_and_bias(
 
 
 def _grad_input_launch(
-    grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, precision: str,
-    capability: Optional[int],
+    grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, dots: _Dots
 ) -> KernelLaunch:
     """``_glu_conv_grad_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
     ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
     batch, channels_in, length_in = grad_x.shape
     kernel_size, _, channels_z = packed.shape
-    config = kernel_config("grad_input", grad_x.dtype, capability)
+    config = dots.config("grad_input", grad_x.dtype)
     grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
     return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
         grad_z, packed, grad_x,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
         *grad_z.stride(), *packed.stride(), *grad_x.stride(),
-    ), dict(INPUT_PRECISION=precision, **config.launch_kwargs()))
+    ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
 
 def _grad_weight_launch(
@@ -604,20 +617,19 @@ def _grad_weight_launch(
     rows_per_split: int,
     pad_value: float,
     has_bias: bool,
-    precision: str,
-    capability: Optional[int],
+    dots: _Dots,
 ) -> KernelLaunch:
     """``_glu_conv_grad_weight_kernel`` writing float32 partial sums
     ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
     batch, channels_in, length_in = x.shape
     splits, channels_z, _, kernel_size = grad_weight_partial.shape
-    config = kernel_config("grad_weight", x.dtype, capability)
+    config = dots.config("grad_weight", x.dtype)
     tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
     return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
         x, grad_z, grad_weight_partial, grad_bias_partial,
         batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
         *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
-    ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=precision, **config.launch_kwargs()))
+    ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
 
 # The representative problem: batch 4, C_in = C = 256, kernel size 4,
@@ -625,7 +637,7 @@ def _grad_weight_launch(
 _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH = 4, 256, 4, 512
 
 
-def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: bool, capability: int) -> KernelLaunch:
+def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, dots: _Dots) -> KernelLaunch:
     batch, channels, kernel_size, length = _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH
     pad_left = (kernel_size - 1) // 2
     x = torch.empty(batch, channels, length, dtype=dtype)
@@ -635,18 +647,17 @@ def _target_launch(kind: str, dtype: torch.dtype, precision: str, compute_grad: 
         bias = torch.empty(2 * channels, dtype=dtype)
         if compute_grad:
             return _preactivation_launch(
-                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, precision, capability
+                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, dots
             )
         return _preactivation_launch(
-            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, precision,
-            capability,
+            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, dots
         )
     if kind == "grad_input":
-        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, precision, capability)
+        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, dots)
     splits = 2
     return _grad_weight_launch(
         x, grad_z, torch.empty(splits, 2 * channels, channels, kernel_size), torch.empty(splits, 2 * channels),
-        pad_left, batch * length // splits, 0.0, True, precision, capability,
+        pad_left, batch * length // splits, 0.0, True, dots,
     )
 
 
@@ -665,8 +676,10 @@ def compile_targets() -> list[CompileTarget]:
             by_config.setdefault(kernel_config(kind, dtype, capability), []).append(capability)
         name = f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
         targets.extend(
-            CompileTarget(name, functools.partial(_target_launch, kind, dtype, precision, compute_grad, capabilities[0]),
-                          tuple(capabilities))
+            CompileTarget(
+                name, functools.partial(_target_launch, kind, dtype, compute_grad, _Dots(precision, capabilities[0])),
+                tuple(capabilities),
+            )
             for capabilities in by_config.values()
         )
     return targets
