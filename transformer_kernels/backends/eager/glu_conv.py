@@ -84,9 +84,10 @@ _FAST_ONEDNN_SPEEDUP = 1.3
 # (40 positions) 1.13x with im2col either way.
 _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN = 64
 # ... and past those, the weight gradient leaves oneDNN's convolution backward for the im2col GEMM
-# on oneDNN's GEMM kernels (the input gradient stays): C = 512, k = 3, the backward 1.5x at 160
-# positions, 1.2x at 320, 1.2x at 640; C = 256 and 128 lost 3% and 6%.  Its float32 error stayed
-# within 1.1x (max) of torch's convolution backward from 160 to 4096 positions.
+# on oneDNN's GEMM kernels (the input gradient stays): C = 512, k = 3, the backward against the
+# seed's 1.36x at 160 positions, 1.18x at 320, 1.05x at 640, 0.8x at 2048 (its windows and the
+# transposed gradient outgrow the cache); C = 256 tied, C = 128 lost 5-9%.  Its float32 error
+# stayed within 1.1x (max) of torch's convolution backward from 160 to 4096 positions.
 _GEMM_WEIGHT_GRADIENT_MIN_DEPTH = 1536
 _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS = 1024
 
