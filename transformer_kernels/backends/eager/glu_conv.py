@@ -43,8 +43,8 @@ costs more than either direct path saves.
 Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
 output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
 ``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs, a
-transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the whole cost, so recomputing them would
-make training slower than plain PyTorch.
+transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the
+whole cost, so recomputing them would make training slower than plain PyTorch.
 """
 
 from __future__ import annotations
@@ -252,17 +252,16 @@ def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
                      needs_grad_bias):
     grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
     conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-    gemm_weight_gradient = (needs_grad_weight and _weight_gradient_on_gemm(x, weight.shape[1] * weight.shape[2],
-                                                                            grad_z.shape[2]))
+    on_gemm = needs_grad_weight and _weight_gradient_on_gemm(x, weight.shape[1] * weight.shape[2], grad_z.shape[2])
     # oneDNN computes the bias gradient with the weight's: the GEMM takes both, or neither.
-    wanted = [needs_grad_x, needs_grad_weight and not gemm_weight_gradient, needs_grad_bias and not gemm_weight_gradient]
+    wanted = [needs_grad_x, needs_grad_weight and not on_gemm, needs_grad_bias and not on_gemm]
     grad_input = grad_weight = grad_bias = None
     if any(wanted):
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad_z, conv_input, weight, [weight.shape[0]] if wanted[2] else None, [1], [padding], [1], False,
             [0], 1, wanted,
         )
-    if gemm_weight_gradient:
+    if on_gemm:
         cols = _windows(x, weight.shape[2], pad_left, pad_right, pad_value)
         grad_rows = grad_z.transpose(1, 2).reshape(cols.shape[0], weight.shape[0])
         grad_weight = onednn.linear(grad_rows.t(), cols.t()).view(weight.shape)
