@@ -292,6 +292,31 @@ def test_padding_an_odd_head_dim_keeps_broadcast_dims_broadcast():
     assert_close_to_reference(grads, expected_grads, "grad", rtol=1e-4, atol=1e-4, same_dtype=True)
 
 
+def _gpu_tiles() -> list[tuple[str, int, int]]:
+    """Every (kernel, BLOCK_M, BLOCK_N) in the GPU tables: tile ratios and diagonal offsets that the
+    interpreter's own small tiles never meet."""
+    tables = [*triton_attention._CONFIG_TABLES.values(), triton_attention._SHORT_CONFIGS,
+              triton_attention._FLOAT32_CONFIGS]
+    keyed = [(key[0], config) for table in tables for key, config in table.items()]
+    keyed += [(key[1], config) for key, config in triton_attention._SM90_CONFIGS.items()]
+    return sorted({(kernel, config.block_m, config.block_n) for kernel, config in keyed})
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter: runs the GPU tables' tile shapes on CPU tensors")
+@pytest.mark.parametrize("masks", [dict(causal="bottom_right", padding="left_and_holes"),
+                                   dict(mask="float", mask_grad=True, padding="suffix_and_all_pad")],
+                         ids=["causal_padding", "float_mask"])
+@pytest.mark.parametrize("kernel,block_m,block_n", _gpu_tiles(), ids=lambda value: str(value))
+def test_every_gpu_tile_shape_in_the_interpreter(kernel, block_m, block_n, masks, monkeypatch):
+    """Each GPU tile shape, in its own kernel (the other two keep the interpreter's tiles), on
+    lengths that cross its largest blocks and the causal diagonal off their boundaries."""
+    from transformer_kernels.backends.triton._common import KernelConfig
+
+    tile = KernelConfig(block_m=block_m, block_n=block_n, num_warps=1, num_stages=1)
+    monkeypatch.setitem(triton_attention._INTERPRETER_CONFIGS, kernel, tile)
+    _run_case(heads=1, lq=150, lk=170, head_dim=32, **masks)
+
+
 @pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("capability", [80, 90])

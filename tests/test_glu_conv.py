@@ -11,7 +11,7 @@ from _helpers import (
     assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params, device_for, precise_dtype,
     skip_unless_backend,
 )
-from conftest import requires_cuda, tf32_setting
+from conftest import CUDA, requires_cuda, tf32_setting
 
 import transformer_kernels as tk
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
@@ -408,6 +408,23 @@ def test_triton_matches_reference(dtype, k, length, channels_in, channels, paddi
     out = _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=tolerance, rtol=tolerance,
                                     padding=padding, pad_value=0.75, residual_scale=SCALE)
     assert _has_layout(out, channels_last)
+
+
+@requires_triton
+@pytest.mark.skipif(CUDA, reason="interpreter: runs the sm_90 tiles on CPU tensors")
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch):
+    """The 16-bit sm_90 tiles (128 rows, 64-wide K steps), which the interpreter's capability-less
+    calls never pick, on channel counts and positions that leave partial tiles."""
+    from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+
+    monkeypatch.setattr(triton_glu_conv, "compute_capability", lambda device: 90)
+    x, weight, bias, residual = _make_inputs(2, 3, 75, 96, 80, dtype=torch.float16, device=device_for("triton"),
+                                             channels_last=channels_last)
+    for kernel in ("forward", "grad_input", "grad_weight"):
+        assert triton_glu_conv._Dots.of(x).config(kernel, x.dtype) == triton_glu_conv._SM90_16BIT_CONFIGS[kernel]
+    _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,
+                              padding="causal", pad_value=0.75, residual_scale=SCALE)
 
 
 @requires_triton
