@@ -6,8 +6,11 @@
 # memcheck and one small case per CUDA extension kernel under memcheck and racecheck, the gradient
 # self-check (--check) and the full benchmark report.  Everything lands in OUTDIR, which is what
 # gets committed:
-#   gpu_check.log  tests.xml  check.md  report.md  results.json  *.png
-# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,benchmarks (default: all).
+#   gpu_check.log  tests.xml  check.md  report.md  results.json  *.png  (tune/: with the tune step)
+# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,benchmarks (default: all),
+# and tune (only when named): benchmarks/tune_attention.py times each attention table's tile
+# against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
+# await this; about 8 minutes).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
 # device tool), run "install,nvcc,tests,sanitizers" and then "install,check,benchmarks" (the
 # second install is a no-op rebuild check on a warm machine).
@@ -63,6 +66,10 @@ wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
 wanted benchmarks && step benchmarks 360 python3 -m transformer_kernels.bench --full --out "$out"
+if wanted tune; then
+    step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
+    step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210
+fi
 tail -n 40 "$out/report.md" 2>/dev/null
 grep -E "^=== .*exit" "$log"
 exit $status
