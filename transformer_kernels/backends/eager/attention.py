@@ -664,8 +664,7 @@ def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     if lq == 1:
         return batch_size
     num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
-    element_size = 8 if query.dtype == torch.float64 else 4
-    per_sequence = element_size * (
+    per_sequence = _compute_dtype(query.dtype).itemsize * (
         2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk) + 3 * num_heads * lq * lk
     )
     return max(1, _CHUNK_BYTES // per_sequence)

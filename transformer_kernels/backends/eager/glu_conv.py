@@ -99,7 +99,7 @@ def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
     onednn_applies = on_cpu and x.dtype == torch.float32 and onednn.enabled()
-    fast_onednn = onednn_applies and onednn.speedup() >= _FAST_ONEDNN_SPEEDUP
+    fast_onednn = onednn_applies and _onednn_outruns_blas()
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
             and not fast_onednn):
@@ -286,7 +286,12 @@ def _weight_gradient_on_gemm(x: torch.Tensor, depth: int, length_out: int) -> bo
     output positions (its windows hold 3x the input)."""
     return (depth >= _GEMM_WEIGHT_GRADIENT_MIN_DEPTH
             and x.shape[0] * length_out <= _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS
-            and onednn.speedup() >= _FAST_ONEDNN_SPEEDUP)
+            and _onednn_outruns_blas())
+
+
+def _onednn_outruns_blas() -> bool:
+    """Whether oneDNN's kernels outrun the BLAS by ``_FAST_ONEDNN_SPEEDUP`` on this CPU."""
+    return onednn.speedup() >= _FAST_ONEDNN_SPEEDUP
 
 
 def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
