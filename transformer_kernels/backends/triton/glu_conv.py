@@ -582,8 +582,8 @@ def _grad_weight_and_bias(
         x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
         grad_bias_wanted, dots,
     )]
-    grad_weight, grad_bias = (weight.new_empty(weight.shape) if grad_weight_wanted else weight.new_empty(0),
-                              weight.new_empty(channels_z) if grad_bias_wanted else weight.new_empty(0))
+    grad_weight = weight.new_empty(weight.shape if grad_weight_wanted else (0,))
+    grad_bias = weight.new_empty((channels_z,) if grad_bias_wanted else (0,))
     if grad_weight_wanted:
         launches.append(split_sum_launch(grad_weight_partial, grad_weight))
     if grad_bias_wanted:
