@@ -106,7 +106,7 @@ def test_eager_matches_reference_fp64(k, length, channels_in, channels, padding,
         x, weight, bias, residual, backend="eager", atol=1e-10, rtol=1e-10,
         padding=padding, pad_value=pad_value, residual_scale=SCALE,
     )
-    assert _has_layout(out, channels_last)
+    assert _has_layout(out, _eager_channel_last(x, k))
 
 
 @pytest.mark.parametrize("k,length,forward,backward", [
@@ -134,7 +134,7 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
         x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
         padding=padding, pad_value=pad_value, residual_scale=SCALE,
     )
-    assert _has_layout(out, channels_last)
+    assert _has_layout(out, channels_last and forward != "onednn")
 
 
 def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
@@ -166,7 +166,7 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
             assert eager_glu_conv._weight_gradient_on_gemm(x, 24 * 3, 200) == (min_depth == 1)
             out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
                                             padding=padding, pad_value=pad_value, residual_scale=SCALE)
-            assert _has_layout(out, channels_last)
+            assert _has_layout(out, False)  # oneDNN's layout, whatever x's
 
 
 @pytest.mark.parametrize("gemm_speedup,algorithm", [(1.0, "winograd"), (2.0, "onednn")],
@@ -213,6 +213,14 @@ def test_eager_fp32_without_bias_mixed_layouts():
 def _has_layout(t, channels_last):
     """Dense in the layout asked for (with a size-1 dimension both layouts hold at once)."""
     return t.transpose(1, 2).is_contiguous() if channels_last else t.is_contiguous()
+
+
+def _eager_channel_last(x, kernel_size, direction="forward"):
+    """The eager backend's results are in x's layout, except after oneDNN's convolution: contiguous."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    channel_last = x.transpose(1, 2).is_contiguous() and not x.is_contiguous()
+    return channel_last and eager_glu_conv.algorithm(x, kernel_size, x.shape[2], direction) != "onednn"
 
 
 @pytest.mark.parametrize("backend", backend_params("glu_conv"))
@@ -496,18 +504,35 @@ def test_opcheck_eager_onednn(channels_last, length, monkeypatch):
     _opcheck("eager", "cpu", channels_last, length)
 
 
-@pytest.mark.parametrize("length", [7, 101], ids=["im2col", "winograd"])
+@pytest.mark.parametrize("length,onednn_speedup,algorithm", [(7, 1.0, "im2col"), (101, 1.0, "winograd"),
+                                                             (101, 2.0, "onednn")])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_fake_output_layout_matches_real(channels_last, length):
+def test_fake_layouts_match_real(channels_last, length, onednn_speedup, algorithm, monkeypatch):
+    """The output's and grad_x's strides under FakeTensorMode are the real ones: x's layout, except
+    after oneDNN's convolution (contiguous)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
 
+    if algorithm == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(onednn, "_speedup", onednn_speedup)
     x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, channels_last=channels_last)
-    real = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
+    assert eager_glu_conv.algorithm(x, 3, length, "forward") == algorithm
+
+    def out_and_grad_x(*tensors):
+        x, weight, bias, residual = (t.detach().requires_grad_() for t in tensors)
+        out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager")
+        return out, torch.autograd.grad(out, x, torch.ones_like(out))[0]
+
+    real = out_and_grad_x(x, weight, bias, residual)
     with FakeTensorMode() as mode:
-        fake = tk.glu_conv1d(*(mode.from_tensor(t) for t in (x, weight, bias)), residual=mode.from_tensor(residual),
-                             backend="eager")
-    assert fake.shape == real.shape and fake.stride() == real.stride()
-    assert _has_layout(real, channels_last) and not _has_layout(real, not channels_last)
+        fake = out_and_grad_x(*(mode.from_tensor(t) for t in (x, weight, bias, residual)))
+    for real_tensor, fake_tensor in zip(real, fake):
+        assert fake_tensor.shape == real_tensor.shape and fake_tensor.stride() == real_tensor.stride()
+    expected = channels_last and algorithm != "onednn"
+    for tensor in real:
+        assert _has_layout(tensor, expected) and not _has_layout(tensor, not expected)
 
 
 def test_torch_compile_fullgraph_encoder_layer():

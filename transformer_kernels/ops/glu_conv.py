@@ -50,12 +50,12 @@ def is_channels_last(x: torch.Tensor) -> bool:
     return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
 
 
-def empty_output(x: torch.Tensor, channels: int, length: int) -> torch.Tensor:
-    """An uninitialized ``[B, channels, length]`` tensor in ``x``'s memory layout: channel-last
-    when ``x`` is channel-last, else contiguous.  Every backend returns its output and ``grad_x``
-    in this layout."""
+def empty_output(x: torch.Tensor, channels: int, length: int, channel_last: Optional[bool] = None) -> torch.Tensor:
+    """An uninitialized ``[B, channels, length]`` tensor, channel-last when ``channel_last``, else
+    contiguous; by default in ``x``'s memory layout.  Every backend returns its output and
+    ``grad_x`` in the layout its ``results_channel_last`` states."""
     batch = x.shape[0]
-    if is_channels_last(x):
+    if is_channels_last(x) if channel_last is None else channel_last:
         return x.new_empty(batch, length, channels).transpose(1, 2)
     return x.new_empty(batch, channels, length)
 
@@ -86,11 +86,11 @@ def glu_conv1d(
     Args:
         x: ``[B, C_in, L]`` as ``nn.Conv1d`` takes it, ``L >= 1``.  Either
             contiguous or channel-last (a contiguous ``[B, L, C_in]`` tensor
-            transposed with ``.transpose(1, 2)``); a channel-last ``x`` is read
-            in place, without a copy, and the output is channel-last too, so a
-            model can keep activations as ``[B, L, C]`` and drop its permutes.
-            Any other strides work too (the Triton kernels read them in place);
-            the output is then contiguous.
+            transposed with ``.transpose(1, 2)``); on the GPU a channel-last
+            ``x`` is read in place, without a copy, and the output is
+            channel-last too, so a model can keep activations as ``[B, L, C]``
+            and drop its permutes.  Any other strides work too (the Triton
+            kernels read them in place); the output is then contiguous.
         weight: ``[2*C, C_in, k]``, ``k >= 1``, exactly as ``nn.Conv1d(C_in, 2*C, k)``
             holds it.  May come from a parametrization such as
             ``torch.nn.utils.parametrizations.weight_norm``; gradients then reach
@@ -117,7 +117,12 @@ def glu_conv1d(
             ``TRANSFORMER_KERNELS_BACKEND`` environment variable.
 
     Returns:
-        ``[B, C, L]`` with ``x``'s dtype, channel-last if ``x`` is channel-last.
+        ``[B, C, L]`` with ``x``'s dtype, channel-last if ``x`` is channel-last,
+        except where the eager backend convolves with oneDNN (a CPU, float32,
+        past a few positions): there the output and ``x``'s gradient are
+        contiguous, as ``nn.Conv1d``'s are, since oneDNN's convolutions write
+        and read that layout (a channel-last result would cost a transposing
+        copy here and another in the next layer's convolution).
 
     Dtypes: float16, bfloat16, float32 (and float64 on the eager backend); all
     tensors share ``x``'s dtype and device.  The Triton kernels accumulate in
@@ -267,7 +272,8 @@ def _check_residual(residual: Optional[torch.Tensor], expected: tuple[int, ...],
 # The forward's second output is what the backend keeps for backward besides the inputs: the
 # eager backend's pre-activation [B, L_out, 2C], the Triton backend's packed weight (its backward
 # recomputes the pre-activation from x).  It is not differentiable, and it is the backend's own
-# state: the one place a fake asks the backend (``empty_saved``) for a layout.
+# state, which a fake asks the backend for (``empty_saved``), as it asks whether the output and
+# grad_x are channel-last (``results_channel_last``).
 
 glu_conv1d_forward = RegisteredOp(
     "glu_conv1d_forward", ("Tensor x", "Tensor weight", "Tensor? bias", "Tensor? residual"), GluConvArgs,
@@ -287,8 +293,10 @@ def _glu_conv1d_forward(x, weight, bias, residual, args: GluConvArgs, backend: s
 
 @glu_conv1d_forward.fake
 def _glu_conv1d_forward_fake(x, weight, bias, residual, args: GluConvArgs, backend: str):
-    out = empty_output(x, weight.shape[0] // 2, args.output_length(x.shape[2], weight.shape[2]))
-    return out, backend_module("glu_conv", backend).empty_saved(x, weight, args)
+    module = backend_module("glu_conv", backend)
+    out = empty_output(x, weight.shape[0] // 2, args.output_length(x.shape[2], weight.shape[2]),
+                       module.results_channel_last(x, weight, args, "forward"))
+    return out, module.empty_saved(x, weight, args)
 
 
 @glu_conv1d_backward.implement
@@ -305,7 +313,10 @@ def _glu_conv1d_backward(
 def _glu_conv1d_backward_fake(
     grad_out, x, weight, bias, saved, args, needs_grad_x, needs_grad_weight, needs_grad_bias, backend
 ):
-    grad_x = empty_output(x, x.shape[1], x.shape[2]) if needs_grad_x else x.new_empty(0)
+    grad_x = x.new_empty(0)
+    if needs_grad_x:
+        channel_last = backend_module("glu_conv", backend).results_channel_last(x, weight, args, "backward")
+        grad_x = empty_output(x, x.shape[1], x.shape[2], channel_last)
     grad_weight = weight.new_empty(weight.shape) if needs_grad_weight else weight.new_empty(0)
     grad_bias = weight.new_empty(weight.shape[0]) if needs_grad_bias and bias is not None else weight.new_empty(0)
     return grad_x, grad_weight, grad_bias

@@ -41,7 +41,8 @@ it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
 costs more than either direct path saves.
 
 Every way, ``out = (glu(z) + residual) * residual_scale`` is written into one
-output tensor in ``x``'s layout, and ``forward`` returns the pre-activation
+output tensor (in ``x``'s layout, or contiguous after oneDNN: see
+:func:`results_channel_last`), and ``forward`` returns the pre-activation
 ``z`` (logically ``[B, L_out, 2C]``; channel-last after the GEMMs, a
 transposed ``[B, 2C, L_out]`` after oneDNN) for backward: the GEMMs are the
 whole cost, so recomputing them would make training slower than plain PyTorch.
@@ -57,7 +58,9 @@ import torch.nn.functional as F
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 from . import onednn, winograd
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "algorithm", "padded_rows"]
+__all__ = [
+    "forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last", "algorithm", "padded_rows",
+]
 
 # Crossovers in output positions (B * L_out), measured on a 2-core AVX-512 CPU,
 # C = 512, k = 3, channel-last activations with a residual, interleaved rounds.
@@ -128,6 +131,22 @@ def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> tor
     return x.new_empty(x.shape[0], length_out, weight.shape[0])
 
 
+def results_channel_last(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs, direction: str) -> bool:
+    """Whether the output (``direction="forward"``) and ``grad_x`` (``"backward"``) are channel-last:
+    in ``x``'s layout, except on the oneDNN path, whose convolutions write and read contiguous
+    ``[B, C, L]`` (see :func:`_channel_last_result`)."""
+    length_out = args.output_length(x.shape[2], weight.shape[2])
+    return _channel_last_result(x, algorithm(x, weight.shape[2], length_out, direction))
+
+
+def _channel_last_result(x: torch.Tensor, chosen: str) -> bool:
+    """Results in ``x``'s layout, unless oneDNN convolves: its output and input gradient are
+    contiguous, and so is what its next layer's convolution reads without a copy, so a seeds'
+    stack of channel-last layers would pay a transposing copy per layer and direction (3-6% of a
+    layer at C = 512, L = 40)."""
+    return is_channels_last(x) and chosen != "onednn"
+
+
 def unsupported_reason(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
     args: GluConvArgs,
@@ -150,12 +169,10 @@ def _windows(x: torch.Tensor, kernel_size: int, pad_left: int, pad_right: int, p
 
 def _conv_input(x: torch.Tensor, pad_left: int, pad_right: int, pad_value: float) -> tuple[torch.Tensor, int]:
     """``(input, padding)`` for ``F.conv1d``: ``x`` itself with its symmetric zero padding
-    left to oneDNN, else ``x`` padded explicitly (asymmetric or non-zero padding; channel-last
-    when ``x`` is) and 0."""
+    left to oneDNN, else ``x`` padded explicitly (asymmetric or non-zero padding) into a
+    contiguous ``[B, C_in, Lp]``, the layout oneDNN convolves without a copy, and 0."""
     if pad_left == pad_right and pad_value == 0.0:
         return x, pad_left
-    if is_channels_last(x):
-        return padded_rows(x, pad_left, pad_right, pad_value).transpose(1, 2), 0
     return F.pad(x, (pad_left, pad_right), value=pad_value), 0
 
 
@@ -185,7 +202,7 @@ def forward(
         z = torch.mm(cols, weight_rows.t()) if bias is None else torch.addmm(bias, cols, weight_rows.t())
         z = z.view(x.shape[0], length_out, channels_z)
         z_dim = 2
-    out = empty_output(x, channels_z // 2, length_out)
+    out = empty_output(x, channels_z // 2, length_out, _channel_last_result(x, chosen))
     # glu's kernel is vectorized only when its output has z's layout: write it into
     # out when out has that layout, else compute it in z's layout and let the
     # residual add (or a copy) transpose it, which costs less.
@@ -268,13 +285,9 @@ def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
         grad_bias = grad_rows.sum(0) if needs_grad_bias else None
     grad_x = None
     if needs_grad_x:
-        # grad_input is a contiguous [B, C_in, L(+padding)]: it is grad_x only for a
-        # contiguous x convolved without explicit padding.
-        if conv_input is x and not is_channels_last(x):
-            grad_x = grad_input
-        else:
-            grad_x = empty_output(x, x.shape[1], x.shape[2])
-            grad_x.copy_(grad_input[:, :, pad_left - padding : pad_left - padding + x.shape[2]])
+        # grad_input is a [B, C_in, L] (contiguous, see _channel_last_result), or with explicit
+        # padding a [B, C_in, Lp] whose padding positions take no gradient.
+        grad_x = grad_input[:, :, pad_left - padding : pad_left - padding + x.shape[2]].contiguous()
     return grad_x, grad_weight, grad_bias
 
 
