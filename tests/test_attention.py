@@ -238,17 +238,37 @@ def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
 @pytest.mark.parametrize("lq", [1, 9])
 @pytest.mark.parametrize("kind", ["pad_holes", "causal_lower_right+pad_holes", "float_grad", "float_broadcast_grad"])
-def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, monkeypatch):
-    """Eager's materialized path cut into one sequence per chunk: each chunk with its slice of the
-    key padding and of a per-sequence float mask (a broadcast one whole), its folded copies of the
-    operands, and its results written into the call's outputs, gradients and mask gradient."""
-    monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", 1)
+@pytest.mark.parametrize("sequences_per_chunk", [1, 2])
+def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, sequences_per_chunk, monkeypatch):
+    """Eager's materialized path cut into chunks of one or two sequences (of three: the last chunk
+    a shorter one): each chunk with its slice of the key padding and of a per-sequence float mask
+    (a broadcast one whole), its folded copies of the operands in the buffers the chunks share, and
+    its results written into the call's outputs, gradients and mask gradient."""
+    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
     case = make_case(kind, 3, heads, kv_heads, lq, 12, 16)
     if layout == "blhd":
         for name in ("query", "key", "value"):
             tensor = case["leaves"][name].detach().transpose(1, 2).contiguous().transpose(1, 2)
             case["leaves"][name] = tensor.requires_grad_()
     check_against_reference(case, "eager", tol=1e-9)
+
+
+def test_batch_chunks_in_half_precision(monkeypatch):
+    """float16 operands computed in float32 by chunk: each chunk's output is rounded into the
+    call's float16 output (not written in place by the float32 matmul), and the gradients too."""
+    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: 2)
+    leaves = [torch.randn(3, 9, 4, 16, dtype=torch.float16).requires_grad_() for _ in range(3)]
+    padding = torch.arange(9) >= torch.tensor([9, 5, 2])[:, None]
+
+    def results(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        out = tk.scaled_dot_product_attention(*(t.transpose(1, 2) for t in inputs), key_padding_mask=padding,
+                                              backend="eager")
+        return [out, *torch.autograd.grad(out, inputs, torch.ones_like(out))]
+
+    for half, full in zip(results(torch.float16), results(torch.float32)):
+        assert half.dtype == torch.float16
+        torch.testing.assert_close(half.float(), full, atol=2e-3, rtol=2e-3)
 
 
 def test_batch_chunks_keep_the_call_wide_dropout_mask(monkeypatch):
