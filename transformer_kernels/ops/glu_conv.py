@@ -50,6 +50,13 @@ def is_channels_last(x: torch.Tensor) -> bool:
     return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
 
 
+def results_in_x_layout(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs, direction: str) -> bool:
+    """``results_channel_last`` of a backend whose kernels read and write any strides: whether the
+    output (``direction="forward"``) and ``grad_x`` (``"backward"``) are channel-last is whether
+    ``x`` is."""
+    return is_channels_last(x)
+
+
 def empty_output(x: torch.Tensor, channels: int, length: int, channel_last: Optional[bool] = None) -> torch.Tensor:
     """An uninitialized ``[B, channels, length]`` tensor, channel-last when ``channel_last``, else
     contiguous; by default in ``x``'s memory layout.  Every backend returns its output and

@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
+from ...ops.glu_conv import GluConvArgs, empty_output
+from ...ops.glu_conv import results_in_x_layout as results_channel_last
 from ..eager import glu_conv as eager_glu_conv
 from ._common import dtype_reason, raw_ops
 
@@ -53,12 +54,6 @@ def unsupported_reason(
             f"got C_in = {channels_in}, C = {channels_z // 2}"
         )
     return None
-
-
-def results_channel_last(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs, direction: str) -> bool:
-    """Whether the output (``direction="forward"``) and ``grad_x`` (``"backward"``) are channel-last:
-    when ``x`` is (the kernels read and write any strides)."""
-    return is_channels_last(x)
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:

@@ -729,7 +729,8 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
         scores, masked = _scores(q, k, chunk.args, batches)
         probs = _softmax(scores, masked, batches)
         dropped = probs if chunk.dropout is None else probs * chunk.dropout
-        out = chunk.store(batches.matmul(dropped, _as_dtype(v, dtype), out=chunk.destination(out, "out", dtype)), out)
+        product = batches.matmul(dropped, _as_dtype(v, dtype), out=chunk.destination(out, "out", dtype))
+        out = chunk.store(product, out)
         if needs_backward:
             saved = chunk.store(probs, saved)
     return out, saved

@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
+from ...ops.glu_conv import GluConvArgs, empty_output
+from ...ops.glu_conv import results_in_x_layout as results_channel_last
 from ._common import (
     COMPILE_CAPABILITIES,
     TORCH_TO_TRITON_DTYPE,
@@ -414,12 +415,6 @@ def unsupported_reason(
     if x.dtype not in _SUPPORTED_DTYPES:
         return f"the Triton kernels support float16, bfloat16 and float32, got {x.dtype}"
     return None
-
-
-def results_channel_last(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs, direction: str) -> bool:
-    """Whether the output (``direction="forward"``) and ``grad_x`` (``"backward"``) are channel-last:
-    when ``x`` is (the kernels read and write any strides)."""
-    return is_channels_last(x)
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
