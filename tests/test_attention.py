@@ -1031,6 +1031,18 @@ def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backwar
     assert saved.dim() == saved_dim
     backward_args = (torch.randn_like(out), q, k, v, out, saved, padding, None, 1, 0.25, 0.0, None, False, "eager")
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
+    # The gradients' layout, which the fake states too: contiguous where the chunks' folded matmuls
+    # wrote them, else like the inputs.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ops.transformer_kernels.attention_backward(*backward_args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in backward_args]
+        fake = torch.ops.transformer_kernels.attention_backward(*fake_args)
+    assert [t.stride() for t in fake] == [t.stride() for t in real]
+    chunked = chunk_bytes is not None and layout != "gqa"
+    for grad, like in zip(real[:3], (q, k, v)):
+        assert grad.stride() == (grad.contiguous().stride() if chunked else torch.empty_like(like).stride())
 
 
 # Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would

@@ -92,9 +92,19 @@ def empty_lse(query: Tensor) -> Tensor:
     return query.new_empty(query.shape[:3], dtype=lse_dtype(query.dtype))
 
 
-def empty_grads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` laid out like ``torch.empty_like`` of each input."""
+def empty_grads(query: Tensor, key: Tensor, value: Tensor, contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` laid out like ``torch.empty_like`` of each input (torch's flash SDPA layout),
+    or contiguous (its math path's) when ``contiguous``: each backend's ``grads_contiguous`` says
+    which it returns."""
+    if contiguous:
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def grads_like_inputs(query: Tensor, key: Tensor, value: Tensor, saved: Tensor, args: AttentionArgs,
+                      attn_mask_needs_grad: bool) -> bool:
+    """``grads_contiguous`` of the backends whose gradients are always laid out like their inputs."""
+    return False
 
 
 def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
@@ -488,7 +498,9 @@ def _attention_backward_fake(grad_out, query, key, value, out, saved, args, attn
         dmask = args.attn_mask.new_empty(args.attn_mask.shape, dtype=dmask_dtype(args.attn_mask.dtype))
     else:
         dmask = query.new_empty(0, dtype=torch.float32)
-    return (*empty_grads(query, key, value), dmask)
+    module = backend_module("attention", backend)
+    contiguous = module.grads_contiguous(query, key, value, saved, args, attn_mask_needs_grad)
+    return (*empty_grads(query, key, value, contiguous), dmask)
 
 
 def _setup_context(ctx, tensors, args: AttentionArgs, output) -> None:

@@ -19,9 +19,10 @@ import torch
 from ...ops.attention import (
     AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output, key_padding_bounds,
 )
+from ...ops.attention import grads_like_inputs as grads_contiguous
 from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
 
-__all__ = ["forward", "backward", "empty_saved", "unsupported_reason"]
+__all__ = ["forward", "backward", "empty_saved", "grads_contiguous", "unsupported_reason"]
 
 # CUDA caps the second grid dimension, which holds batch * query heads.
 MAX_BATCH_HEADS = 65535

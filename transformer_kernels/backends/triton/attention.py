@@ -62,6 +62,7 @@ import triton.language as tl
 from ...ops.attention import (
     MAX_HEAD_DIM, AttentionArgs, Causal, dropout_threshold, empty_grads, empty_lse, empty_output,
 )
+from ...ops.attention import grads_like_inputs as grads_contiguous
 from . import interpreter_enabled
 from ._common import (
     COMPILE_CAPABILITIES,
@@ -77,7 +78,7 @@ from ._common import (
     run_launches,
 )
 
-__all__ = ["unsupported_reason", "empty_saved", "forward", "backward", "compile_targets"]
+__all__ = ["unsupported_reason", "empty_saved", "grads_contiguous", "forward", "backward", "compile_targets"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
