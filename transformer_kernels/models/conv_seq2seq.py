@@ -5,7 +5,9 @@ seed's checkpoints load with ``strict=True``; ``impl="fused"`` computes with
 :func:`transformer_kernels.glu_conv1d` and :func:`transformer_kernels.scaled_dot_product_attention`,
 ``impl="reference"`` with the seed's naive math from :mod:`transformer_kernels.reference`.
 Activations stay channel-last ``[B, L, C]`` throughout and the convolutions take them as
-transposed views: the fused op reads them in place and writes channel-last, so no layer permutes.
+transposed views: the fused op reads them in place and, on the GPU, writes channel-last, so no
+layer permutes (on a CPU, where oneDNN convolves, it hands back ``nn.Conv1d``'s contiguous
+``[B, C, L]``, the layout the next convolution reads without a copy).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class DecoderState:
 def _glu_conv(conv: GLUConv1d, impl: str, x: Tensor, residual: Optional[Tensor] = None,
               residual_scale: float = 1.0) -> Tensor:
     """``conv`` on channel-last ``x`` ``[B, L, C_in]`` (and ``residual`` ``[B, L, C]``), as
-    ``[B, L, C]``: fused, the op reads the transposed views in place and writes channel-last."""
+    ``[B, L, C]``: fused, the op reads the transposed views in place (its output's layout: see
+    :func:`~transformer_kernels.glu_conv1d`)."""
     x_t = x.transpose(1, 2)
     residual_t = None if residual is None else residual.transpose(1, 2)
     if impl == "fused":
