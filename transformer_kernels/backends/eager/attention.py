@@ -701,6 +701,11 @@ def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     return max(1, _CHUNK_BYTES // per_sequence)
 
 
+def _runs_in_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the materialized path cuts the batch into several chunks (:func:`_batch_chunks`)."""
+    return _chunk_size(query, key, value) < query.shape[0]
+
+
 def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, dtype):
     """The materialized path's work cut into ranges of sequences (see ``_CHUNK_BYTES``), each with
     the masks and dropout factor cut to it; one chunk, over the operands as they are, when the
@@ -817,7 +822,7 @@ def _empty_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dt
     in chunks (they fold, see :meth:`_BatchChunk.operands`), else as :class:`_HeadBatches` lays out
     the whole call's."""
     batch_size, num_heads, lq, _ = query.shape
-    batches = _HeadBatches(True) if _chunk_size(query, key, value) < batch_size else _HeadBatches.of(query, key, value)
+    batches = _HeadBatches(True) if _runs_in_chunks(query, key, value) else _HeadBatches.of(query, key, value)
     return batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
 
 
@@ -856,7 +861,7 @@ def grads_contiguous(query, key, value, saved: torch.Tensor, args: AttentionArgs
     return (
         not _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad)
         and key.shape[1] == query.shape[1]
-        and _chunk_size(query, key, value) < query.shape[0]
+        and _runs_in_chunks(query, key, value)
     )
 
 

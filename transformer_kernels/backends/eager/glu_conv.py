@@ -204,15 +204,14 @@ def forward(
         z_dim = 2
     out = empty_output(x, channels_z // 2, length_out, _channel_last_result(x, chosen))
     # glu's kernel is vectorized only when its output has z's layout: write it into
-    # out when out has that layout, else compute it in z's layout and let the
-    # residual add (or a copy) transpose it, which costs less.
+    # out when out has that layout (always after oneDNN), else compute it in z's
+    # (channel-last) layout and let the residual add (or a copy) transpose it, which costs less.
     out_as_z = out if z_dim == 1 else out.transpose(1, 2)
     if out_as_z.is_contiguous():
         torch.ops.aten.glu.out(z, z_dim, out=out_as_z)
         glu = out
     else:
-        glu = F.glu(z, z_dim)
-        glu = glu if z_dim == 1 else glu.transpose(1, 2)
+        glu = F.glu(z, 2).transpose(1, 2)
     if residual is not None:
         torch.add(glu, residual, out=out)
     elif glu is not out:
