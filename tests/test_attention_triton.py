@@ -25,7 +25,7 @@ import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import attention as triton_attention  # noqa: E402
 from transformer_kernels.backends.triton.attention import MAX_FLOAT32_HEAD_DIM_ON_GPU  # noqa: E402
 from transformer_kernels.reference.attention import attention as reference_attention  # noqa: E402
-from transformer_kernels.backends.triton._common import run_launches  # noqa: E402
+from transformer_kernels.backends.triton._common import KernelLaunch, LaunchTemplates, run_launches  # noqa: E402
 from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds  # noqa: E402
 
 from _helpers import assert_close_to_reference, assert_matches_reference, device_for  # noqa: E402
@@ -87,6 +87,8 @@ def _attn_mask(kind: Optional[str], b: int, hq: int, lq: int, lk: int, dtype: to
         mask = torch.rand(lq, 1) > 0.3
     elif kind == "bool_heads_broadcast":  # [B, 1, Lq, Lk]
         mask = torch.rand(b, 1, lq, lk) > 0.4
+    elif kind == "bool_batch_broadcast":  # [1, Hq, Lq, Lk], the float mask's shape
+        mask = torch.rand(1, hq, lq, lk) > 0.3
     elif kind == "float":
         mask = torch.randn(1, hq, lq, lk).to(dtype)
         mask.masked_fill_(torch.rand(1, hq, lq, lk) < 0.2, float("-inf"))
@@ -215,6 +217,37 @@ def test_matches_float64_reference_fp32(case):
 @pytest.mark.parametrize("case", HALF_CASES)
 def test_matches_float64_reference_low_precision(case, dtype):
     _run_case(dtype=dtype, **CASES[case])
+
+
+def test_calls_of_one_shape_that_differ_elsewhere_do_not_share_launches():
+    # Each launch is built once per layout and reused (LaunchTemplates): calls of one shape that differ in a
+    # scalar, a mask, a causal kind or a stride must each get their own; the repeated first call reuses its own.
+    shape = dict(lq=33, lk=40, head_dim=32)
+    variants = [
+        dict(), dict(scale=0.3), dict(causal="top_left"), dict(causal="bottom_right"),
+        dict(padding="left_and_holes"), dict(padding="left_and_holes", causal="top_left"),
+        dict(mask="bool_4d"), dict(mask="bool_2d"), dict(mask="float"), dict(mask="bool_batch_broadcast"),
+        dict(mask="float", mask_grad=True),
+        dict(layout="heads_interleaved"), dict(),
+    ]
+    for variant in variants:
+        _run_case(**shape, **variant)
+
+
+def test_launch_templates_keep_no_tensor():
+    # A template outlives its call: a tensor left among the arguments it keeps would be read at a stale
+    # address by the next call of that layout, so making such a template fails.
+    tensor, other = torch.empty(4), torch.empty(4)
+    templates = LaunchTemplates()
+    launch = KernelLaunch(None, (1,), (tensor, other, 7), {"BLOCK": 16})
+    with pytest.raises(RuntimeError, match="takes a tensor its template would keep"):
+        templates.launches("layout", (tensor,), lambda: [launch])
+    with pytest.raises(RuntimeError, match="does not begin with the call's pointer arguments"):
+        templates.launches("layout", (other,), lambda: [launch])
+    (bound,) = templates.launches("layout", (tensor, other), lambda: [launch])
+    (rebound,) = templates.launches("layout", (other, tensor), lambda: [])
+    assert bound.args == (tensor, other, 7) and bound.kwargs == {"BLOCK": 16}
+    assert rebound.args == (other, tensor, 7) and rebound.kwargs == {"BLOCK": 16}
 
 
 def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():

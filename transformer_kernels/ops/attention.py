@@ -320,28 +320,33 @@ def scaled_dot_product_attention(
 # ----------------------------------------------------------------------------
 
 
-def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[torch.Size, torch.Size, torch.Size]:
+    """The checked inputs' shapes (each read once: every attribute read is host time)."""
     named = (("query", query), ("key", key), ("value", value))
     for name, tensor in named:
         if not (isinstance(tensor, Tensor) and tensor.is_floating_point()):
             check_tensor(name, tensor, floating=True)  # words the error
-        if tensor.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(tensor.shape)}")
+    query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
+    shapes = (query_shape, key_shape, value_shape)
+    for (name, _), shape in zip(named, shapes):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions [..., L, E], got shape {tuple(shape)}")
     # One comparison each in the common case; check_same_dtype_device words the error.
     if not (key.dtype == value.dtype == query.dtype and key.device == query.device and value.device == query.device):
         check_same_dtype_device("query", query, key=key, value=value)
-    lk, head_dim = key.shape[-2], query.shape[-1]
-    if value.shape[-2] != lk:
-        raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value.shape)}")
-    if key.shape[-1] != head_dim:
-        raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key.shape)}")
-    for name, tensor in named:
-        if tensor.numel() == 0:
-            raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(tensor.shape)}")
-        if tensor.shape[-1] > MAX_HEAD_DIM:
+    lk, head_dim = key_shape[-2], query_shape[-1]
+    if value_shape[-2] != lk:
+        raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value_shape)}")
+    if key_shape[-1] != head_dim:
+        raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key_shape)}")
+    for (name, tensor), shape in zip(named, shapes):
+        if 0 in shape:
+            raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(shape)}")
+        if shape[-1] > MAX_HEAD_DIM:
             raise ValueError(
-                f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(tensor.shape)}"
+                f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(shape)}"
             )
+    return shapes
 
 
 def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[float, float]:
@@ -403,9 +408,9 @@ def _check_key_padding_mask(query: Tensor, key_padding_mask: object, sequence_sh
 def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask):
     """The checked call as the backends take it: ``q [B, Hq, Lq, E]``, ``k [B, Hk, Lk, E]``,
     ``v [B, Hk, Lk, Ev]``, its :class:`AttentionArgs`, and the shape of the result."""
-    _check_qkv(query, key, value)
-    lq, lk, head_dim, value_head_dim = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
-    ndim = max(query.dim(), key.dim(), value.dim())
+    query_shape, key_shape, value_shape = _check_qkv(query, key, value)
+    lq, lk, head_dim, value_head_dim = query_shape[-2], key_shape[-2], query_shape[-1], value_shape[-1]
+    ndim = max(len(query_shape), len(key_shape), len(value_shape))
     grouped_key, grouped_value = inputs.grouped_key_value(query, key, value, ndim) if enable_gqa else (key, value)
     q, k, v, lead_shape = inputs.broadcast_qkv(query, grouped_key, grouped_value, ndim, enable_gqa)
     # The output's batch dimensions without heads (key_padding_mask's) and with them: [*lead] and

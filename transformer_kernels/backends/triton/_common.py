@@ -6,6 +6,8 @@
   ``tests/test_triton_compile.py`` compiles exactly the variant a launch of
   that shape runs (``compile_source`` specializes it the way Triton's
   launcher does).
+* ``LaunchTemplates``: a call's launches worked out once per layout, so later
+  calls of that layout only fill in their tensors.
 * ``KernelConfig``: the tile sizes and launch options of one kernel, and
   ``run_launches``, which runs a call's launches on its tensors' device.
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional
 
 import torch
 import triton
@@ -42,6 +44,60 @@ class KernelLaunch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+class LaunchTemplates:
+    """A call's launches by layout, worked out once per layout.
+
+    At the seeds' short sequences a GPU runs a kernel in a few microseconds, about as long as
+    the host takes to work out its launch: the tile configuration, the grid, the strides and
+    sizes, the switches.  All of that follows from the call's layout (shapes, strides, dtypes,
+    scalars, the GPU), so the first call of a layout builds its launches and keeps them as a
+    template: the launches without their leading pointer arguments and without the keyword
+    arguments that vary from call to call (a device tensor holding a seed).  Later calls of
+    that layout only put their tensors in.
+
+    ``layout`` must determine every argument besides those: the template is checked, when it is
+    made, to hold no tensor, so a tensor left out of ``pointers`` fails there rather than running
+    on a stale address.  Bounded: decoding meets a new length on every step.
+    """
+
+    def __init__(self, max_layouts: int = 4096) -> None:
+        self._templates: dict[Hashable, tuple[KernelLaunch, ...]] = {}
+        self._max_layouts = max_layouts
+
+    def launches(
+        self, layout: Hashable, pointers: tuple, build: Callable[[], list[KernelLaunch]], **call_kwargs: Any
+    ) -> list[KernelLaunch]:
+        """The launches of a call whose launches all begin with the arguments ``pointers`` and take
+        ``call_kwargs``; ``build()`` makes them, for this call, the first time ``layout`` is met."""
+        template = self._templates.get(layout)
+        if template is None:
+            template = _template(build(), pointers, call_kwargs)
+            if len(self._templates) >= self._max_layouts:
+                self._templates.clear()
+            self._templates[layout] = template
+        if call_kwargs:
+            return [
+                KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), {**launch.kwargs, **call_kwargs})
+                for launch in template
+            ]
+        return [KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), launch.kwargs) for launch in template]
+
+
+def _template(launches: list[KernelLaunch], pointers: tuple, call_kwargs: dict) -> tuple[KernelLaunch, ...]:
+    """``launches`` without ``pointers`` (their leading arguments) and ``call_kwargs``."""
+    template = []
+    for launch in launches:
+        leading = launch.args[: len(pointers)]
+        if len(leading) != len(pointers) or any(arg is not pointer for arg, pointer in zip(leading, pointers)):
+            raise RuntimeError(f"a launch of {launch.kernel} does not begin with the call's pointer arguments")
+        args = launch.args[len(pointers) :]
+        kwargs = {name: value for name, value in launch.kwargs.items() if name not in call_kwargs}
+        if any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
+            raise RuntimeError(f"a launch of {launch.kernel} takes a tensor its template would keep")
+        template.append(KernelLaunch(launch.kernel, launch.grid, args, kwargs))
+    return tuple(template)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

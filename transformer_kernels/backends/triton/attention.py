@@ -70,6 +70,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    LaunchTemplates,
     cdiv,
     compute_capability,
     input_precision,
@@ -1120,25 +1121,21 @@ def _mask_arguments(
     key_padding_mask: Optional[torch.Tensor],
     key_bounds: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
-) -> tuple[list, list, dict]:
-    """Pointers and strides (in kernel order, from key_padding_ptr on) and the
-    constexpr switches of the optional masks; absent tensors pass ``None``."""
+) -> tuple[list, dict]:
+    """The strides (in kernel order, from stride_kpb on) and the constexpr
+    switches of the optional masks, as ``_Masks.pointers`` holds them; absent
+    tensors have zero strides."""
     if key_padding_mask is None:
         padding_strides = (0, 0, 0, 0)  # the mask's and key_bounds'
-    elif key_bounds is None:
-        raise ValueError("key_bounds must accompany key_padding_mask")
     else:
-        key_padding_mask, key_bounds = _unit_last_stride(key_padding_mask), _unit_last_stride(key_bounds)
         padding_strides = (*key_padding_mask.stride(), *key_bounds.stride())
-    attn_mask = _unit_last_stride(attn_mask)
-    pointers = [key_padding_mask, key_bounds, attn_mask]
     strides = [*padding_strides, *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0))]
     switches = dict(
         HAS_KEY_PADDING=key_padding_mask is not None,
         HAS_DENSE_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
     )
-    return pointers, strides, switches
+    return strides, switches
 
 
 def _dropout_arguments(dropout_p: float, dropout_seed: Optional[torch.Tensor]) -> dict:
@@ -1188,7 +1185,6 @@ def _chunked_launches(
     ]
 
 
-@dataclasses.dataclass(frozen=True)
 class _Masks:
     """A call's :class:`AttentionArgs` and the kernel arguments built from them;
     ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
@@ -1196,11 +1192,34 @@ class _Masks:
     :func:`~transformer_kernels.ops.attention.key_padding_bounds` (which the
     other backends plan with) and a column counting the kept keys;
     ``capability``: the GPU's the launches are for (``compute_capability``),
-    which picks the tiles."""
+    which picks the tiles.
 
-    args: AttentionArgs
-    key_bounds: Optional[torch.Tensor]
-    capability: Optional[int]
+    Worked out once per call, shared by its launches:
+
+    - ``pointers``: the masks' tensors in kernel order (key padding, key
+      bounds, attn_mask; None where absent), each with stride 1 along its last
+      dimension (a mask without is copied once, and the backward's kernels
+      share the copy);
+    - ``layout``: what the launches take from the masks besides their
+      tensors' addresses, hashable: part of every launch template's key;
+    - ``call_kwargs``: the keyword arguments that change from call to call
+      (dropout's (seed, offset) tensor).
+    """
+
+    __slots__ = ("args", "key_bounds", "capability", "pointers", "layout", "call_kwargs")
+
+    def __init__(self, args: AttentionArgs, key_bounds: Optional[torch.Tensor], capability: Optional[int]) -> None:
+        if (args.key_padding_mask is None) != (key_bounds is None):
+            raise ValueError("key_bounds must accompany key_padding_mask, and only it")
+        self.args, self.key_bounds, self.capability = args, key_bounds, capability
+        padding, attn_mask = _unit_last_stride(args.key_padding_mask), _unit_last_stride(args.attn_mask)
+        self.pointers = (padding, key_bounds, attn_mask)
+        self.layout = (
+            None if padding is None else (padding.stride(), key_bounds.stride()),
+            None if attn_mask is None else (attn_mask.stride(), attn_mask.dtype),
+            args.causal, args.scale, args.dropout_p, capability,
+        )
+        self.call_kwargs = {} if args.dropout_p == 0.0 else {"dropout_seed_ptr": args.dropout_seed}
 
     @classmethod
     def of(cls, args: AttentionArgs, device: torch.device) -> "_Masks":
@@ -1208,19 +1227,16 @@ class _Masks:
         key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
         return cls(args, key_bounds, compute_capability(device))
 
-    @functools.cached_property
-    def arguments(self) -> tuple[list, list, dict]:
-        """(mask pointers, mask strides, the scalar and constexpr keyword
-        arguments that forward, dK/dV and dQ share).  Built once per call: a
-        mask without unit last stride is copied here, and the backward's two
-        kernels share that copy."""
+    def arguments(self) -> tuple[list, dict]:
+        """(mask strides, the scalar and constexpr keyword arguments that
+        forward, dK/dV and dQ share), for building a launch template."""
         args = self.args
-        pointers, strides, switches = _mask_arguments(args.key_padding_mask, self.key_bounds, args.attn_mask)
+        strides, switches = _mask_arguments(*self.pointers)
         dropout = _dropout_arguments(args.dropout_p, args.dropout_seed)
         kwargs = dict(qk_scale=args.scale * math.log2(math.e), **dropout, CAUSAL=int(args.causal), **switches)
-        return pointers, strides, kwargs
+        return strides, kwargs
 
-    @functools.cached_property
+    @property
     def variant(self) -> str:
         """Which configuration table serves these masks: "masked" (a dense mask
         or dropout), "fast" (causal or key padding) or "dense" (none)."""
@@ -1238,37 +1254,56 @@ _KERNELS = {
     "grad_query": _attention_grad_query_kernel,
 }
 
+# The kernels that load K and V tiles without a column mask where the head dims allow it.
+_EVEN_HEAD_DIM_KERNELS = ("forward", "grad_query")
+# Every launch of this backend, by layout (see ``LaunchTemplates``).
+_TEMPLATES = LaunchTemplates()
+
 
 def _masked_kernel_launches(
     kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
-    pointers: list, strides: tuple[int, ...], *extra_args, **extra_kwargs,
+    pointers: tuple, strides: tuple[int, ...], *extra_args, **extra_kwargs,
 ) -> list[KernelLaunch]:
     """Launches of the forward, dK/dV or dQ kernel, whose arguments run:
     ``pointers``, the masks' pointers, ``strides`` (every stride of each tensor
     in turn), the masks' strides, the problem's sizes, ``extra_args``;
-    then the shared scalars and switches and ``extra_kwargs`` by name.
-    ``query``/``key``/``value`` as ``_aligned`` returns them."""
-    batch, num_q_heads, seq_len_q, head_dim = query.shape
-    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-    config = block_config(
-        kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k), masks.capability
+    then the shared scalars and switches (``EVEN_HEAD_DIM`` for the kernels of
+    ``_EVEN_HEAD_DIM_KERNELS``) and ``extra_kwargs`` by name.
+    ``query``/``key``/``value`` as ``_aligned`` returns them.  Built once per
+    layout: the sizes, strides, dtype, masks and ``extra_*`` are its key."""
+    layout = (
+        kernel_name, query.shape, key.shape, value.shape, query.dtype, strides, masks.layout,
+        extra_args, *extra_kwargs.values(),
     )
-    mask_pointers, mask_strides, kwargs = masks.arguments
-    if kernel_name == "grad_key_value":  # a program per key block of a kv head
-        num_blocks, num_head_batches = cdiv(seq_len_k, config.block_n), batch * num_kv_heads
-    else:  # a program per query block of a query head
-        num_blocks, num_head_batches = cdiv(seq_len_q, config.block_m), batch * num_q_heads
-    return _chunked_launches(
-        _KERNELS[kernel_name],
-        num_blocks,
-        num_head_batches,
-        _config_arguments(config, query.dtype, head_dim, head_dim_v),
-        (
-            *pointers, *mask_pointers, *strides, *mask_strides,
-            num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v, *extra_args,
-        ),
-        {**kwargs, **extra_kwargs},
-    )
+
+    def build() -> list[KernelLaunch]:
+        batch, num_q_heads, seq_len_q, head_dim = query.shape
+        num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+        config = block_config(
+            kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k),
+            masks.capability,
+        )
+        mask_strides, kwargs = masks.arguments()
+        if kernel_name in _EVEN_HEAD_DIM_KERNELS:
+            kwargs["EVEN_HEAD_DIM"] = _even_head_dim(query, value)
+        if kernel_name == "grad_key_value":  # a program per key block of a kv head
+            num_blocks, num_head_batches = cdiv(seq_len_k, config.block_n), batch * num_kv_heads
+        else:  # a program per query block of a query head
+            num_blocks, num_head_batches = cdiv(seq_len_q, config.block_m), batch * num_q_heads
+        return _chunked_launches(
+            _KERNELS[kernel_name],
+            num_blocks,
+            num_head_batches,
+            _config_arguments(config, query.dtype, head_dim, head_dim_v),
+            (
+                *pointers, *masks.pointers, *strides, *mask_strides,
+                num_q_heads, num_q_heads // num_kv_heads, seq_len_q, seq_len_k, head_dim, head_dim_v,
+                *extra_args,
+            ),
+            {**kwargs, **extra_kwargs},
+        )
+
+    return _TEMPLATES.launches(layout, (*pointers, *masks.pointers), build, **masks.call_kwargs)
 
 
 def _forward_launches(
@@ -1280,21 +1315,24 @@ def _forward_launches(
         "forward", query, key, value, masks,
         [query, key, value, out, lse],
         (*query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride()),
-        EVEN_HEAD_DIM=_even_head_dim(query, value),
     )
 
 
 def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
     """The launch filling ``masks.key_bounds``; none without key padding."""
-    padding, bounds = masks.args.key_padding_mask, masks.key_bounds
+    padding, bounds, _ = masks.pointers
     if padding is None:
         return []
-    return [KernelLaunch(
-        _attention_key_bounds_kernel,
-        (padding.shape[0],),
-        (padding, bounds, *padding.stride(), *bounds.stride(), padding.shape[1]),
-        dict(_KEY_BOUNDS_CONFIG.launch_kwargs()),
-    )]
+
+    def build() -> list[KernelLaunch]:
+        return [KernelLaunch(
+            _attention_key_bounds_kernel,
+            (padding.shape[0],),
+            (padding, bounds, *padding.stride(), *bounds.stride(), padding.shape[1]),
+            dict(_KEY_BOUNDS_CONFIG.launch_kwargs()),
+        )]
+
+    return _TEMPLATES.launches(("key_bounds", padding.shape, padding.stride(), bounds.stride()), (padding, bounds), build)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1306,14 +1344,19 @@ def _delta_config_arguments(head_dim_v: int) -> dict:
 def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> list[KernelLaunch]:
     """Launches of the backward pre-pass writing ``delta`` ``[B, Hq, Lq]``."""
     batch, num_q_heads, seq_len_q, head_dim_v = out.shape
-    return _chunked_launches(
-        _attention_delta_kernel,
-        cdiv(seq_len_q, _DELTA_CONFIG.block_m),
-        batch * num_q_heads,
-        _delta_config_arguments(head_dim_v),
-        (grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v),
-        {},
-    )
+
+    def build() -> list[KernelLaunch]:
+        return _chunked_launches(
+            _attention_delta_kernel,
+            cdiv(seq_len_q, _DELTA_CONFIG.block_m),
+            batch * num_q_heads,
+            _delta_config_arguments(head_dim_v),
+            (grad_out, out, delta, *grad_out.stride(), *out.stride(), num_q_heads, seq_len_q, head_dim_v),
+            {},
+        )
+
+    layout = ("delta", out.shape, grad_out.stride(), out.stride())
+    return _TEMPLATES.launches(layout, (grad_out, out, delta), build)
 
 
 def _grad_key_value_launches(
@@ -1338,7 +1381,7 @@ def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Ma
         "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride()),
-        scale=masks.args.scale, EVEN_HEAD_DIM=_even_head_dim(query, value),
+        scale=masks.args.scale,
     )
 
 
