@@ -105,6 +105,21 @@ def test_eager_fp32_many_tokens_matches_references(num_proj, token_major_grads, 
         assert_close_to_reference(ours.all, expected.all, rtol=1e-4, atol=1e-4, same_dtype=True)
 
 
+def test_eager_float32_error_within_twice_torchs(gemm_engine):
+    """At the seeds' size (2048 tokens, E=512) every output and gradient errs (RMS, against float64)
+    at most twice torch's own float32 projection: oneDNN's GEMM sums a contraction in one pass, and
+    erred 2.2x in the gradients until they were cut into shallower products (onednn._MAX_DEPTH)."""
+    inputs = _inputs((128, 16, 512), 3)
+    ours = outputs_and_grads(lambda *a: tk.qkv_projection(*a, num_heads=8, backend="eager"), inputs)
+    torch_float32 = outputs_and_grads(lambda *a: reference_qkv(*a, 8), inputs, ours.grad_outputs)
+    exact = outputs_and_grads(lambda *a: reference_qkv(*a, 8), inputs, ours.grad_outputs, dtype=torch.float64)
+    names = ("q", "k", "v", "grad_x", "grad_weight", "grad_bias")
+    for name, got, theirs, expected in zip(names, ours.all, torch_float32.all, exact.all):
+        our_error = (got.double() - expected).square().mean().sqrt()
+        torch_error = (theirs.double() - expected).square().mean().sqrt()
+        assert our_error <= 2 * torch_error, f"{name}: RMS error {our_error:.3e} > 2 x torch's {torch_error:.3e}"
+
+
 @pytest.mark.parametrize(
     "shape,chunk_tokens",
     [((5, 3, 16), 7), ((2, 9, 16), 4), ((9, 16), 2), ((2, 2, 3, 16), 100)],

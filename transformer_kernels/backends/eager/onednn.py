@@ -9,9 +9,11 @@ both use AVX-512.  :func:`speedup` measures the ratio once per process, and the 
 choose by it: :func:`linear` for the QKV projection's GEMMs, and the GLU convolution's algorithm.
 
 oneDNN's GEMM sums each output over the whole contraction in one pass, where MKL blocks it: its
-float32 error is about twice MKL's (RMS, K = 512), still a float32 GEMM's.  Winograd's transforms
-would amplify it past twice torch's own convolution, so the GLU convolution keeps its GEMMs on the
-BLAS.  And oneDNN reads a matrix densely or not at all (a slice of columns took 1000x longer), so
+float32 error is about 1.7x MKL's (RMS) at a depth of K = 512-1024, and past twice MKL's deeper
+(2.1-2.3x at K = 1536-8192, the QKV projection's gradients at the seeds' sizes).  :func:`linear`
+keeps it within 1.7x by cutting deeper contractions into blocks of ``_MAX_DEPTH``, each added to
+the sum by the GEMM's own add post-op.  Winograd's transforms would
+amplify it past twice torch's own convolution, so the GLU convolution keeps its GEMMs on the BLAS.  And oneDNN reads a matrix densely or not at all (a slice of columns took 1000x longer), so
 :func:`linear` hands it only contiguous or transposed-contiguous operands.
 """
 
@@ -71,15 +73,31 @@ def _measure() -> float:
     return best["blas"] / best["onednn"]
 
 
+# The deepest contraction oneDNN's GEMM sums in one pass (see the module's docstring).  The QKV
+# projection's weight gradient [512, T] x [T, 512] erred (RMS, against torch's BLAS) 1.64x at
+# T = 1024, 2.05x at 1536, 2.25x at 2048 and 2.07x at 8192 whole; 1.59x, 1.60x and 1.48x in blocks
+# of 1024, in the same time (0.99-1.03x, one thread, interleaved).  Blocks of 512 erred about as
+# much but cost the GLU convolution's weight gradient (depth 640-1024) 5-9%.
+_MAX_DEPTH = 1024
+
+
 def _dense(tensor: torch.Tensor) -> bool:
     return tensor.is_contiguous() or (tensor.dim() == 2 and tensor.t().is_contiguous())
+
+
+def _depth_major(tensor: torch.Tensor) -> bool:
+    """A 2-D operand stored contraction-major (its transpose contiguous): its slices along the
+    contraction are dense too."""
+    return tensor.dim() == 2 and tensor.t().is_contiguous()
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
     for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
-    the BLAS and is :func:`enabled`; else ``F.linear``.  Not differentiable: for the backends'
-    kernels, below autograd."""
+    the BLAS and is :func:`enabled`; else ``F.linear``.  A contraction deeper than ``_MAX_DEPTH``
+    of operands stored contraction-major (``input.t()`` and ``weight.t()`` contiguous) is summed in
+    blocks; callers that want oneDNN's accuracy bounded hand it those or shallow ones.  Not
+    differentiable: for the backends' kernels, below autograd."""
     if (
         input.dtype == torch.float32
         and input.device.type == "cpu"
@@ -91,5 +109,12 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         and enabled()
         and speedup() >= _LINEAR_MIN_SPEEDUP
     ):
-        return _LINEAR(input, weight, bias, "none", [], "")
+        depth = weight.shape[1]
+        if depth <= _MAX_DEPTH or not (_depth_major(input) and _depth_major(weight)):
+            return _LINEAR(input, weight, bias, "none", [], "")
+        out = _LINEAR(input[:, :_MAX_DEPTH], weight[:, :_MAX_DEPTH], bias, "none", [], "")
+        for start in range(_MAX_DEPTH, depth, _MAX_DEPTH):
+            block = slice(start, start + _MAX_DEPTH)
+            out = _LINEAR.binary(input[:, block], out, weight[:, block], None, "add")
+        return out
     return F.linear(input, weight, bias)
