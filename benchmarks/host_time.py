@@ -15,7 +15,8 @@ gradients are taken with ``torch.autograd.grad``, so no leaf accumulates them.
 
 Usage: ``python benchmarks/host_time.py [--rounds N]``; prints median and
 p10-p90 microseconds per call.  Issue 9's target: at most 20 us per forward on
-this class of CPU.
+this class of CPU.  Forwards run with inputs that require gradients (autograd
+records them, as in training) unless named "no grad" (inference).
 """
 
 from __future__ import annotations
@@ -62,9 +63,16 @@ def _calls() -> dict[str, callable]:
             torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs])
         return run
 
+    def inference(call):
+        def run():
+            with torch.no_grad():
+                return call()
+        return run
+
     padded = functools.partial(attention, key_padding_mask=padding, is_causal=True)
     return {
         "attention fwd": attention,
+        "attention fwd, no grad": inference(attention),
         "attention+padding fwd": padded,
         "attention+padding fwd+bwd": with_backward(padded, (query, key, value)),
         "qkv fwd": qkv,
