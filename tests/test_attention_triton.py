@@ -234,6 +234,25 @@ def test_calls_of_one_shape_that_differ_elsewhere_do_not_share_launches():
         _run_case(**shape, **variant)
 
 
+def test_a_tile_changed_at_run_time_takes_effect_on_a_known_layout(monkeypatch):
+    # The tile sweep (benchmarks/tune_attention.py) and the tile tests swap configurations between
+    # calls of one layout: the launches kept for that layout must not keep the old tile.
+    from transformer_kernels.backends.triton._common import KernelConfig
+
+    query, key, value = (torch.randn(1, 2, 40, 32, device=DEVICE) for _ in range(3))
+    args = AttentionArgs(None, None, Causal.NONE, 0.25, 0.0, None)
+    launched = []
+    monkeypatch.setattr(KernelLaunch, "__call__", lambda launch: launched.append(launch.kwargs["BLOCK_M"]))
+    triton_attention.forward(query, key, value, args, False)
+    tile = KernelConfig(block_m=launched[0] * 2, block_n=16, num_warps=1, num_stages=1)
+    table_config = triton_attention.block_config
+    monkeypatch.setattr(  # as the tile sweep patches it
+        triton_attention, "block_config", lambda kernel, *rest: tile if kernel == "forward" else table_config(kernel, *rest)
+    )
+    triton_attention.forward(query, key, value, args, False)
+    assert launched[1] == tile.block_m
+
+
 def test_launch_templates_keep_no_tensor():
     # A template outlives its call: a tensor left among the arguments it keeps would be read at a stale
     # address by the next call of that layout, so making such a template fails.
@@ -282,6 +301,8 @@ def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(monkeypatch):
     # CUDA caps the grid's second dimension (batch * heads) at 65535; shrink
     # the cap so the chunked launch runs at a testable size.
     monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 3)
+    # Launches are kept by layout, and the limit is not part of it: build them anew under this one.
+    monkeypatch.setattr(triton_attention, "_TEMPLATES", LaunchTemplates())
     _run_case(batch=2, heads=4, kv_heads=2, lq=20, lk=20, causal="top_left", padding="left_and_holes")
 
 

@@ -1270,19 +1270,21 @@ def _masked_kernel_launches(
     then the shared scalars and switches (``EVEN_HEAD_DIM`` for the kernels of
     ``_EVEN_HEAD_DIM_KERNELS``) and ``extra_kwargs`` by name.
     ``query``/``key``/``value`` as ``_aligned`` returns them.  Built once per
-    layout: the sizes, strides, dtype, masks and ``extra_*`` are its key."""
+    layout: the sizes, strides, dtype, masks, ``extra_*`` and the tile
+    configuration are its key (the configuration is looked up on every call,
+    so a table or ``block_config`` changed at run time, as the tile sweep
+    does, takes effect)."""
+    batch, num_q_heads, seq_len_q, head_dim = query.shape
+    num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
+    config = block_config(
+        kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k), masks.capability
+    )
     layout = (
-        kernel_name, query.shape, key.shape, value.shape, query.dtype, strides, masks.layout,
+        kernel_name, query.shape, key.shape, value.shape, query.dtype, strides, masks.layout, config,
         extra_args, *extra_kwargs.values(),
     )
 
     def build() -> list[KernelLaunch]:
-        batch, num_q_heads, seq_len_q, head_dim = query.shape
-        num_kv_heads, seq_len_k, head_dim_v = key.shape[1], key.shape[2], value.shape[3]
-        config = block_config(
-            kernel_name, head_dim, head_dim_v, query.dtype, masks.variant, max(seq_len_q, seq_len_k),
-            masks.capability,
-        )
         mask_strides, kwargs = masks.arguments()
         if kernel_name in _EVEN_HEAD_DIM_KERNELS:
             kwargs["EVEN_HEAD_DIM"] = _even_head_dim(query, value)
