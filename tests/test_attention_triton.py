@@ -246,9 +246,11 @@ def test_a_tile_changed_at_run_time_takes_effect_on_a_known_layout(monkeypatch):
     triton_attention.forward(query, key, value, args, False)
     tile = KernelConfig(block_m=launched[0] * 2, block_n=16, num_warps=1, num_stages=1)
     table_config = triton_attention.block_config
-    monkeypatch.setattr(  # as the tile sweep patches it
-        triton_attention, "block_config", lambda kernel, *rest: tile if kernel == "forward" else table_config(kernel, *rest)
-    )
+
+    def patched(kernel, *rest):  # as the tile sweep patches it
+        return tile if kernel == "forward" else table_config(kernel, *rest)
+
+    monkeypatch.setattr(triton_attention, "block_config", patched)
     triton_attention.forward(query, key, value, args, False)
     assert launched[1] == tile.block_m
 

@@ -12,9 +12,10 @@ oneDNN's GEMM sums each output over the whole contraction in one pass, where MKL
 float32 error is about 1.7x MKL's (RMS) at a depth of K = 512-1024, and past twice MKL's deeper
 (2.1-2.3x at K = 1536-8192, the QKV projection's gradients at the seeds' sizes).  :func:`linear`
 keeps it within 1.7x by cutting deeper contractions into blocks of ``_MAX_DEPTH``, each added to
-the sum by the GEMM's own add post-op.  Winograd's transforms would
-amplify it past twice torch's own convolution, so the GLU convolution keeps its GEMMs on the BLAS.  And oneDNN reads a matrix densely or not at all (a slice of columns took 1000x longer), so
-:func:`linear` hands it only contiguous or transposed-contiguous operands.
+the sum by the GEMM's own add post-op.  Winograd's transforms would amplify it past twice torch's
+own convolution, so the GLU convolution keeps its GEMMs on the BLAS.  And oneDNN reads a matrix
+densely or not at all (a slice of columns took 1000x longer), so :func:`linear` hands it only
+contiguous or transposed-contiguous operands.
 """
 
 from __future__ import annotations

@@ -57,9 +57,10 @@ class LaunchTemplates:
     arguments that vary from call to call (a device tensor holding a seed).  Later calls of
     that layout only put their tensors in.
 
-    ``layout`` must determine every argument besides those: the template is checked, when it is
-    made, to hold no tensor, so a tensor left out of ``pointers`` fails there rather than running
-    on a stale address.  Bounded: decoding meets a new length on every step.
+    ``layout`` must determine every argument besides those, including what the build reads from
+    state that can change at run time (a tile table a sweep swaps).  The template is checked, when
+    it is made, to hold no tensor, so a tensor left out of ``pointers`` fails there rather than
+    running on a stale address.  Bounded: decoding meets a new length on every step.
     """
 
     def __init__(self, max_layouts: int = 4096) -> None:
@@ -82,7 +83,9 @@ class LaunchTemplates:
                 KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), {**launch.kwargs, **call_kwargs})
                 for launch in template
             ]
-        return [KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), launch.kwargs) for launch in template]
+        return [
+            KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), launch.kwargs) for launch in template
+        ]
 
 
 def _template(launches: list[KernelLaunch], pointers: tuple, call_kwargs: dict) -> tuple[KernelLaunch, ...]:

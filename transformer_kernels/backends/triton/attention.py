@@ -1334,7 +1334,8 @@ def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
             dict(_KEY_BOUNDS_CONFIG.launch_kwargs()),
         )]
 
-    return _TEMPLATES.launches(("key_bounds", padding.shape, padding.stride(), bounds.stride()), (padding, bounds), build)
+    layout = ("key_bounds", padding.shape, padding.stride(), bounds.stride())
+    return _TEMPLATES.launches(layout, (padding, bounds), build)
 
 
 @functools.lru_cache(maxsize=None)
