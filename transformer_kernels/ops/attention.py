@@ -339,7 +339,7 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[torch.Size, t
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value_shape)}")
     if key_shape[-1] != head_dim:
         raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key_shape)}")
-    for (name, tensor), shape in zip(named, shapes):
+    for (name, _), shape in zip(named, shapes):
         if 0 in shape:
             raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(shape)}")
         if shape[-1] > MAX_HEAD_DIM:
