@@ -4,15 +4,17 @@
 # Installs the package and builds the CUDA extension (both dtypes, sm_80 and sm_90a: the full set),
 # runs the GPU tests (the cuda backend included), every Triton kernel under compute-sanitizer
 # memcheck and one small case per CUDA extension kernel under memcheck and racecheck, the gradient
-# self-check (--check) and the full benchmark report.  Everything lands in OUTDIR, which is what
-# gets committed:
-#   gpu_check.log  tests.xml  check.md  report.md  results.json  *.png  (tune/: with the tune step)
-# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,benchmarks (default: all),
-# and tune (only when named): benchmarks/tune_attention.py times each attention table's tile
+# self-check (--check), a training step of the seeds' layer eager and from a CUDA graph
+# (benchmarks/graphed_step.py) and the full benchmark report.  Everything lands in OUTDIR, which is
+# what gets committed:
+#   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
+#   (tune/: with the tune step)
+# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,graphs,benchmarks
+# (default: all), and tune (only when named): benchmarks/tune_attention.py times each attention table's tile
 # against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
 # await this; about 8 minutes).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
-# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,benchmarks" (the
+# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks" (the
 # second install is a no-op rebuild check on a warm machine).
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
 # wheel along in .whl/ (git-ignored; pass it with the tree):
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:upper:]' '[:lower:]' \
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
-steps=",${2:-install,nvcc,tests,sanitizers,check,benchmarks},"
+steps=",${2:-install,nvcc,tests,sanitizers,check,graphs,benchmarks},"
 mkdir -p "$out"
 log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -63,6 +65,7 @@ if wanted sanitizers; then
     step cuda-racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
 fi
 wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
+wanted graphs && step graphs 120 python3 benchmarks/graphed_step.py --out "$out"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
 wanted benchmarks && step benchmarks 360 python3 -m transformer_kernels.bench --full --out "$out"

@@ -4,8 +4,10 @@ a finite time and error and draws its plots, ``--check`` passes here and catches
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import pathlib
 import sys
 
 import pytest
@@ -172,3 +174,17 @@ def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     progress.end()
     progress.close()
     assert capsys.readouterr().err == "[1/2] attention c fwd\n"
+
+
+def test_graphed_step_paths_compute_one_step():
+    """``benchmarks/graphed_step.py`` (CUDA) times three paths to one training step of the seeds'
+    layer; run eagerly here, they give one loss and the same gradients, so it compares like with like."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "graphed_step.py"
+    spec = importlib.util.spec_from_file_location("graphed_step", path)
+    graphed_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graphed_step)
+    layer = graphed_step.Layer(CPU, torch.float32)
+    ours, *others = (layer.step(path_name, "eager") for path_name in ("ours", "seed", "torch"))
+    for other in others:
+        for got, expected in zip(ours, other):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)

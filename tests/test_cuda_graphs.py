@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import transformer_kernels as tk
+from transformer_kernels.bench.graphs import captured
 
 from _helpers import backend_params
 from conftest import CUDA
@@ -57,18 +58,8 @@ class _Layer:
         return [loss, *torch.autograd.grad(loss, self.weights)]
 
     def captured(self) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-        """The step captured in a graph (after warm-up steps on a side stream, which compile the
-        kernels and fill every cache), and the static tensors its replays write."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            results = self.step()
-        return graph, results
+        """The step captured in a graph, and the static tensors its replays write."""
+        return captured(self.step)
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("triton", "cuda")))
