@@ -68,7 +68,7 @@ FALLBACKS = {
     ("attention_grad_query_fp32_*@sm_90", "mma.sync"): "BLOCK_M 16",
     # tf32x3 dots (float32 attention) are three TF32 tensor-core products, held
     # to the same instructions as 16-bit ones; "ieee" ones never use tensor cores.
-    ("glu_conv_*-fp32-ieee@sm_*", "fma"): 'input_precision "ieee": exact float32 products, on FMA by design',
+    ("glu_conv_*-fp32-ieee*@sm_*", "fma"): 'input_precision "ieee": exact float32 products, on FMA by design',
     ("attention_delta_*@sm_*", "none"): "row sums of dO * O, no dot",
     ("attention_key_bounds@sm_*", "none"): "a scan of the padding mask, no dot",
     ("split_sum-*@sm_*", "none"): "a sum of float32 partial sums, no dot",

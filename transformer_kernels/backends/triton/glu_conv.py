@@ -345,7 +345,11 @@ def _glu_conv_grad_weight_kernel(
 # to stay clear of spills; the backward GEMMs hold one and fit in 4 warps with
 # 16-bit operands (8 for fp32, whose "ieee" FMA path needs more registers).
 # fp32 operands take twice the shared memory per stage, so they use a narrower
-# reduction slice.  Checked on sm_80 and sm_90 by tests/test_triton_compile.py.
+# reduction slice, and the fp32 backward two stages: with three, its channel-last
+# variants (x as [B, L, C], the seeds' layout) spilled 8 bytes on sm_90 with
+# "ieee" dots (grad_weight under triton 3.9, grad_input under 3.6).  Checked on
+# sm_80 and sm_90, for channel-first and channel-last x, by
+# tests/test_triton_compile.py.
 # One configuration per (kernel, dtype class) serves every channel count:
 # partial tiles are masked.
 _CONFIGS = {
@@ -356,11 +360,11 @@ _CONFIGS = {
     ),
     "grad_input": (
         KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
-        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3),
+        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=2),
     ),
     "grad_weight": (
         KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
-        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3),
+        KernelConfig(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=2),
     ),
 }
 
@@ -638,10 +642,16 @@ def _grad_weight_launch(
 _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH = 4, 256, 4, 512
 
 
-def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, dots: _Dots) -> KernelLaunch:
+def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, channel_last: bool, dots: _Dots) -> KernelLaunch:
+    """The launch for the representative problem, ``x`` (and the residual, output and ``grad_x``
+    in its layout) channel-first or channel-last: the kernels are specialized on which of x's
+    strides is 1, so each layout compiles its own variant."""
     batch, channels, kernel_size, length = _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH
     pad_left = (kernel_size - 1) // 2
-    x = torch.empty(batch, channels, length, dtype=dtype)
+    if channel_last:  # the seeds' model holds its activations as [B, L, C]
+        x = torch.empty(batch, length, channels, dtype=dtype).transpose(1, 2)
+    else:
+        x = torch.empty(batch, channels, length, dtype=dtype)
     packed = torch.empty(kernel_size, channels, 2 * channels, dtype=dtype)
     grad_z = torch.empty(batch, length, 2 * channels, dtype=dtype).transpose(1, 2)
     if kind == "forward":
@@ -665,20 +675,24 @@ def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, dots: _Dot
 def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
-    representative problem, on each architecture with the configuration :func:`kernel_config`
-    picks there."""
+    representative problem with ``x`` channel-first and channel-last, on each architecture with
+    the configuration :func:`kernel_config` picks there."""
     # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
     targets = []
-    for (dtype, precision), (kind, compute_grad) in itertools.product(variants, kernels):
+    for (dtype, precision), (kind, compute_grad), channel_last in itertools.product(variants, kernels, (False, True)):
         by_config: dict[KernelConfig, list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
             by_config.setdefault(kernel_config(kind, dtype, capability), []).append(capability)
-        name = f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
+        name = (f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
+                f"{'-channel_last' if channel_last else ''}")
         targets.extend(
             CompileTarget(
-                name, functools.partial(_target_launch, kind, dtype, compute_grad, _Dots(precision, capabilities[0])),
+                name,
+                functools.partial(
+                    _target_launch, kind, dtype, compute_grad, channel_last, _Dots(precision, capabilities[0])
+                ),
                 tuple(capabilities),
             )
             for capabilities in by_config.values()
