@@ -25,7 +25,9 @@ import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import attention as triton_attention  # noqa: E402
 from transformer_kernels.backends.triton.attention import MAX_FLOAT32_HEAD_DIM_ON_GPU  # noqa: E402
 from transformer_kernels.reference.attention import attention as reference_attention  # noqa: E402
-from transformer_kernels.backends.triton._common import KernelLaunch, LaunchTemplates, run_launches  # noqa: E402
+from transformer_kernels.backends.triton._common import (  # noqa: E402
+    KernelConfig, KernelLaunch, LaunchTemplates, run_launches,
+)
 from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds  # noqa: E402
 
 from _helpers import assert_close_to_reference, assert_matches_reference, device_for  # noqa: E402
@@ -237,8 +239,6 @@ def test_calls_of_one_shape_that_differ_elsewhere_do_not_share_launches():
 def test_a_tile_changed_at_run_time_takes_effect_on_a_known_layout(monkeypatch):
     # The tile sweep (benchmarks/tune_attention.py) and the tile tests swap configurations between
     # calls of one layout: the launches kept for that layout must not keep the old tile.
-    from transformer_kernels.backends.triton._common import KernelConfig
-
     query, key, value = (torch.randn(1, 2, 40, 32, device=DEVICE) for _ in range(3))
     args = AttentionArgs(None, None, Causal.NONE, 0.25, 0.0, None)
     launched = []
@@ -366,8 +366,6 @@ def _gpu_tiles() -> list[tuple[str, int, int]]:
 def test_every_gpu_tile_shape_in_the_interpreter(kernel, block_m, block_n, masks, monkeypatch):
     """Each GPU tile shape, in its own kernel (the other two keep the interpreter's tiles), on
     lengths that cross its largest blocks and the causal diagonal off their boundaries."""
-    from transformer_kernels.backends.triton._common import KernelConfig
-
     tile = KernelConfig(block_m=block_m, block_n=block_n, num_warps=1, num_stages=1)
     monkeypatch.setitem(triton_attention._INTERPRETER_CONFIGS, kernel, tile)
     _run_case(heads=1, lq=150, lk=170, head_dim=32, **masks)

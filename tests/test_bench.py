@@ -4,16 +4,14 @@ a finite time and error and draws its plots, ``--check`` passes here and catches
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import pathlib
 import sys
 
 import pytest
 import torch
 
-from transformer_kernels.bench import check, cli, report, run, suites, timing
+from transformer_kernels.bench import check, cli, graphs, report, run, suites, timing
 
 CPU = torch.device("cpu")
 
@@ -176,15 +174,12 @@ def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     assert capsys.readouterr().err == "[1/2] attention c fwd\n"
 
 
-def test_graphed_step_paths_compute_one_step():
+def test_seed_layer_paths_compute_one_step():
     """``benchmarks/graphed_step.py`` (CUDA) times three paths to one training step of the seeds'
-    layer; run eagerly here, they give one loss and the same gradients, so it compares like with like."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "graphed_step.py"
-    spec = importlib.util.spec_from_file_location("graphed_step", path)
-    graphed_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(graphed_step)
-    layer = graphed_step.Layer(CPU, torch.float32)
-    ours, *others = (layer.step(path_name, "eager") for path_name in ("ours", "seed", "torch"))
+    layer (``bench.graphs.SeedLayer``); run eagerly here, they give one loss and the same
+    gradients, so it compares like with like."""
+    layer = graphs.SeedLayer(128, 40, 512, 8, min_length=8, device=CPU, dtype=torch.float32)
+    ours, *others = (layer.step(path, "eager") for path in graphs.PATHS)
     for other in others:
         for got, expected in zip(ours, other):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
