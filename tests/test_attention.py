@@ -218,14 +218,18 @@ def test_value_head_dim_differs(kind):
     check_against_reference(case, "eager", tol=1e-9)
 
 
+@pytest.mark.parametrize("small", [True, False])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("lq", [1, 9])
 @pytest.mark.parametrize("kind", ["causal_lower_right+pad_holes", "float_grad"])
-def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, layout):
+def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, layout, small, monkeypatch):
     """Eager's materialized path (here for a value head dim unlike the query's): one ``bmm`` over
-    ``B * H`` for ``[B, H, L, D]`` inputs of one head count, else one per query head, reading
-    ``[B, L, H, D]`` memory in place and summing the key/value gradients over each group."""
+    ``B * H`` for ``[B, H, L, D]`` inputs of one head count, and for ``[B, L, H, D]`` ones copied
+    when they are small; else one per query head, reading ``[B, L, H, D]`` memory in place (large
+    operands: ``small`` False) and summing the key/value gradients over each group."""
+    if not small:
+        monkeypatch.setattr(eager_attention, "_small", lambda tensor: False)
     case = make_case(kind, 2, heads, kv_heads, lq, 12, 16, value_head_dim=24)
     if layout == "blhd":
         for name in ("query", "key", "value"):

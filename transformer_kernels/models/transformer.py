@@ -348,33 +348,31 @@ class _LayerCache:
 class _StepCalls:
     """How a generation's decoding steps call their projections and attentions.
 
-    On the fused path (outside autocast), they go to the registered ops directly, each with the
-    backend its call site chose at its first step.  A step computes one query row per hypothesis,
-    so the public functions' argument checks and backend choice cost about as much host time as
-    the ops themselves; every step passes the same kinds of model-built arguments, so the first
-    choice holds for the rest.  (Greedy generation at the small preset on a CPU, quick report:
-    0.87x -> 1.08x the seeds' math.)  Otherwise the layer's own ``project``/``attend`` run.
+    On the fused path (outside autocast), they go to the registered ops directly, each call site
+    with what its first step worked out: the backend it chose, a projection's weight and bias rows
+    and its arguments.  A step computes one query row per hypothesis, so the public functions'
+    argument checks and backend choice cost about as much host time as the ops themselves; every
+    step passes the same kinds of model-built arguments, and the weights do not change during a
+    generation, so the first step's holds for the rest.  (Greedy generation at the small preset
+    on a CPU, quick report: 0.87x -> 1.08x the seeds' math.)  Otherwise the layer's own
+    ``project``/``attend`` run.
     """
 
     def __init__(self, direct: bool) -> None:
         self.direct = direct
-        self._backends: dict[tuple[int, str], str] = {}
-
-    def _backend(self, layer: _Attention, op: str, public_name: str, *forward_args) -> str:
-        key = (id(layer), op)
-        backend = self._backends.get(key)
-        if backend is None:
-            backend = select_backend(op, public_name, layer.backend, forward_args[0], *forward_args)
-            self._backends[key] = backend
-        return backend
+        self._projections: dict[tuple[int, str], tuple] = {}
+        self._backends: dict[int, str] = {}
 
     def project(self, layer: _Attention, x: Tensor, which: str) -> tuple[Tensor, ...]:
         if not self.direct:
             return layer.project(x, which)
-        weight, bias = layer.projection(which)
-        args = QkvProjectionArgs(layer.num_heads)
-        backend = self._backend(layer, "qkv", "qkv_projection", x, weight, bias, args)
-        return tuple(qkv_projection_forward(x, weight, bias, args, backend))
+        call = self._projections.get((id(layer), which))
+        if call is None:
+            weight, bias = layer.projection(which)
+            args = QkvProjectionArgs(layer.num_heads)
+            call = (weight, bias, args, select_backend("qkv", "qkv_projection", layer.backend, x, x, weight, bias, args))
+            self._projections[id(layer), which] = call
+        return tuple(qkv_projection_forward(x, *call))
 
     def attend(self, layer: _Attention, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """``attend(q, k, v, key_padding_mask=...)`` without a causal mask: the newest position sees
@@ -383,7 +381,10 @@ class _StepCalls:
             return layer.attend(q, k, v, key_padding_mask=key_padding_mask)
         # The public function's default scale, computed the same way.
         args = AttentionArgs(key_padding_mask, None, Causal.NONE, 1.0 / math.sqrt(q.shape[-1]), 0.0, None)
-        backend = self._backend(layer, "attention", ATTENTION_NAME, q, k, v, args)
+        backend = self._backends.get(id(layer))
+        if backend is None:
+            backend = select_backend("attention", ATTENTION_NAME, layer.backend, q, q, k, v, args)
+            self._backends[id(layer)] = backend
         out, _ = attention_forward(q, k, v, args, False, backend)
         return layer.merge_heads(out)
 

@@ -551,7 +551,22 @@ class _HeadBatches:
 
 def _folds(tensor: torch.Tensor) -> bool:
     """Whether ``[B, H, ...]`` flattens to ``[B * H, ...]`` as a view."""
-    return tensor.shape[1] == 1 or tensor.shape[0] == 1 or tensor.stride(0) == tensor.shape[1] * tensor.stride(1)
+    batch, heads = tensor.shape[:2]
+    return heads == 1 or batch == 1 or tensor.stride(0) == heads * tensor.stride(1)
+
+
+def _small(tensor: torch.Tensor) -> bool:
+    """At most ``_CHUNK_BYTES``: a copy costs less than a per-head loop's host time (one query
+    row of a decoding step: one copy of ``q`` ran its attention in 37 against 67 us over 4 heads)."""
+    return tensor.numel() * tensor.element_size() <= _CHUNK_BYTES
+
+
+def _whole_call_folds(*tensors: torch.Tensor) -> bool:
+    """Whether :meth:`_BatchChunk.operands` hands a whole call's operands over folding: with one
+    head count, each folding as it is or copied when :func:`_small` (a larger one is read in
+    place per head, where a copy would cost as much memory traffic as the matmul)."""
+    heads = tensors[0].shape[1]
+    return all(t.shape[1] == heads and (_folds(t) or _small(t)) for t in tensors)
 
 
 def _baddbmm(a, b, out, alpha: float, bias: Optional[torch.Tensor], accumulate: bool) -> None:
@@ -651,29 +666,38 @@ class _BatchChunk:
     dropout: Optional[torch.Tensor]
     buffers: Optional[_ChunkBuffers] = None  # shared by the call's chunks (None: the whole call)
 
-    def operands(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The chunk of each ``[B, H, L, X]`` operand; when their heads match, contiguous (copied
-        into the chunk buffers where they are not), so they fold (``[B, L, H, X]`` views would
-        take per-head matmuls)."""
+    def operands(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], _HeadBatches]:
+        """The chunk of each ``[B, H, L, X]`` operand, and how their matmuls run.  When their heads
+        match they fold (``[B, L, H, X]`` views would take per-head matmuls): a chunk's copied into
+        the chunk buffers where they are not contiguous; the whole call's copied where they do not
+        fold and are :func:`_small`, else all read in place per head."""
+        heads = tensors[0].shape[1]
+        if any(t.shape[1] != heads for t in tensors):
+            return [self.of(t) for t in tensors], _HeadBatches(False)
         if self.batch is None:
-            return list(tensors)
+            folds = [_folds(t) for t in tensors]
+            if all(folds):
+                return list(tensors), _HeadBatches(True)
+            if all(f or _small(t) for f, t in zip(folds, tensors)):
+                return [t if f else t.contiguous() for f, t in zip(folds, tensors)], _HeadBatches(True)
+            return list(tensors), _HeadBatches(False)
         chunks = [t[self.batch] for t in tensors]
-        if all(t.shape[1] == chunks[0].shape[1] for t in chunks):
-            chunks = [t if t.is_contiguous() else self.buffers.like(f"operand{index}", t).copy_(t)
-                      for index, t in enumerate(chunks)]
-        return chunks
+        chunks = [t if t.is_contiguous() else self.buffers.like(f"operand{index}", t).copy_(t)
+                  for index, t in enumerate(chunks)]
+        return chunks, _HeadBatches(True)
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.batch is None else tensor[self.batch]
 
     def destination(self, target: torch.Tensor, use: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """Where a folded matmul computing in ``dtype`` writes the chunk's part of ``target``: that
-        part when it is contiguous and of ``dtype``, else the chunk buffer for ``use``
-        (:meth:`store` copies it over)."""
-        if self.batch is None:
-            return None
-        part = target[self.batch]
-        return part if part.is_contiguous() and part.dtype == dtype else self.buffers.like(use, part, dtype)
+        part when it is contiguous and of ``dtype`` (a decoding step's one query row: the output
+        itself), else the chunk buffer for ``use``, or for the whole call None, a new tensor
+        (:meth:`store` copies either over)."""
+        part = target if self.batch is None else target[self.batch]
+        if part.is_contiguous() and part.dtype == dtype:
+            return part
+        return None if self.batch is None else self.buffers.like(use, part, dtype)
 
     def store(self, result: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """``target`` holding ``result``, the chunk's slice of it (unless ``result`` was written in
@@ -737,8 +761,7 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     out = empty_output(query, value)
     saved = _empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
     for chunk in _batch_chunks(query, key, value, args, dtype):
-        q, k, v = chunk.operands(query, key, value)
-        batches = _HeadBatches.of(q, k, v)
+        (q, k, v), batches = chunk.operands(query, key, value)
         scores, masked = _scores(q, k, chunk.args, batches)
         probs = _softmax(scores, masked, batches)
         dropped = probs if chunk.dropout is None else probs * chunk.dropout
@@ -772,12 +795,12 @@ def _probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, att
     if attn_mask_needs_grad:
         dmask = query.new_empty((*query.shape[:3], key.shape[2]), dtype=dtype)
     for chunk in _batch_chunks(query, key, value, args, dtype):
-        d_out, q, k, v = (_as_dtype(t, dtype) for t in chunk.operands(grad_out, query, key, value))
+        operands, batches = chunk.operands(grad_out, query, key, value)
+        d_out, q, k, v = (_as_dtype(t, dtype) for t in operands)
         if saved.dim() == 4:
             probs = chunk.of(saved)
         else:
             probs = _recomputed_probs(q, k, chunk.of(saved) if saved.dim() == 3 else None, chunk.args)
-        batches = _HeadBatches.of(d_out, q, k, v)
         d_probs = batches.matmul(d_out, v.transpose(-1, -2))
         dropped = probs
         if chunk.dropout is not None:
@@ -818,11 +841,11 @@ def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, arg
 
 
 def _empty_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The materialized path's probabilities ``[B, Hq, Lq, Lk]``: batch-major when the batch runs
-    in chunks (they fold, see :meth:`_BatchChunk.operands`), else as :class:`_HeadBatches` lays out
-    the whole call's."""
+    """The materialized path's probabilities ``[B, Hq, Lq, Lk]``: batch-major where the operands
+    fold as :meth:`_BatchChunk.operands` hands them over (always when the batch runs in chunks),
+    else head-major, as :class:`_HeadBatches` lays out per-head products."""
     batch_size, num_heads, lq, _ = query.shape
-    batches = _HeadBatches(True) if _runs_in_chunks(query, key, value) else _HeadBatches.of(query, key, value)
+    batches = _HeadBatches(_runs_in_chunks(query, key, value) or _whole_call_folds(query, key, value))
     return batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)
 
 
