@@ -423,16 +423,42 @@ def test_triton_matches_reference(dtype, k, length, channels_in, channels, paddi
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
 def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch):
     """The 16-bit sm_90 tiles (128 rows, 64-wide K steps), which the interpreter's capability-less
-    calls never pick, on channel counts and positions that leave partial tiles."""
+    calls never pick, on channel counts and positions that leave partial tiles; channel-first, 75
+    positions are ragged rows, whose forward takes its own tile."""
     from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
 
     monkeypatch.setattr(triton_glu_conv, "compute_capability", lambda device: 90)
     x, weight, bias, residual = _make_inputs(2, 3, 75, 96, 80, dtype=torch.float16, device=device_for("triton"),
                                              channels_last=channels_last)
     for kernel in ("forward", "grad_input", "grad_weight"):
-        assert triton_glu_conv._Dots.of(x).config(kernel, x.dtype) == triton_glu_conv._SM90_16BIT_CONFIGS[kernel]
+        expected = triton_glu_conv._SM90_16BIT_CONFIGS[kernel]
+        if kernel == "forward" and not channels_last:
+            expected = triton_glu_conv._RAGGED_X_CONFIGS["forward", "sm90_16bit"]
+        assert triton_glu_conv._Dots.of(x, x.shape[2]).config(kernel, x.dtype) == expected
     _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,
                               padding="causal", pad_value=0.75, residual_scale=SCALE)
+
+
+@requires_triton
+@pytest.mark.parametrize(("length", "length_out", "channels_last", "ragged"), [
+    (512, 512, False, False),
+    (40, 40, False, True),    # the seeds' padded length: not a multiple of 16
+    (512, 509, False, True),  # an output length that is not
+    (40, 40, True, False),    # channel-last rows are channels: always whole
+    (1, 1, False, False),     # one position: channel-first strides say nothing
+])
+def test_triton_ragged_rows_rule(length, length_out, channels_last, ragged):
+    """Which inputs take the ragged-rows tiles, and that the compile check holds the variants they
+    launch: channel-first x whose rows Triton cannot prove aligned."""
+    from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+
+    shape = (2, length, 32) if channels_last else (2, 32, length)
+    x = torch.empty(shape, dtype=torch.float16)
+    x = x.transpose(1, 2) if channels_last else x
+    assert triton_glu_conv._Dots.of(x, length_out).ragged_x == ragged
+    for batch, target_length, _ in triton_glu_conv._TARGET_SHAPES.values():
+        target_x = torch.empty(batch, triton_glu_conv._TARGET_CHANNELS, target_length)
+        assert triton_glu_conv._Dots.of(target_x, target_length).ragged_x == (target_length % 16 != 0)
 
 
 @requires_triton

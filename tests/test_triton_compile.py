@@ -76,6 +76,7 @@ FALLBACKS = {
         "the tap shifts x's tile by an unknown offset, so 16-bit x loads 2 bytes at a time, "
         "under cp.async's 4-byte minimum (float32 x is pipelined)"
     ),
+    ("glu_conv_*16-tf32-ragged@sm_*", "sync:x_tile"): "as channel-first x of whole rows",
     ("attention_forward_fp16_d256_all_masks@sm_80", "sync:*"): "num_stages 1 in its config",
     ("attention_grad_key_value_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
     ("attention_grad_query_*_d256_*@sm_80", "sync:*"): "num_stages 1 in its config",

@@ -381,28 +381,59 @@ _SM90_16BIT_CONFIGS = {
 }
 
 
-def kernel_config(kernel: str, dtype: torch.dtype, capability: Optional[int]) -> KernelConfig:
+# x channel-first with ragged rows (output length or channel stride not a multiple of 16, see
+# _Dots.of): Triton cannot prove a row of the x tile contiguous, so each element of it takes its
+# own 64-bit address, and the tiles above spilled at length 40 (the seeds' padded length): the
+# sm_90 16-bit forward 184 bytes, on sm_80 the float32 tf32x3 forward with its gradient 24 and
+# weight gradient 8, the float32 "ieee" forward 8 on sm_90 under triton 3.6.  Half the tile's rows or channels, or the weight gradient's warps, compile
+# without spills under triton 3.6 and 3.9 (narrower K steps would too, but triton 3.6 refuses a
+# dot's K under 16).  Keyed by kernel and sm_90 16-bit or float32 precision.
+_RAGGED_X_CONFIGS = {
+    ("forward", "sm90_16bit"): KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3),
+    ("forward", "tf32x3"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=8, num_stages=3),
+    ("forward", "ieee"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=8, num_stages=3),
+    ("grad_weight", "tf32x3"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2),
+}
+
+
+def kernel_config(
+    kernel: str, dtype: torch.dtype, capability: Optional[int], precision: str = "ieee", ragged_x: bool = False
+) -> KernelConfig:
     """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of
-    ``dtype`` on a GPU of compute ``capability`` (None under the interpreter)."""
-    if dtype != torch.float32 and capability is not None and capability >= 90:
+    ``dtype`` on a GPU of compute ``capability`` (None under the interpreter), float32 dots of
+    ``precision``, ``x`` channel-first with ragged rows or not (see ``_RAGGED_X_CONFIGS``)."""
+    sm90_16bit = dtype != torch.float32 and capability is not None and capability >= 90
+    if ragged_x:
+        family = precision if dtype == torch.float32 else "sm90_16bit" if sm90_16bit else "16bit"
+        config = _RAGGED_X_CONFIGS.get((kernel, family))
+        if config is not None:
+            return config
+    if sm90_16bit:
         return _SM90_16BIT_CONFIGS[kernel]
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Dots:
-    """How a call's dots run: their ``input_precision`` and the GPU's compute ``capability`` (None
-    under the interpreter), which picks the tiles (:func:`kernel_config`)."""
+    """How a call's dots run: their ``input_precision``, the GPU's compute ``capability`` (None
+    under the interpreter) and whether ``x`` is channel-first with ragged rows, which pick the
+    tiles (:func:`kernel_config`)."""
 
     precision: str
     capability: Optional[int]
+    ragged_x: bool = False
 
     @classmethod
-    def of(cls, x: torch.Tensor) -> "_Dots":
-        return cls(_input_precision(x.dtype), compute_capability(x.device))
+    def of(cls, x: torch.Tensor, length_out: int) -> "_Dots":
+        """``x`` ``[B, C_in, L]`` convolved into ``length_out`` positions.  Its rows are ragged when
+        positions are its contiguous dimension and the kernels' row arithmetic (``length_out``,
+        the channel stride) loses Triton's divisibility-by-16 specialization."""
+        channel_first = x.stride(2) == 1 and x.stride(1) != 1
+        ragged_x = channel_first and (length_out % 16 != 0 or x.stride(1) % 16 != 0)
+        return cls(_input_precision(x.dtype), compute_capability(x.device), ragged_x)
 
     def config(self, kernel: str, dtype: torch.dtype) -> KernelConfig:
-        return kernel_config(kernel, dtype, self.capability)
+        return kernel_config(kernel, dtype, self.capability, self.precision, self.ragged_x)
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -449,7 +480,7 @@ def forward(
     if x.shape[0] > 0:
         launch = _preactivation_launch(
             x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
-            args.residual_scale, _Dots.of(x),
+            args.residual_scale, _Dots.of(x, length_out),
         )
         run_launches([launch], x)
     return out, packed
@@ -529,7 +560,7 @@ def backward(
     ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
     pre-activation from ``x``.
     """
-    dots = _Dots.of(x)
+    dots = _Dots.of(x, grad_out.shape[2])
     grad_z = _grad_preactivation(grad_out, x, packed, bias, args, dots)
     grad_x = _grad_input(grad_z, packed, x, args, dots) if needs_grad_x else x.new_empty(0)
     grad_bias_wanted = needs_grad_bias and bias is not None
@@ -637,17 +668,23 @@ def _grad_weight_launch(
     ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
 
-# The representative problem: batch 4, C_in = C = 256, kernel size 4,
-# length 512 ("same" padding), channel-first contiguous x and residual.
-_TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH = 4, 256, 4, 512
+# The representative problems: C_in = C = 256, kernel size 4, channel-first or channel-last x;
+# batch 4, length 512, "same" padding (a left pad of 1), or "ragged": batch 1, an odd length, causal
+# padding (a left pad of 3).  The kernels are plain triton.jit: Triton specializes them on every
+# integer equal to 1 (batch, pad_left) and on divisibility by 16 (lengths, strides along them),
+# so the ragged problem compiles the variants a decoding batch of 1 or an odd length launches.
+_TARGET_CHANNELS, _TARGET_KERNEL_SIZE = 256, 4
+_TARGET_SHAPES = {False: (4, 512, (_TARGET_KERNEL_SIZE - 1) // 2), True: (1, 37, _TARGET_KERNEL_SIZE - 1)}
 
 
-def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, channel_last: bool, dots: _Dots) -> KernelLaunch:
-    """The launch for the representative problem, ``x`` (and the residual, output and ``grad_x``
+def _target_launch(
+    kind: str, dtype: torch.dtype, compute_grad: bool, channel_last: bool, ragged: bool, dots: _Dots
+) -> KernelLaunch:
+    """The launch for a representative problem, ``x`` (and the residual, output and ``grad_x``
     in its layout) channel-first or channel-last: the kernels are specialized on which of x's
     strides is 1, so each layout compiles its own variant."""
-    batch, channels, kernel_size, length = _TARGET_BATCH, _TARGET_CHANNELS, _TARGET_KERNEL_SIZE, _TARGET_LENGTH
-    pad_left = (kernel_size - 1) // 2
+    channels, kernel_size = _TARGET_CHANNELS, _TARGET_KERNEL_SIZE
+    batch, length, pad_left = _TARGET_SHAPES[ragged]
     if channel_last:  # the seeds' model holds its activations as [B, L, C]
         x = torch.empty(batch, length, channels, dtype=dtype).transpose(1, 2)
     else:
@@ -674,24 +711,28 @@ def _target_launch(kind: str, dtype: torch.dtype, compute_grad: bool, channel_la
 
 def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
-    constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for the
-    representative problem with ``x`` channel-first and channel-last, on each architecture with
-    the configuration :func:`kernel_config` picks there."""
+    constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for each representative
+    problem with ``x`` channel-first and channel-last, on each architecture with the
+    configuration :func:`kernel_config` picks there."""
     # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
     targets = []
-    for (dtype, precision), (kind, compute_grad), channel_last in itertools.product(variants, kernels, (False, True)):
+    for (dtype, precision), (kind, compute_grad), channel_last, ragged in itertools.product(
+        variants, kernels, (False, True), (False, True)
+    ):
+        ragged_x = ragged and not channel_last
         by_config: dict[KernelConfig, list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
-            by_config.setdefault(kernel_config(kind, dtype, capability), []).append(capability)
+            by_config.setdefault(kernel_config(kind, dtype, capability, precision, ragged_x), []).append(capability)
         name = (f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
-                f"{'-channel_last' if channel_last else ''}")
+                f"{'-channel_last' if channel_last else ''}{'-ragged' if ragged else ''}")
         targets.extend(
             CompileTarget(
                 name,
                 functools.partial(
-                    _target_launch, kind, dtype, compute_grad, channel_last, _Dots(precision, capabilities[0])
+                    _target_launch, kind, dtype, compute_grad, channel_last, ragged,
+                    _Dots(precision, capabilities[0], ragged_x),
                 ),
                 tuple(capabilities),
             )

@@ -21,6 +21,7 @@ gradient that breaks this, e.g. a stride-0 gradient of ``out.sum()``).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -643,14 +644,17 @@ def _grad_weight_and_bias(
 # Compile targets
 # ---------------------------------------------------------------------------
 
-# The representative problem: batch 4, length 512, E = 1024 in 16 heads of 64,
-# contiguous tensors (unit strides along E_in and Dh, sizes divisible by 16),
-# n = 3 projections with bias.
-_TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS = 4, 512, 1024, 16
+# The representative problems: E = 1024 in 16 heads of 64, contiguous tensors (unit strides along
+# E_in and Dh), n = 3 projections with bias; batch 4 of length 512 (sizes divisible by 16), or
+# "ragged": batch 1 of an odd length.  The kernels are plain triton.jit: Triton specializes them on
+# every integer equal to 1 and on divisibility by 16, so the ragged problem compiles the variant a
+# decoding batch of 1 or an odd token count launches.
+_TARGET_EMBED, _TARGET_HEADS = 1024, 16
+_TARGET_SHAPES = {False: (4, 512), True: (1, 37)}
 
 
-def _target_launch(kernel: str, dtype: torch.dtype, cfg: KernelConfig, split: bool) -> KernelLaunch:
-    batch, length, embed, heads = _TARGET_BATCH, _TARGET_LENGTH, _TARGET_EMBED, _TARGET_HEADS
+def _target_launch(kernel: str, dtype: torch.dtype, cfg: KernelConfig, split: bool, ragged: bool) -> KernelLaunch:
+    (batch, length), embed, heads = _TARGET_SHAPES[ragged], _TARGET_EMBED, _TARGET_HEADS
     x3 = torch.empty(batch, length, embed, dtype=dtype)
     weight = torch.empty(3 * embed, embed, dtype=dtype)
     heads_split = [torch.empty(batch, heads, length, embed // heads, dtype=dtype) for _ in range(3)]
@@ -667,17 +671,17 @@ def _target_launch(kernel: str, dtype: torch.dtype, cfg: KernelConfig, split: bo
 
 def compile_targets() -> list[CompileTarget]:
     """Each kernel with each configuration ``gemm_config`` can return, for
-    the representative problem (the weight gradient also with split-token
+    each representative problem (the weight gradient also with split-token
     float32 partial sums)."""
     targets = []
-    for kernel in KERNELS:
-        for dtype in (torch.float16, torch.bfloat16):
-            for cfg in dict.fromkeys((_large_config(kernel), _LARGE_16BIT, _SMALL)):
-                label = f"qkv_{kernel}-{TORCH_TO_TRITON_DTYPE[dtype]}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-                splits = (False, True) if kernel == "grad_weight" else (False,)
-                for split in splits:
-                    suffix = ("-fp32partials" if split else "-direct") if kernel == "grad_weight" else ""
-                    targets.append(
-                        CompileTarget(label + suffix, functools.partial(_target_launch, kernel, dtype, cfg, split))
-                    )
+    for kernel, dtype, ragged in itertools.product(KERNELS, (torch.float16, torch.bfloat16), (False, True)):
+        for cfg in dict.fromkeys((_large_config(kernel), _LARGE_16BIT, _SMALL)):
+            label = f"qkv_{kernel}-{TORCH_TO_TRITON_DTYPE[dtype]}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+            splits = (False, True) if kernel == "grad_weight" else (False,)
+            for split in splits:
+                suffix = ("-fp32partials" if split else "-direct") if kernel == "grad_weight" else ""
+                targets.append(CompileTarget(
+                    label + suffix + ("-ragged" if ragged else ""),
+                    functools.partial(_target_launch, kernel, dtype, cfg, split, ragged),
+                ))
     return targets
