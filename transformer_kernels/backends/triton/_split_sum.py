@@ -42,13 +42,20 @@ def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
                         _CONFIG.launch_kwargs())
 
 
-def _target_launch(dtype: torch.dtype) -> KernelLaunch:
-    return split_sum_launch(torch.empty(4, 3 * 512, 512), torch.empty(3 * 512, 512, dtype=dtype))
+# A QKV weight gradient's partial sums, and a ragged GLU bias gradient's (an odd channel count):
+# Triton specializes the kernel on numel's divisibility by 16.
+_TARGET_SHAPES = {False: (4, 3 * 512, 512), True: (2, 2 * 37)}
+
+
+def _target_launch(dtype: torch.dtype, ragged: bool) -> KernelLaunch:
+    splits, *shape = _TARGET_SHAPES[ragged]
+    return split_sum_launch(torch.empty(splits, *shape), torch.empty(*shape, dtype=dtype))
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The reduction into each gradient dtype."""
+    """The reduction into each gradient dtype, of sizes divisible by 16 or not."""
     return [
-        CompileTarget(f"split_sum-{TORCH_TO_TRITON_DTYPE[dtype]}", functools.partial(_target_launch, dtype))
-        for dtype in TORCH_TO_TRITON_DTYPE
+        CompileTarget(f"split_sum-{TORCH_TO_TRITON_DTYPE[dtype]}{'-ragged' if ragged else ''}",
+                      functools.partial(_target_launch, dtype, ragged))
+        for dtype in TORCH_TO_TRITON_DTYPE for ragged in (False, True)
     ]
