@@ -165,6 +165,25 @@ def test_readme_section_names_device_date_and_commit(tiny_run, tmp_path):
     assert "(benchmarks/results/cpu-run/report.md)" in text
 
 
+def test_readme_keeps_each_ops_newest_run(tiny_run, tmp_path):
+    """A run of some suites (--only) supersedes older runs for its ops only: the README shows every
+    op once, from the newest run that measured it."""
+    _, out = tiny_run
+    full = json.loads((out / "results.json").read_text())
+    ops = sorted({group["op"] for group in full["groups"]})
+    newer = {**full, "environment": {**full["environment"], "date": "9999-01-01T00:00:00+00:00"},
+             "groups": [g for g in full["groups"] if g["op"] == ops[0]],
+             "targets": [t for t in full["targets"] if t["op"] == ops[0]]}
+    results_dir = tmp_path / "results"
+    for name, data in (("cpu-full", full), ("cpu-only", newer)):
+        (results_dir / name).mkdir(parents=True)
+        (results_dir / name / "results.json").write_text(json.dumps(data))
+    latest = report.latest_results(results_dir)
+    assert [path.parent.name for path, _ in latest] == ["cpu-only", "cpu-full"]
+    assert [{g["op"] for g in data["groups"]} for _, data in latest] == [{ops[0]}, set(ops[1:])]
+    assert all(t["op"] != ops[0] for t in latest[1][1]["targets"])
+
+
 def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
     progress = run.Progress(2)

@@ -279,14 +279,27 @@ README_END = "<!-- end of performance -->"
 
 
 def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
-    """The newest ``results.json`` under ``results_dir`` for each device type (CUDA first)."""
-    latest: dict[str, tuple[Path, dict]] = {}
+    """For each device type (CUDA first), the newest ``results.json`` under ``results_dir`` of each
+    op it measured: a run of some suites (``--only``) supersedes the older runs' results for its
+    ops and leaves the others' standing.  Each file comes with only the groups and targets of the
+    ops it is the newest for, the newest file first."""
+    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
     for path in sorted(results_dir.glob("*/results.json")):
         data = read_results(path)
         kind = data["environment"]["device_type"]
-        if kind not in latest or data["environment"]["date"] > latest[kind][1]["environment"]["date"]:
-            latest[kind] = (path, data)
-    return [latest[kind] for kind in sorted(latest, key=lambda kind: kind != "cuda")]
+        for op in {group["op"] for group in data["groups"]}:
+            known = newest.get((kind, op))
+            if known is None or data["environment"]["date"] > known[1]["environment"]["date"]:
+                newest[kind, op] = (path, data)
+    files: dict[Path, tuple[str, dict, set]] = {}
+    for (kind, op), (path, data) in newest.items():
+        files.setdefault(path, (kind, data, set()))[2].add(op)
+    newest_first = sorted(files.items(), key=lambda item: item[1][1]["environment"]["date"], reverse=True)
+    return [
+        (path, {**data, "groups": [g for g in data["groups"] if g["op"] in ops],
+                "targets": [t for t in data["targets"] if t["op"] in ops]})
+        for path, (kind, data, ops) in sorted(newest_first, key=lambda item: item[1][0] != "cuda")
+    ]
 
 
 def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
