@@ -370,7 +370,8 @@ class _StepCalls:
         if call is None:
             weight, bias = layer.projection(which)
             args = QkvProjectionArgs(layer.num_heads)
-            call = (weight, bias, args, select_backend("qkv", "qkv_projection", layer.backend, x, x, weight, bias, args))
+            backend = select_backend("qkv", "qkv_projection", layer.backend, x, x, weight, bias, args)
+            call = (weight, bias, args, backend)
             self._projections[id(layer), which] = call
         return tuple(qkv_projection_forward(x, *call))
 

@@ -82,14 +82,14 @@ def _measure() -> float:
 _MAX_DEPTH = 1024
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() or (tensor.dim() == 2 and tensor.t().is_contiguous())
-
-
 def _depth_major(tensor: torch.Tensor) -> bool:
     """A 2-D operand stored contraction-major (its transpose contiguous): its slices along the
     contraction are dense too."""
     return tensor.dim() == 2 and tensor.t().is_contiguous()
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() or _depth_major(tensor)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

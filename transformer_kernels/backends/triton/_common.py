@@ -78,13 +78,10 @@ class LaunchTemplates:
             if len(self._templates) >= self._max_layouts:
                 self._templates.clear()
             self._templates[layout] = template
-        if call_kwargs:
-            return [
-                KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), {**launch.kwargs, **call_kwargs})
-                for launch in template
-            ]
         return [
-            KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args), launch.kwargs) for launch in template
+            KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args),
+                         {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs)
+            for launch in template
         ]
 
 

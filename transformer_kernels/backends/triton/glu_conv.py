@@ -385,13 +385,15 @@ _SM90_16BIT_CONFIGS = {
 # _Dots.of): Triton cannot prove a row of the x tile contiguous, so each element of it takes its
 # own 64-bit address, and the tiles above spilled at length 40 (the seeds' padded length): the
 # sm_90 16-bit forward 184 bytes, on sm_80 the float32 tf32x3 forward with its gradient 24 and
-# weight gradient 8, the float32 "ieee" forward 8 on sm_90 under triton 3.6.  Half the tile's rows or channels, or the weight gradient's warps, compile
-# without spills under triton 3.6 and 3.9 (narrower K steps would too, but triton 3.6 refuses a
-# dot's K under 16).  Keyed by kernel and sm_90 16-bit or float32 precision.
+# weight gradient 8, the float32 "ieee" forward 8 on sm_90 under triton 3.6.  Half the tile's
+# rows or channels, or the weight gradient's warps, compile without spills under triton 3.6 and
+# 3.9 (narrower K steps would too, but triton 3.6 refuses a dot's K under 16).  Keyed by kernel
+# and by sm_90 16-bit or the float32 dots' precision; the others keep the tables above.
+_RAGGED_FLOAT32_FORWARD = KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=8, num_stages=3)
 _RAGGED_X_CONFIGS = {
     ("forward", "sm90_16bit"): KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3),
-    ("forward", "tf32x3"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=8, num_stages=3),
-    ("forward", "ieee"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=8, num_stages=3),
+    ("forward", "tf32x3"): _RAGGED_FLOAT32_FORWARD,
+    ("forward", "ieee"): _RAGGED_FLOAT32_FORWARD,
     ("grad_weight", "tf32x3"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2),
 }
 
@@ -404,7 +406,7 @@ def kernel_config(
     ``precision``, ``x`` channel-first with ragged rows or not (see ``_RAGGED_X_CONFIGS``)."""
     sm90_16bit = dtype != torch.float32 and capability is not None and capability >= 90
     if ragged_x:
-        family = precision if dtype == torch.float32 else "sm90_16bit" if sm90_16bit else "16bit"
+        family = precision if dtype == torch.float32 else "sm90_16bit" if sm90_16bit else None
         config = _RAGGED_X_CONFIGS.get((kernel, family))
         if config is not None:
             return config
