@@ -8,7 +8,8 @@ and listing it would let pip pull a multi-GB CUDA wheel.  CI installs the extras
 ``.ci/constraints/``.
 
 The CUDA C++ extension ``transformer_kernels._C`` (``csrc/``) is built when torch has CUDA and nvcc is
-found, or when ``TRANSFORMER_KERNELS_BUILD_CUDA=1`` forces it (then anything missing is an error).  It
+found, or when ``TRANSFORMER_KERNELS_BUILD_CUDA=1`` forces it (then anything missing is an error); ``=0``
+skips it (a quick pure-Python install on a CUDA machine).  It
 needs the CUTLASS/CuTe headers: from the ``nvidia-cutlass`` wheel (``import cutlass_library``) or from
 a CUTLASS checkout named by ``CUTLASS_PATH``.  ``TORCH_CUDA_ARCH_LIST`` picks the architectures (default
 ``8.0;9.0a``) and ``MAX_JOBS`` the parallel compile jobs.  Build it with::
@@ -44,6 +45,8 @@ def _skip_reason() -> Optional[str]:
         from torch.utils.cpp_extension import CUDA_HOME
     except ImportError:
         return "torch is not importable in the build environment (install with --no-build-isolation)"
+    if os.environ.get(FORCE_ENV) == "0":
+        return f"{FORCE_ENV}=0"
     if os.environ.get(FORCE_ENV) != "1":
         if torch.version.cuda is None:
             return f"torch {torch.__version__} has no CUDA (set {FORCE_ENV}=1 to build anyway)"

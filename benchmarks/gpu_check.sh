@@ -16,6 +16,12 @@
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
 # device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks" (the
 # second install is a no-op rebuild check on a warm machine).
+# STEPS "budget": what fits one command of at most 10 minutes when a whole GPU lease is 15 minutes,
+# its start included (the device tool's present limit), about 9 minutes at most, each step cut off at
+# its own limit: the package without the CUDA extension (building it alone takes minutes), the GPU
+# tests (the cuda backend's skip without it), the Triton kernels under compute-sanitizer memcheck,
+# the graphed step, and a --quick report of every suite (attention first; cut off, it still writes
+# what it measured).  The extension's build, tests and sanitizers need a lease of their own.
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
 # wheel along in .whl/ (git-ignored; pass it with the tree):
 #   pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
@@ -26,6 +32,19 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:uppe
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
 steps=",${2:-install,nvcc,tests,sanitizers,check,graphs,benchmarks},"
+# Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
+limits=(install 420 tests 300 sanitizer 120 graphs 120 benchmarks 360)
+bench_size=--full
+test_paths=(tests)
+if [[ $steps == ",budget," ]]; then
+    steps=",install-python,tests,sanitizers,graphs,benchmarks,"
+    limits=(install 45 tests 200 sanitizer 70 graphs 55 benchmarks 140)
+    bench_size=--quick
+    # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
+    test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py
+                --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_host.py)
+fi
+limit() { local i; for ((i = 0; i < ${#limits[@]}; i += 2)); do [[ ${limits[i]} == "$1" ]] && echo "${limits[i+1]}"; done; }
 mkdir -p "$out"
 log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -49,26 +68,33 @@ if wanted install; then
         step cutlass 60 python3 -m pip install --no-index --no-deps .whl/nvidia_cutlass-*.whl
     fi
     # Forced: a missing CUTLASS or nvcc fails the install instead of skipping the extension.
-    TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install 420 \
+    TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install "$(limit install)" \
         python3 -m pip install --no-build-isolation --no-deps -v -e .
 fi
+wanted install-python && TRANSFORMER_KERNELS_BUILD_CUDA=0 step install "$(limit install)" \
+    python3 -m pip install --no-build-isolation --no-deps -v -e .
 # Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 # Every kernel source with both dtypes for sm_80 and sm_90a: ptxas spills or local memory fail it.
 wanted nvcc && step nvcc 300 env TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1 python3 -m pytest tests/test_cuda_compile.py \
     -q -p no:cacheprovider $parallel
-wanted tests && step tests 300 python3 -m pytest tests -q -m "not slow" -p no:cacheprovider $parallel -rf \
+wanted tests && step tests "$(limit tests)" python3 -m pytest "${test_paths[@]}" -q -m "not slow" -p no:cacheprovider $parallel -rf \
     --junitxml="$out/tests.xml"
 if wanted sanitizers; then
-    step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
-    step cuda-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
-    step cuda-racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+    step sanitizer "$(limit sanitizer)" compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
+    # The extension's kernels where it is built (a full run's install fails without it).
+    if python3 -c "import sys; from transformer_kernels.backends.cuda import extension; sys.exit(extension() is None)"; then
+        step cuda-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+        step cuda-racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+    else
+        echo "=== cuda sanitizers: skipped, the CUDA extension is not built" | tee -a "$log"
+    fi
 fi
 wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
-wanted graphs && step graphs 120 python3 benchmarks/graphed_step.py --out "$out"
+wanted graphs && step graphs "$(limit graphs)" python3 benchmarks/graphed_step.py --out "$out"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
-wanted benchmarks && step benchmarks 360 python3 -m transformer_kernels.bench --full --out "$out"
+wanted benchmarks && step benchmarks "$(limit benchmarks)" python3 -m transformer_kernels.bench $bench_size --out "$out"
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
     step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210

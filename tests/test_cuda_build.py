@@ -36,6 +36,14 @@ def test_cpu_torch_installs_the_python_package_and_says_why_in_one_line(tmp_path
     ]
 
 
+def test_build_switched_off_installs_the_python_package_and_says_so(tmp_path):
+    # What gpu_check.sh's budget run installs on a CUDA machine, where setup.py would otherwise build.
+    result = _setup_name(tmp_path, TRANSFORMER_KERNELS_BUILD_CUDA="0")
+    assert result.returncode == 0 and result.stdout.strip() == "transformer_kernels"
+    lines = [line for line in result.stderr.splitlines() if "transformer_kernels" in line]
+    assert lines == ["transformer_kernels: CUDA extension skipped: TRANSFORMER_KERNELS_BUILD_CUDA=0"]
+
+
 def test_forced_build_without_cutlass_names_the_package_to_install(tmp_path):
     hidden = tmp_path / "hide" / "cutlass_library"
     hidden.mkdir(parents=True)
