@@ -156,14 +156,20 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
         monkeypatch.setattr(onednn, "_speedup", 1.0)
         assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "im2col"
         monkeypatch.setattr(onednn, "_speedup", 2.0)
-    # The weight gradient both ways: oneDNN's convolution backward, and the im2col GEMM that takes
-    # it over from _GEMM_WEIGHT_GRADIENT_MIN_DEPTH (C_in * k) on, here from 1.
-    for min_depth, with_bias in ((eager_glu_conv._GEMM_WEIGHT_GRADIENT_MIN_DEPTH, True), (1, True), (1, False)):
+    # The gradients every way: oneDNN's convolution backward; the im2col GEMM that takes the weight's
+    # over from _GEMM_WEIGHT_GRADIENT_MIN_DEPTH (C_in * k) on, here from 1; and the input's too, up
+    # to _GEMM_INPUT_GRADIENT_MAX_POSITIONS (here 400 positions: with it, or from 0 without).
+    cases = ((eager_glu_conv._GEMM_WEIGHT_GRADIENT_MIN_DEPTH, 640, True), (1, 640, True), (1, 640, False),
+             (1, 0, True))
+    for min_depth, input_max_positions, with_bias in cases:
         monkeypatch.setattr(eager_glu_conv, "_GEMM_WEIGHT_GRADIENT_MIN_DEPTH", min_depth)
+        monkeypatch.setattr(eager_glu_conv, "_GEMM_INPUT_GRADIENT_MAX_POSITIONS", input_max_positions)
         for channels_last, padding, pad_value in ((True, "same", 0.0), (True, "causal", 1.5), (False, "same", -0.5)):
             x, weight, bias, residual = _make_inputs(2, 3, 200, 24, 16, dtype=torch.float32,
                                                      channels_last=channels_last, bias=with_bias)
-            assert eager_glu_conv._weight_gradient_on_gemm(x, 24 * 3, 200) == (min_depth == 1)
+            for max_positions, on_gemms in ((eager_glu_conv._GEMM_WEIGHT_GRADIENT_MAX_POSITIONS, min_depth == 1),
+                                            (input_max_positions, min_depth == 1 and input_max_positions > 0)):
+                assert eager_glu_conv._on_gemms(x, 24 * 3, 200, max_positions) == on_gemms
             out = _assert_matches_reference(x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
                                             padding=padding, pad_value=pad_value, residual_scale=SCALE)
             assert _has_layout(out, False)  # oneDNN's layout, whatever x's
@@ -173,7 +179,7 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
                          ids=["winograd", "onednn_gemm_weight_gradient"])
 def test_fp32_error_is_within_twice_the_direct_convolutions(gemm_speedup, algorithm, monkeypatch):
     """Winograd's transforms add rounding, and so could oneDNN's kernels where the eager backend
-    picks others than torch's convolution would (its GEMM for the weight gradient; a channels-last
+    picks others than torch's convolution would (its GEMMs for the gradients; a channels-last
     convolution erred 4x): the float32 error against float64 (RMS and max, output and gradients)
     stays within 2x that of torch's direct convolution on the seeds' sizes (C = 512, a 1536-term
     sum per output; measured about 1.5x RMS for Winograd)."""
@@ -186,7 +192,8 @@ def test_fp32_error_is_within_twice_the_direct_convolutions(gemm_speedup, algori
     x, weight, bias, _ = _make_inputs(4, 3, 80, 512, 512, dtype=torch.float32, channels_last=True, residual=False)
     assert eager_glu_conv.algorithm(x, 3, 80, "forward") == algorithm
     assert eager_glu_conv.algorithm(x, 3, 80, "backward") == algorithm
-    assert eager_glu_conv._weight_gradient_on_gemm(x, 3 * 512, 80) == (algorithm == "onednn")
+    gemms = eager_glu_conv._GEMM_INPUT_GRADIENT_MAX_POSITIONS
+    assert eager_glu_conv._on_gemms(x, 3 * 512, 80, gemms) == (algorithm == "onednn")
     grad = torch.randn(4, 512, 80)
 
     def results(fn, dtype):

@@ -93,6 +93,14 @@ _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN = 64
 # stayed within 1.1x (max) of torch's convolution backward from 160 to 4096 positions.
 _GEMM_WEIGHT_GRADIENT_MIN_DEPTH = 1536
 _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS = 1024
+# ... and up to this many positions, the input gradient leaves it too, for the im2col GEMM's
+# (grad_z @ W, then col2im) on oneDNN's GEMM kernels: C = 512, k = 3, the whole backward 1.16x as
+# fast at 160 positions, 1.12x at 320, 1.03x at 640, level at 960; C = 128 level or slower.
+_GEMM_INPUT_GRADIENT_MAX_POSITIONS = 640
+# That GEMM's 2C-deep contraction summed in blocks of this depth: in one pass (or blocks of 512)
+# oneDNN's input gradient erred 2.1x its convolution backward's (RMS, C = 512), in blocks of 256
+# 1.4x, in the same time.
+_INPUT_GRADIENT_BLOCK = 256
 
 
 def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
@@ -266,9 +274,14 @@ def backward(
 
 def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_x, needs_grad_weight,
                      needs_grad_bias):
+    if needs_grad_x and _on_gemms(x, weight.shape[1] * weight.shape[2], z.shape[1], _GEMM_INPUT_GRADIENT_MAX_POSITIONS):
+        return _backward_onednn_gemms(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_weight,
+                                      needs_grad_bias)
     grad_z = torch.ops.aten.glu_backward(grad_out, z.transpose(1, 2), 1)  # [B, 2C, L_out]
     conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
-    on_gemm = needs_grad_weight and _weight_gradient_on_gemm(x, weight.shape[1] * weight.shape[2], grad_z.shape[2])
+    on_gemm = needs_grad_weight and _on_gemms(
+        x, weight.shape[1] * weight.shape[2], grad_z.shape[2], _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS
+    )
     # oneDNN computes the bias gradient with the weight's: the GEMM takes both, or neither.
     wanted = [needs_grad_x, needs_grad_weight and not on_gemm, needs_grad_bias and not on_gemm]
     grad_input = grad_weight = grad_bias = None
@@ -290,15 +303,50 @@ def _backward_onednn(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
     return grad_x, grad_weight, grad_bias
 
 
-def _weight_gradient_on_gemm(x: torch.Tensor, depth: int, length_out: int) -> bool:
-    """Whether the oneDNN backward computes the weight gradient as the im2col GEMM on oneDNN's GEMM
-    kernels (``grad_z.T @ cols``, a ``B * L_out`` long contraction), where oneDNN's own backward
-    of the weight runs slower: a fast oneDNN (see ``_FAST_ONEDNN_SPEEDUP``), ``C_in * k`` of
-    ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH`` or more, and at most ``_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS``
-    output positions (its windows hold 3x the input)."""
+def _on_gemms(x: torch.Tensor, depth: int, length_out: int, max_positions: int) -> bool:
+    """Whether the oneDNN backward computes a gradient (the weight's: ``grad_z.T @ cols``, a
+    ``B * L_out`` long contraction; the input's: ``grad_z @ W``, then col2im) as the im2col GEMM on
+    oneDNN's GEMM kernels, where oneDNN's convolution backward runs slower: a fast oneDNN (see
+    ``_FAST_ONEDNN_SPEEDUP``), ``C_in * k`` of ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH`` or more, and at
+    most ``max_positions`` output positions (the windows hold 3x the input)."""
     return (depth >= _GEMM_WEIGHT_GRADIENT_MIN_DEPTH
-            and x.shape[0] * length_out <= _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS
+            and x.shape[0] * length_out <= max_positions
             and _onednn_outruns_blas())
+
+
+def _backward_onednn_gemms(grad_out, x, weight, z, pad_left, pad_right, pad_value, needs_grad_weight,
+                           needs_grad_bias):
+    """The oneDNN forward's backward as im2col GEMMs on oneDNN's GEMM kernels (see
+    ``_GEMM_INPUT_GRADIENT_MAX_POSITIONS``).  grad_z is written as ``[2C, B * L_out]`` (each
+    channel's positions together), which both GEMMs read densely, and which lets the input
+    gradient's contraction run in blocks (``_INPUT_GRADIENT_BLOCK``)."""
+    batch, channels_in, length_in = x.shape
+    channels_z, _, kernel_size = weight.shape
+    length_out = z.shape[1]
+    grad_z = x.new_empty(channels_z, batch, length_out)
+    torch.ops.aten.glu_backward.grad_input(grad_out, z.transpose(1, 2), 1, grad_input=grad_z.transpose(0, 1))
+    grad_z = grad_z.view(channels_z, batch * length_out)
+    weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
+    grad_cols = onednn.linear(grad_z.t(), weight_rows.t(), max_depth=_INPUT_GRADIENT_BLOCK)
+    grad_x = _fold_windows(grad_cols.view(batch, length_out, channels_in, kernel_size), pad_left,
+                           x.new_empty(batch, channels_in, length_in))
+    grad_weight = None
+    if needs_grad_weight:
+        cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
+        grad_weight = onednn.linear(grad_z, cols.t()).view(weight.shape)
+    grad_bias = grad_z.sum(1) if needs_grad_bias else None
+    return grad_x, grad_weight, grad_bias
+
+
+def _fold_windows(grad_cols: torch.Tensor, pad_left: int, grad_x: torch.Tensor) -> torch.Tensor:
+    """col2im: ``grad_x`` ``[B, C_in, L]`` (any layout) filled from the windows' gradient
+    ``grad_cols`` ``[B, L_out, C_in, k]``, each tap's added at its shift, the padding's dropped."""
+    batch, length_out, channels_in, kernel_size = grad_cols.shape
+    grad_padded = grad_cols.new_zeros(batch, length_out + kernel_size - 1, channels_in)
+    for tap in range(kernel_size):
+        grad_padded[:, tap : tap + length_out] += grad_cols[:, :, :, tap]
+    grad_x.transpose(1, 2).copy_(grad_padded[:, pad_left : pad_left + grad_x.shape[2]])
+    return grad_x
 
 
 def _onednn_outruns_blas() -> bool:
@@ -317,11 +365,7 @@ def _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value, nee
     grad_x = None
     if needs_grad_x:
         grad_cols = torch.mm(grad_z, weight_rows).view(batch, length_out, channels_in, kernel_size)
-        grad_padded = x.new_zeros(batch, length_out + kernel_size - 1, channels_in)
-        for tap in range(kernel_size):
-            grad_padded[:, tap : tap + length_out] += grad_cols[:, :, :, tap]
-        grad_x = empty_output(x, channels_in, length_in)
-        grad_x.transpose(1, 2).copy_(grad_padded[:, pad_left : pad_left + length_in])
+        grad_x = _fold_windows(grad_cols, pad_left, empty_output(x, channels_in, length_in))
 
     grad_weight = None
     if needs_grad_weight:

@@ -92,13 +92,15 @@ def _dense(tensor: torch.Tensor) -> bool:
     return tensor.is_contiguous() or _depth_major(tensor)
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, max_depth: int = _MAX_DEPTH
+) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
     for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
-    the BLAS and is :func:`enabled`; else ``F.linear``.  A contraction deeper than ``_MAX_DEPTH``
+    the BLAS and is :func:`enabled`; else ``F.linear``.  A contraction deeper than ``max_depth``
     of operands stored contraction-major (``input.t()`` and ``weight.t()`` contiguous) is summed in
-    blocks; callers that want oneDNN's accuracy bounded hand it those or shallow ones.  Not
-    differentiable: for the backends' kernels, below autograd."""
+    blocks of that depth; callers that want oneDNN's accuracy bounded hand it those or shallow
+    ones.  Not differentiable: for the backends' kernels, below autograd."""
     if (
         input.dtype == torch.float32
         and input.device.type == "cpu"
@@ -111,11 +113,11 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         and speedup() >= _LINEAR_MIN_SPEEDUP
     ):
         depth = weight.shape[1]
-        if depth <= _MAX_DEPTH or not (_depth_major(input) and _depth_major(weight)):
+        if depth <= max_depth or not (_depth_major(input) and _depth_major(weight)):
             return _LINEAR(input, weight, bias, "none", [], "")
-        out = _LINEAR(input[:, :_MAX_DEPTH], weight[:, :_MAX_DEPTH], bias, "none", [], "")
-        for start in range(_MAX_DEPTH, depth, _MAX_DEPTH):
-            block = slice(start, start + _MAX_DEPTH)
+        out = _LINEAR(input[:, :max_depth], weight[:, :max_depth], bias, "none", [], "")
+        for start in range(max_depth, depth, max_depth):
+            block = slice(start, start + max_depth)
             out = _LINEAR.binary(input[:, block], out, weight[:, block], None, "add")
         return out
     return F.linear(input, weight, bias)
