@@ -10,18 +10,20 @@
 #   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
 #   (tune/: with the tune step)
 # STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,graphs,benchmarks
-# (default: all), and tune (only when named): benchmarks/tune_attention.py times each attention table's tile
+# (default: all), and tune and pack (only when named; pack: the plots as one plots.tar, for the device
+# tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
 # against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
 # await this; about 8 minutes).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
-# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks" (the
+# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks,pack" (the
 # second install is a no-op rebuild check on a warm machine).
 # STEPS "budget": what fits one command of at most 10 minutes when a whole GPU lease is 15 minutes,
 # its start included (the device tool's present limit), about 9 minutes at most, each step cut off at
 # its own limit: the package without the CUDA extension (building it alone takes minutes), the GPU
 # tests (the cuda backend's skip without it), the Triton kernels under compute-sanitizer memcheck,
-# the graphed step, and a --quick report of every suite (attention first; cut off, it still writes
-# what it measured).  The extension's build, tests and sanitizers need a lease of their own.
+# the graphed step, and a --quick report of every suite (the groups with a target first; cut off, it
+# still writes what it measured), then pack.  The extension's build, tests and sanitizers need a
+# lease of their own.
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
 # wheel along in .whl/ (git-ignored; pass it with the tree):
 #   pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
@@ -37,7 +39,7 @@ limits=(install 420 tests 300 sanitizer 120 graphs 120 benchmarks 360)
 bench_size=--full
 test_paths=(tests)
 if [[ $steps == ",budget," ]]; then
-    steps=",install-python,tests,sanitizers,graphs,benchmarks,"
+    steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
     limits=(install 45 tests 200 sanitizer 70 graphs 55 benchmarks 140)
     bench_size=--quick
     # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
@@ -98,6 +100,9 @@ wanted benchmarks && step benchmarks "$(limit benchmarks)" python3 -m transforme
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
     step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210
+fi
+if wanted pack && compgen -G "$out/*.png" >/dev/null; then
+    (cd "$out" && tar cf plots.tar ./*.png && rm ./*.png)  # unpack with: tar xf plots.tar
 fi
 tail -n 40 "$out/report.md" 2>/dev/null
 grep -E "^=== .*exit" "$log"

@@ -65,9 +65,11 @@ def unavailable_suite_record(name: str, reason: str, device: torch.device) -> di
 
 
 def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.Schedule,
-               on_record: Callable[[dict], None]) -> None:
+               on_record: Callable[[dict], None], first: Callable[[suites.Group], bool] = lambda group: False) -> None:
     """Measures every group of the suites ``names`` on ``setting``, passing each record to ``on_record``
-    as soon as it is measured; a suite that cannot load gives its one "n/a" record."""
+    as soon as it is measured; a suite that cannot load gives its one "n/a" record.  The groups
+    ``first`` picks run before the others (the CLI's: those with a target, so that a run cut short
+    by a time limit has measured them), each kind in suite order."""
     planned: list[suites.Group] = []
     for name in names:
         try:
@@ -76,6 +78,7 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
             on_record(unavailable_suite_record(name, str(error), setting.device))
             continue
         planned += module.groups(setting)
+    planned.sort(key=lambda group: not first(group))
     # Everything alive now lives through the run: keep it out of the collections timing.measure starts with.
     gc.collect()
     gc.freeze()
