@@ -29,6 +29,7 @@ import transformer_kernels as tk
 from transformer_kernels._backend import backend_module
 from transformer_kernels.backends.eager import attention as eager_attention
 from transformer_kernels.ops.attention import AttentionArgs
+from transformer_kernels.ops.attention import _normalize as normalize_attention
 from transformer_kernels.reference import attention as reference_attention
 
 # The max abs error (relative to 1 + max |reference|) allowed on the triton backend in float32.
@@ -719,6 +720,52 @@ def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind, lq,
     keys_unseen = expected.grads[2].abs().amax(-1) == 0
     assert keys_unseen.any() or "pad" not in kind
     assert (grads[1][keys_unseen] == 0).all() and (grads[2][keys_unseen] == 0).all()
+
+
+@pytest.mark.parametrize("sequences_per_chunk", [1, 3])
+@pytest.mark.parametrize(("kind", "lq", "lk"), [
+    ("causal_lower_right", 12, 5),
+    ("pad_one_all_padding", 12, 5),
+    ("causal+pad_left", 6, 6),  # below: the first rows of a sequence see only padding keys
+    ("causal_lower_right+pad_holes", 5, 12),
+])
+def test_rows_without_keys_give_zero_in_batch_chunks(kind, lq, lk, sequences_per_chunk, monkeypatch):
+    """Eager in chunks zeroes the probabilities of rows without keys only when some row can have
+    none (see _every_row_sees_a_key, decided once per call): every such row still gives 0."""
+    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+    case = make_case(kind, 4, 2, 2, lq, lk, 8)
+    if "causal" in kind and "pad" in kind:
+        case["ours"]["key_padding_mask"][1, : 3 + max(0, lk - lq)] = True  # shared with the reference's
+    leaves = list(case["leaves"].values())
+    ours, reference = attention_functions(case, "eager")
+    out = ours(*leaves)
+    expected = reference(*leaves)
+    rows_without_keys = expected.abs().amax(-1) == 0
+    assert rows_without_keys.any()
+    assert (out[rows_without_keys] == 0).all()
+    check_against_reference(case, "eager", tol=1e-9)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize(("lq", "lk"), [(1, 7), (6, 6), (9, 4), (4, 9)])
+def test_every_row_sees_a_key_rule(kind, lq, lk):
+    """The rule that lets eager skip zeroing empty rows: never True when a row sees no key, and
+    True whenever key padding (with or without a causal mask) leaves every row a key."""
+    for seed in range(8):
+        torch.manual_seed(seed)
+        case = make_case(kind, 5, 1, 1, lq, lk, 4)
+        query, key, value = (case["leaves"][name] for name in ("query", "key", "value"))
+        ours = case["ours"]
+        *_, args, _ = normalize_attention(query, key, value, ours.get("attn_mask"), 0.0, ours.get("is_causal", False),
+                                          None, False, ours.get("key_padding_mask"))
+        excluded = eager_attention._excluded_keys(query, key, args)
+        if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
+            excluded = args.attn_mask.isneginf()
+        empty = excluded is not None and bool(excluded.expand(5, 1, lq, lk).all(-1).any())
+        rule = eager_attention._every_row_sees_a_key(lq, lk, args)
+        assert not (rule and empty)
+        if args.attn_mask is None:
+            assert rule == (not empty)
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
