@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import sys
 
 import pytest
@@ -54,7 +55,7 @@ def test_tiny_run_reports_every_case_with_finite_time_and_error(tiny_run):
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     env = results["environment"]
-    for key in ("device", "torch", "triton", "commit", "dirty", "date", "threads"):
+    for key in ("device", "torch", "triton", "commit", "dirty", "date", "threads", "malloc"):
         assert key in env, key
     assert env["threads"] == 1
     records = {(r["op"], r["case"], r["direction"]): r for r in results["groups"]}
@@ -82,6 +83,15 @@ def test_groups_picked_first_run_first_each_kind_in_suite_order(monkeypatch):
     in_order = [key for key in _expected_groups() if key[0] in ("attention", "glu_conv1d", "glu_conv1d_step")]
     picked = [key for key in in_order if key[0] == "glu_conv1d"]
     assert picked and measured == picked + [key for key in in_order if key not in picked]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_cpu_runs_keep_freed_memory_mapped(tiny_run):
+    # The allocator's page faults otherwise swing millisecond-scale CPU ratios by +-20% (timing.py).
+    _, out = tiny_run
+    malloc = json.loads((out / "results.json").read_text())["environment"]["malloc"]
+    assert malloc.startswith("glibc keeps freed memory mapped"), malloc
+    assert f"- memory: {malloc}" in (out / "report.md").read_text()
 
 
 def test_unavailable_suite_shows_why(tmp_path, monkeypatch):

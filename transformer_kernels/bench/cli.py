@@ -80,6 +80,8 @@ def _benchmark(args, device: torch.device) -> int:
     names = _suite_names(args.only)
     setting = suites.Setting(device, dtype, size)
     env = environment.environment(device, dtype, size)
+    if device.type == "cpu":
+        env["malloc"] = timing.keep_freed_memory_mapped() or "the C library's defaults"
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
     out.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,7 @@ def _environment_lines(env: dict) -> list[str]:
         *([f"- CPU kernels: torch's {env['cpu_capability']}; oneDNN's float32 GEMM "
            f"{env['onednn_gemm_speedup']:.1f}x the BLAS's (the eager backend's engine choices follow it)"]
           if "cpu_capability" in env else []),
+        *([f"- memory: {env['malloc']}"] if "malloc" in env else []),
     ]
 
 

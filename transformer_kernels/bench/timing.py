@@ -18,6 +18,7 @@ and the sample is timed with CUDA events; on CPU with ``time.perf_counter``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import math
@@ -53,6 +54,33 @@ class Schedule:
         if size == "quick":
             return cls(min_rounds=5, max_rounds=9, budget_s=0.6, min_sample_s=4e-3)
         return cls(min_rounds=7, max_rounds=15, budget_s=4.0, min_sample_s=10e-3)
+
+
+# glibc hands memory freed at the top of its heap back to the system, and serves large blocks by
+# mmap, so a call's buffers can come back as fresh pages whose first touch faults.  On this
+# project's 2-core CPU that moved the seeds' attention (B=128, L=16, forward+backward, milliseconds)
+# between 0.91x and 1.16x against the naive math from one run to the next, with whichever
+# implementation the allocator's history happened to hit (its p10-p90 spread 0.5 wide; 0.07 with
+# freed memory kept mapped).  CPU runs keep it mapped: blocks up to the largest mmap threshold
+# glibc takes come from the heap, which is trimmed only past the trim threshold.
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_memory_mapped() -> Optional[str]:
+    """Raises glibc's mmap and trim thresholds for this process (``mallopt``), so that memory one
+    call frees serves the next without page faults; what was set, or None where the C library is
+    not glibc (or refused)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) != 1 or mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) != 1:
+        return None
+    return (f"glibc keeps freed memory mapped (mallopt: mmap threshold {_MMAP_THRESHOLD_BYTES >> 20} MiB, "
+            f"trim threshold {_TRIM_THRESHOLD_BYTES >> 20} MiB)")
 
 
 # Several times the L2 cache of current GPUs (H100 and H200: 50 MB).
