@@ -29,12 +29,13 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
   channel-last ``x`` as the channels-last image ``[B, C_in, 1, L]`` it is in
   memory would skip reordering the activations, but oneDNN runs another
   algorithm there: at C = 512 its float32 output erred 4x as much as
-  ``F.conv1d``'s, for no gain in speed forward and backward together.)  Where
-  oneDNN is fast, the weight gradient is the im2col GEMM on oneDNN's GEMM
-  kernels instead (see ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH``).  That fixed
-  cost loses to the im2col GEMM for a few output positions (decoding steps,
-  short batches; a few hundred in the backward) and is repaid by oneDNN's
-  faster GEMM kernels beyond them.
+  ``F.conv1d``'s, for no gain in speed forward and backward together.)  That
+  fixed cost loses to the im2col GEMM for a few output positions (decoding
+  steps, short batches; a few hundred in the backward) and is repaid by
+  oneDNN's faster GEMM kernels beyond them.  Where oneDNN is fast, the weight
+  gradient is the im2col GEMM on oneDNN's GEMM kernels instead (see
+  ``_GEMM_WEIGHT_GRADIENT_MIN_DEPTH``), and up to a few hundred positions the
+  input gradient too (``_GEMM_INPUT_GRADIENT_MAX_POSITIONS``).
 
 ``torch.conv_tbc`` (fairseq's per-tap GEMMs on ``[T, B, C]``) is no option:
 it needs the weight permuted to ``[k, C_in, 2C]``, a copy per call that
