@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="benchmark dtype (default bfloat16 on CUDA, float32 on CPU); with --check, the one "
                              "dtype to check (default float64 and float32, and float16 and bfloat16 on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's own choice)")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="on a CPU, time with the C library allocator's own settings (default: glibc keeps "
+                             "freed memory mapped, so that page faults do not decide the ratios)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help="no timing: compare every op's outputs and gradients with a float64 reference")
@@ -81,7 +84,8 @@ def _benchmark(args, device: torch.device) -> int:
     setting = suites.Setting(device, dtype, size)
     env = environment.environment(device, dtype, size)
     if device.type == "cpu":
-        env["malloc"] = timing.keep_freed_memory_mapped() or "the C library's defaults"
+        kept = None if args.malloc_defaults else timing.keep_freed_memory_mapped()
+        env["malloc"] = kept or "the C library allocator's own settings"
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
     out.mkdir(parents=True, exist_ok=True)

@@ -57,12 +57,15 @@ class Schedule:
 
 
 # glibc hands memory freed at the top of its heap back to the system, and serves large blocks by
-# mmap, so a call's buffers can come back as fresh pages whose first touch faults.  On this
-# project's 2-core CPU that moved the seeds' attention (B=128, L=16, forward+backward, milliseconds)
-# between 0.91x and 1.16x against the naive math from one run to the next, with whichever
-# implementation the allocator's history happened to hit (its p10-p90 spread 0.5 wide; 0.07 with
-# freed memory kept mapped).  CPU runs keep it mapped: blocks up to the largest mmap threshold
-# glibc takes come from the heap, which is trimmed only past the trim threshold.
+# mmap, so a call's buffers can come back as fresh pages whose first touch faults; how often
+# depends on the process's whole allocation history, so it differs from run to run, not just from
+# round to round.  On this project's 2-core CPU it moved the seeds' attention (B=128, L=16,
+# forward+backward) between 0.91x and 1.16x against the naive math from one run to the next (p10-p90
+# spread 0.5 wide; 0.07 with freed memory kept mapped), and the naive math's causal B=8, L=512
+# forward (whose [B, H, L, L] tensors fault most) between 129 and 76 ms.  CPU runs keep freed memory
+# mapped, as a caching allocator (jemalloc, tcmalloc, torch's CUDA one) does: blocks up to the
+# largest mmap threshold glibc takes come from the heap, which is trimmed only past the trim
+# threshold.  ``--malloc-defaults`` times with glibc's own settings instead.
 _MMAP_THRESHOLD_BYTES = 32 << 20
 _TRIM_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
