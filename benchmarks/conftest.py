@@ -25,6 +25,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 _RECORDS: list[dict] = []
+# As the command does on a CPU: freed memory kept mapped, so that page faults do not decide the ratios.
+_CPU_MALLOC = timing.cpu_malloc(keep_freed_memory=True) if DEVICE.type == "cpu" else None
 
 
 def pytest_addoption(parser):
@@ -71,7 +73,11 @@ def measure(request):
 
 @functools.cache
 def _environment(setting: suites.Setting) -> dict:
-    return environment.environment(setting.device, setting.dtype, setting.size)
+    env = environment.environment(setting.device, setting.dtype, setting.size)
+    if setting.device.type == "cpu":
+        env["malloc"] = _CPU_MALLOC
+    return env
+
 
 
 def pytest_terminal_summary(terminalreporter):

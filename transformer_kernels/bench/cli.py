@@ -84,8 +84,7 @@ def _benchmark(args, device: torch.device) -> int:
     setting = suites.Setting(device, dtype, size)
     env = environment.environment(device, dtype, size)
     if device.type == "cpu":
-        kept = None if args.malloc_defaults else timing.keep_freed_memory_mapped()
-        env["malloc"] = kept or "the C library allocator's own settings"
+        env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
     out.mkdir(parents=True, exist_ok=True)

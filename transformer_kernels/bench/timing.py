@@ -86,6 +86,13 @@ def keep_freed_memory_mapped() -> Optional[str]:
             f"trim threshold {_TRIM_THRESHOLD_BYTES >> 20} MiB)")
 
 
+def cpu_malloc(keep_freed_memory: bool) -> str:
+    """A CPU run's allocator setting, for its environment record: freed memory kept mapped when
+    asked and possible (:func:`keep_freed_memory_mapped`), else the C library's own settings."""
+    kept = keep_freed_memory_mapped() if keep_freed_memory else None
+    return kept or "the C library allocator's own settings"
+
+
 # Several times the L2 cache of current GPUs (H100 and H200: 50 MB).
 L2_FLUSH_BYTES = 256 * 2**20
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
