@@ -56,7 +56,8 @@ step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
     echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)" | tee -a "$log"
-    timeout -k 30 "$limit" "$@" >>"$log" 2>&1
+    # SIGINT at the limit: pytest still writes its summary and junit XML, the report command its report.
+    timeout -s INT -k 30 "$limit" "$@" >>"$log" 2>&1
     local rc=$?
     echo "=== $name: exit $rc" | tee -a "$log"
     [ "$rc" -eq 0 ] || status=1
