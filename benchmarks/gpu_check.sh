@@ -35,29 +35,28 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:uppe
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
 steps=",${2:-install,nvcc,tests,sanitizers,check,graphs,benchmarks},"
 # Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
-limits=(install 420 tests 300 sanitizer 120 graphs 120 benchmarks 360)
+declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [graphs]=120 [benchmarks]=360)
 bench_size=--full
 test_paths=(tests)
 if [[ $steps == ",budget," ]]; then
     steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
-    limits=(install 45 tests 200 sanitizer 70 graphs 55 benchmarks 140)
+    limit=([install]=45 [tests]=200 [sanitizer]=70 [graphs]=55 [benchmarks]=140)
     bench_size=--quick
     # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
     test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py
                 --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_host.py)
 fi
-limit() { local i; for ((i = 0; i < ${#limits[@]}; i += 2)); do [[ ${limits[i]} == "$1" ]] && echo "${limits[i+1]}"; done; }
 mkdir -p "$out"
 log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 status=0
 
 step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
+    local name=$1 seconds=$2
     shift 2
-    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)" | tee -a "$log"
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${seconds}s)" | tee -a "$log"
     # SIGINT at the limit: pytest still writes its summary and junit XML, the report command its report.
-    timeout -s INT -k 30 "$limit" "$@" >>"$log" 2>&1
+    timeout -s INT -k 30 "$seconds" "$@" >>"$log" 2>&1
     local rc=$?
     echo "=== $name: exit $rc" | tee -a "$log"
     [ "$rc" -eq 0 ] || status=1
@@ -71,20 +70,20 @@ if wanted install; then
         step cutlass 60 python3 -m pip install --no-index --no-deps .whl/nvidia_cutlass-*.whl
     fi
     # Forced: a missing CUTLASS or nvcc fails the install instead of skipping the extension.
-    TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install "$(limit install)" \
+    TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install "${limit[install]}" \
         python3 -m pip install --no-build-isolation --no-deps -v -e .
 fi
-wanted install-python && TRANSFORMER_KERNELS_BUILD_CUDA=0 step install "$(limit install)" \
+wanted install-python && TRANSFORMER_KERNELS_BUILD_CUDA=0 step install "${limit[install]}" \
     python3 -m pip install --no-build-isolation --no-deps -v -e .
 # Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 # Every kernel source with both dtypes for sm_80 and sm_90a: ptxas spills or local memory fail it.
 wanted nvcc && step nvcc 300 env TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1 python3 -m pytest tests/test_cuda_compile.py \
     -q -p no:cacheprovider $parallel
-wanted tests && step tests "$(limit tests)" python3 -m pytest "${test_paths[@]}" -q -m "not slow" -p no:cacheprovider $parallel -rf \
+wanted tests && step tests "${limit[tests]}" python3 -m pytest "${test_paths[@]}" -q -m "not slow" -p no:cacheprovider $parallel -rf \
     --junitxml="$out/tests.xml"
 if wanted sanitizers; then
-    step sanitizer "$(limit sanitizer)" compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
+    step sanitizer "${limit[sanitizer]}" compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
     # The extension's kernels where it is built (a full run's install fails without it).
     if python3 -c "import sys; from transformer_kernels.backends.cuda import extension; sys.exit(extension() is None)"; then
         step cuda-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
@@ -94,10 +93,10 @@ if wanted sanitizers; then
     fi
 fi
 wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
-wanted graphs && step graphs "$(limit graphs)" python3 benchmarks/graphed_step.py --out "$out"
+wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
-wanted benchmarks && step benchmarks "$(limit benchmarks)" python3 -m transformer_kernels.bench $bench_size --out "$out"
+wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
     step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210

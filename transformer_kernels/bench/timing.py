@@ -71,26 +71,23 @@ _TRIM_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-def keep_freed_memory_mapped() -> Optional[str]:
-    """Raises glibc's mmap and trim thresholds for this process (``mallopt``), so that memory one
-    call frees serves the next without page faults; what was set, or None where the C library is
-    not glibc (or refused)."""
+def cpu_malloc(keep_freed_memory: bool) -> str:
+    """A CPU run's allocator setting, for its environment record.  With ``keep_freed_memory``,
+    raises glibc's mmap and trim thresholds for this process (``mallopt``), so that memory one call
+    frees serves the next without page faults; else, or where the C library is not glibc (or
+    refused), the C library's own settings stay."""
+    defaults = "the C library allocator's own settings"
+    if not keep_freed_memory:
+        return defaults
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        return None
+        return defaults
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) != 1 or mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) != 1:
-        return None
+        return defaults
     return (f"glibc keeps freed memory mapped (mallopt: mmap threshold {_MMAP_THRESHOLD_BYTES >> 20} MiB, "
             f"trim threshold {_TRIM_THRESHOLD_BYTES >> 20} MiB)")
-
-
-def cpu_malloc(keep_freed_memory: bool) -> str:
-    """A CPU run's allocator setting, for its environment record: freed memory kept mapped when
-    asked and possible (:func:`keep_freed_memory_mapped`), else the C library's own settings."""
-    kept = keep_freed_memory_mapped() if keep_freed_memory else None
-    return kept or "the C library allocator's own settings"
 
 
 # Several times the L2 cache of current GPUs (H100 and H200: 50 MB).

@@ -665,7 +665,6 @@ class _BatchChunk:
     args: AttentionArgs
     dropout: Optional[torch.Tensor]
     buffers: Optional[_ChunkBuffers] = None  # shared by the call's chunks (None: the whole call)
-    rows_without_keys: bool = True  # False: every row sees a key, its softmax needs no zeroing
 
     def operands(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], _HeadBatches]:
         """The chunk of each ``[B, H, L, X]`` operand, and how their matmuls run.  When their heads
@@ -744,7 +743,6 @@ def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         return [_BatchChunk(None, args, dropout)]
     attn_mask = None if args.attn_mask is None else _undo_broadcast(args.attn_mask)
     buffers = _ChunkBuffers(step)
-    rows_without_keys = not _every_row_sees_a_key(lq, key.shape[2], args)
     chunks = []
     for start in range(0, batch_size, step):
         batch = slice(start, start + step)
@@ -753,8 +751,7 @@ def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
             key_padding_mask=None if args.key_padding_mask is None else args.key_padding_mask[batch],
             attn_mask=attn_mask if attn_mask is None or attn_mask.shape[0] == 1 else attn_mask[batch],
         )
-        chunk_dropout = None if dropout is None else dropout[batch]
-        chunks.append(_BatchChunk(batch, chunk_args, chunk_dropout, buffers, rows_without_keys))
+        chunks.append(_BatchChunk(batch, chunk_args, None if dropout is None else dropout[batch], buffers))
     return chunks
 
 
@@ -781,10 +778,12 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     dtype = _compute_dtype(query.dtype)
     out = empty_output(query, value)
     saved = _empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
-    for chunk in _batch_chunks(query, key, value, args, dtype):
+    chunks = _batch_chunks(query, key, value, args, dtype)
+    zero_empty_rows = len(chunks) == 1 or not _every_row_sees_a_key(query.shape[2], key.shape[2], args)
+    for chunk in chunks:
         (q, k, v), batches = chunk.operands(query, key, value)
         scores, masked = _scores(q, k, chunk.args, batches)
-        probs = _softmax(scores, masked and chunk.rows_without_keys, batches)
+        probs = _softmax(scores, masked and zero_empty_rows, batches)
         dropped = probs if chunk.dropout is None else probs * chunk.dropout
         product = batches.matmul(dropped, _as_dtype(v, dtype), out=chunk.destination(out, "out", dtype))
         out = chunk.store(product, out)
