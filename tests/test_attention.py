@@ -722,17 +722,19 @@ def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind, lq,
     assert (grads[1][keys_unseen] == 0).all() and (grads[2][keys_unseen] == 0).all()
 
 
-@pytest.mark.parametrize("sequences_per_chunk", [1, 3])
+@pytest.mark.parametrize("sequences_per_chunk", [1, 3, None])  # None: the whole batch in one piece
 @pytest.mark.parametrize(("kind", "lq", "lk"), [
     ("causal_lower_right", 12, 5),
     ("pad_one_all_padding", 12, 5),
     ("causal+pad_left", 6, 6),  # below: the first rows of a sequence see only padding keys
     ("causal_lower_right+pad_holes", 5, 12),
 ])
-def test_rows_without_keys_give_zero_in_batch_chunks(kind, lq, lk, sequences_per_chunk, monkeypatch):
-    """Eager in chunks zeroes the probabilities of rows without keys only when some row can have
-    none (see _every_row_sees_a_key, decided once per call): every such row still gives 0."""
-    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+def test_rows_without_keys_give_zero_on_the_materialized_path(kind, lq, lk, sequences_per_chunk, monkeypatch):
+    """Eager's materialized path zeroes the probabilities of rows without keys only when some row
+    can have none (see _every_row_sees_a_key, decided once per call): every such row still gives 0,
+    in batch chunks and in one piece."""
+    if sequences_per_chunk is not None:
+        monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
     case = make_case(kind, 4, 2, 2, lq, lk, 8)
     if "causal" in kind and "pad" in kind:
         case["ours"]["key_padding_mask"][1, : 3 + max(0, lk - lq)] = True  # shared with the reference's
@@ -762,10 +764,13 @@ def test_every_row_sees_a_key_rule(kind, lq, lk):
         if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
             excluded = args.attn_mask.isneginf()
         empty = excluded is not None and bool(excluded.expand(5, 1, lq, lk).all(-1).any())
-        rule = eager_attention._every_row_sees_a_key(lq, lk, args)
+        rule = eager_attention._every_row_sees_a_key(lq, lk, args, may_sync=True)
         assert not (rule and empty)
         if args.attn_mask is None:
             assert rule == (not empty)
+        # Without a host sync, key padding is not looked at: the rule assumes an empty row may exist.
+        if args.key_padding_mask is not None:
+            assert not eager_attention._every_row_sees_a_key(lq, lk, args, may_sync=False)
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
@@ -1061,14 +1066,16 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     ("bhld", 9, True, None, 4),   # short, differentiated: the probabilities
     ("blhd", 9, True, None, 4),   # ... of any layout
     ("blhd", 9, True, 1, 4),      # ... in chunks of sequences: batch-major
-    ("bhld", 9, False, None, 3),  # no backward: the tiled flash path's lse
+    ("bhld", 9, False, None, 1),  # no backward: the materialized path, keeping nothing
+    ("bhld", 41, False, None, 3),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
     ("gqa", 9, True, None, 3),    # grouped heads: the flash path
     ("bhld", 65, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path
 ])
 def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim,
                                                    monkeypatch):
     """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
-    calls with one head count keep the probabilities, the others the lse."""
+    calls with one head count keep the probabilities, short calls without a backward pass nothing
+    (a backward recomputes the probabilities), the others the lse."""
     if chunk_bytes is not None:
         monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", chunk_bytes)
     shape = (2, 4, length, 16) if layout != "blhd" else (2, length, 4, 16)

@@ -85,6 +85,12 @@ _CAUSAL_ROW_BLOCK = 128
 # 1.31x -> 1.48x; on [B, L, H, D] views (a projection's output split into heads) L16 0.74x ->
 # 1.1-1.4x, L64 1.44x -> 1.38-1.48x; B16 H4 L40 0.73x -> 1.14x.
 _PROBS_MAX_SCORES = 64 * 64
+# Up to this many, a call without a backward pass takes the materialized path too: torch's CPU
+# flash kernel cuts the queries into blocks of 32 rows and pays per block, which the batched
+# matmuls over B * H short score matrices beat.  No-grad forward, 1 thread, B128 H8 D64 with key
+# padding, materialized vs flash: L16 1.06x ([B, L, H, D] views) and 1.23x ([B, H, L, D]), L40
+# 1.06x and 1.17x; B16 L40, one head of 64 (ConvSeq2Seq's decoder) 1.7x, four of 32 1.15x.
+_INFERENCE_PROBS_MAX_SCORES = 40 * 40
 # The materialized path runs in chunks of sequences of about this many bytes of operands,
 # gradients and score-sized buffers (each chunk's operands copied to [B, H, L, D], which folds),
 # so that a chunk's buffers stay in cache from one op to the next; one pass over the whole batch
@@ -712,17 +718,21 @@ class _BatchChunk:
 
 
 def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
-    """Sequences per chunk of the materialized path: about ``_CHUNK_BYTES`` of operands, gradients
-    and score-sized buffers; the whole batch for one query row (a decoding step's one score row
-    per head leaves nothing to keep in cache between ops, and a loop would cost host time)."""
+    """Sequences per chunk of the materialized path: about ``_CHUNK_BYTES`` of score-sized buffers
+    and, where the operands must be copied to fold, of operands and gradients; the whole batch for
+    one query row (a decoding step's one score row per head leaves nothing to keep in cache
+    between ops, and a loop would cost host time).  Operands that fold as they are are read once
+    per matmul, where a chunk keeps nothing in cache for a later op: they do not count (ConvSeq2Seq's
+    decoder attention at B128, L40, one head of 256, forward+backward: 0.95x -> 1.02x the naive
+    math, whole rather than in 11 chunks)."""
     batch_size, num_heads, lq, head_dim = query.shape
     if lq == 1:
         return batch_size
     num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
-    per_sequence = _compute_dtype(query.dtype).itemsize * (
-        2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk) + 3 * num_heads * lq * lk
-    )
-    return max(1, _CHUNK_BYTES // per_sequence)
+    per_sequence = 3 * num_heads * lq * lk
+    if num_kv_heads != num_heads or not all(_folds(t) for t in (query, key, value)):
+        per_sequence += 2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk)
+    return max(1, _CHUNK_BYTES // (_compute_dtype(query.dtype).itemsize * per_sequence))
 
 
 def _runs_in_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -755,13 +765,15 @@ def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     return chunks
 
 
-def _every_row_sees_a_key(lq: int, lk: int, args: AttentionArgs) -> bool:
+def _every_row_sees_a_key(lq: int, lk: int, args: AttentionArgs, may_sync: bool) -> bool:
     """Whether no mask can leave a query row without keys, so that its softmax needs no zeroing
-    (a per-chunk reduction and fill the seeds' B=128, L=16 forward+backward spent 5% on): no
-    ``attn_mask`` (unknown without a pass over it), no causal mask hiding every key from the first
-    rows, and each sequence keeps a key that its first row sees (row ``i`` sees the keys up to
-    ``i + shift``, so every row sees those of row 0).  One reduction over the padding mask and a
-    host sync: for calls that run in chunks only."""
+    (a reduction over the scores and a fill of the probabilities: 5% of the seeds' B=128, L=16
+    forward+backward, 15% of a small model's forward at B=16, L=40, H=4, D=32): no ``attn_mask``
+    (unknown without a pass over it), no causal mask hiding every key from the first rows, and each
+    sequence keeps a key that its first row sees (row ``i`` sees the keys up to ``i + shift``, so
+    every row sees those of row 0).  That last test is a reduction over the padding mask and a host
+    sync; without ``may_sync`` (a GPU call in one piece, which CUDA graphs may capture) it is not
+    made, and the answer is False."""
     if args.attn_mask is not None:
         return False
     shift = _causal_shift(args.causal, lq, lk)
@@ -769,6 +781,8 @@ def _every_row_sees_a_key(lq: int, lk: int, args: AttentionArgs) -> bool:
         return False
     if args.key_padding_mask is None:
         return True
+    if not may_sync:
+        return False
     seen_by_every_row = lk if shift is None else min(lk, shift + 1)
     return not bool(args.key_padding_mask[:, :seen_by_every_row].all(1).any())
 
@@ -779,7 +793,9 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     out = empty_output(query, value)
     saved = _empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
     chunks = _batch_chunks(query, key, value, args, dtype)
-    zero_empty_rows = len(chunks) == 1 or not _every_row_sees_a_key(query.shape[2], key.shape[2], args)
+    # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
+    may_sync = query.device.type == "cpu" or len(chunks) > 1
+    zero_empty_rows = not _every_row_sees_a_key(query.shape[2], key.shape[2], args, may_sync)
     for chunk in chunks:
         (q, k, v), batches = chunk.operands(query, key, value)
         scores, masked = _scores(q, k, chunk.args, batches)
@@ -881,12 +897,12 @@ def forward(
 
 def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
     """Whether the forward runs on the tiled flash path: a call it can serve, unless the call is
-    short, autograd will differentiate it and its heads match, when the materialized path keeps
-    its probabilities for the backward pass instead (see ``_PROBS_MAX_SCORES``)."""
-    keeps_probs = (
-        needs_backward and query.shape[2] * key.shape[2] <= _PROBS_MAX_SCORES and key.shape[1] == query.shape[1]
-    )
-    return not keeps_probs and _uses_flash_tiles(query, value, args.dropout_p)
+    short and its heads match, when the materialized path runs it instead and, when autograd will
+    differentiate it, keeps its probabilities for the backward pass (see ``_PROBS_MAX_SCORES`` and
+    ``_INFERENCE_PROBS_MAX_SCORES``)."""
+    max_scores = _PROBS_MAX_SCORES if needs_backward else _INFERENCE_PROBS_MAX_SCORES
+    materialized = query.shape[2] * key.shape[2] <= max_scores and key.shape[1] == query.shape[1]
+    return not materialized and _uses_flash_tiles(query, value, args.dropout_p)
 
 
 def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
