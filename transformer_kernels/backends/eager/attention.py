@@ -165,14 +165,16 @@ def _kernel_layout(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def _uses_flash_tiles(query: torch.Tensor, value: torch.Tensor, dropout_p: float) -> bool:
+def _uses_flash_tiles(query: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> bool:
     return (
         _HAS_CPU_FLASH
         # One query row (a decoding step): planning and merging tiles costs more than the math path's
         # one small score row (measured 1.7-1.8x faster at 16-128 sequences x 8 heads x 40 keys).
         and query.shape[-2] > 1
         and query.device.type == "cpu"
-        and dropout_p == 0.0
+        and args.dropout_p == 0.0
+        # With a causal mask, torch's CPU flash kernel gives NaN rows for a scale of 0 or below.
+        and args.scale > 0.0
         and query.shape[-1] == value.shape[-1]
         and query.dtype in _FLASH_DTYPES
     )
@@ -902,13 +904,13 @@ def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: b
     ``_INFERENCE_PROBS_MAX_SCORES``)."""
     max_scores = _PROBS_MAX_SCORES if needs_backward else _INFERENCE_PROBS_MAX_SCORES
     materialized = query.shape[2] * key.shape[2] <= max_scores and key.shape[1] == query.shape[1]
-    return not materialized and _uses_flash_tiles(query, value, args.dropout_p)
+    return not materialized and _uses_flash_tiles(query, value, args)
 
 
 def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
     """Whether :func:`backward` runs on the tiled flash path: the forward's lse saved, and no mask
     gradient asked for; else it runs on the materialized probabilities."""
-    return saved.dim() == 3 and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args.dropout_p)
+    return saved.dim() == 3 and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args)
 
 
 def grads_contiguous(query, key, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
