@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -28,6 +29,7 @@ from ._library import RegisteredOp
 __all__ = ["scaled_dot_product_attention", "AttentionArgs", "Causal", "MAX_HEAD_DIM"]
 
 OP_NAME = "scaled_dot_product_attention"
+# The largest head dim the fused GPU kernels serve; the eager backend serves any.
 MAX_HEAD_DIM = 256
 
 
@@ -185,9 +187,11 @@ def scaled_dot_product_attention(
     ``[4, 4, 3, 8]``), and gradients are summed over the dimensions an input
     was broadcast along.  Heads broadcast like any batch dimension (query's,
     key's or value's count may be 1); with ``enable_gqa``, ``Hk`` divides
-    ``Hq`` instead.  ``E`` and ``Ev`` are 1 to 256 and may
-    differ; ``Lq`` and ``Lk`` are any lengths >= 1 and may differ.  What torch
-    refuses is refused with a ``ValueError`` that names the argument.
+    ``Hq`` instead.  ``E >= 1`` and ``Ev`` may differ (the fused GPU kernels
+    serve up to 256; wider heads run on eager); ``Lq`` and ``Lk`` may differ.
+    Zero-sized batches, heads, lengths and ``Ev`` give what torch gives (no
+    key: rows of 0).  What torch refuses is refused with a ``ValueError`` or
+    ``TypeError`` that names the argument.
 
     Inputs may have any strides (e.g. ``x.view(B, L, H, D).transpose(1, 2)``)
     and are read in place, broadcast ones as stride-0 (``expand``-ed) views.
@@ -207,12 +211,16 @@ def scaled_dot_product_attention(
 
             - a bool tensor broadcastable to ``[..., Hq, Lq, Lk]``: True means
               the query may attend to the key (torch's convention);
-            - a float tensor of ``query``'s dtype broadcastable to
+            - a float tensor of ``query``'s dtype or float32 (torch's rule;
+              the fused GPU backends take the query's dtype and leave a
+              float32 mask with 16-bit inputs to eager) broadcastable to
               ``[..., Hq, Lq, Lk]``, added to the scaled scores (``-inf``
               excludes a key).  It receives a gradient when it requires one;
             - a :class:`torch.nn.attention.bias.CausalBias`
               (``causal_upper_left(Lq, Lk)`` or ``causal_lower_right(Lq, Lk)``),
-              applied structurally without materializing any mask.
+              applied structurally without materializing any mask.  As in
+              torch, an upper-left bias's lengths are not checked; a
+              lower-right one's must be the inputs'.
 
             As in torch (which adds it to ``query @ key^T`` in place), the
             mask must broadcast to the shape of ``query @ key^T``, not only
@@ -225,6 +233,8 @@ def scaled_dot_product_attention(
         is_causal: top-left causal mask: query ``i`` attends to keys ``j <= i``
             (torch's convention).  An error together with ``attn_mask``.
         scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
+            ``scale`` and ``dropout_p`` take a real number or a 0-dim tensor,
+            ``is_causal`` and ``enable_gqa`` a bool, as torch's parser does.
         enable_gqa: grouped-query attention, torch's rules: every input
             needs a dimension -3 (heads), ``Hq`` must be a multiple of key's
             and of value's heads, and query head ``h`` uses key head
@@ -307,6 +317,8 @@ def scaled_dot_product_attention(
     q, k, v, args, output_shape = _normalize(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
+    if output_shape.numel() == 0 or k.shape[2] == 0:
+        return _without_scores(q, k, v, args).view(output_shape)
     chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
     needs_backward = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
@@ -314,6 +326,19 @@ def scaled_dot_product_attention(
     )
     out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
     return out if out.shape == output_shape else out.view(output_shape)
+
+
+def _without_scores(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs) -> Tensor:
+    """A call with no score to compute (an empty output, or no keys: every row gives 0), as
+    ``[B, Hq, Lq, Ev]`` from matmuls over the empty scores, so that autograd connects every input
+    (each gradient zeros, as torch gives them)."""
+    group = query.shape[1] // max(key.shape[1], 1)
+    if group > 1:  # grouped-query attention: each key/value head serves `group` query heads
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
+        scores = scores + args.attn_mask
+    return torch.matmul(scores, value)
 
 
 # ----------------------------------------------------------------------------
@@ -340,24 +365,31 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[torch.Size, t
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value_shape)}")
     if key_shape[-1] != head_dim:
         raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key_shape)}")
-    for (name, _), shape in zip(named, shapes):
-        if 0 in shape:
-            raise ValueError(f"{name} must not have a zero-sized dimension, got shape {tuple(shape)}")
-        if shape[-1] > MAX_HEAD_DIM:
-            raise ValueError(
-                f"{name} head dim (last dimension) must be at most {MAX_HEAD_DIM}, got shape {tuple(shape)}"
-            )
+    if head_dim == 0:  # torch's default scale 1 / sqrt(0) makes every score NaN
+        raise ValueError(f"query and key must have a head dim E >= 1, got shape {tuple(query_shape)}")
     return shapes
 
 
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):  # torch's argument parser takes a bool only, not 0/1 or None
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _as_float(name: str, value: object) -> float:
+    """A float argument as torch's parser takes it: a real number or a 0-dim tensor."""
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_complex():
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, Tensor):
+        return float(value)
+    raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+
+
 def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[float, float]:
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    dropout_p = _as_float("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    return float(dropout_p), float(scale)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _as_float("scale", scale)
+    return dropout_p, scale
 
 
 def _causal_and_mask(
@@ -368,12 +400,14 @@ def _causal_and_mask(
     if isinstance(attn_mask, CausalBias):
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot both be set; a CausalBias already is a causal mask")
+        if attn_mask.variant == CausalVariant.UPPER_LEFT:
+            return Causal.TOP_LEFT, None  # its lengths do not move the diagonal: torch ignores them too
         if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (lq, lk):
             raise ValueError(
-                f"attn_mask is a CausalBias for Lq={attn_mask.seq_len_q}, Lk={attn_mask.seq_len_kv}, "
+                f"attn_mask is a lower-right CausalBias for Lq={attn_mask.seq_len_q}, Lk={attn_mask.seq_len_kv}, "
                 f"but query has Lq={lq} and key has Lk={lk}"
             )
-        return (Causal.TOP_LEFT if attn_mask.variant == CausalVariant.UPPER_LEFT else Causal.BOTTOM_RIGHT), None
+        return Causal.BOTTOM_RIGHT, None
     causal = Causal.TOP_LEFT if is_causal else Causal.NONE
     if attn_mask is None:
         return causal, None
@@ -383,8 +417,10 @@ def _causal_and_mask(
             "attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask"
         )
     check_same_device("query", query, attn_mask=attn_mask)
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        raise TypeError(f"attn_mask must have dtype torch.bool or query's dtype ({query.dtype}), got {attn_mask.dtype}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):  # torch's rule
+        raise TypeError(
+            f"attn_mask must have dtype torch.bool, torch.float32 or query's dtype ({query.dtype}), got {attn_mask.dtype}"
+        )
     scores_shape = (*inputs.score_batch_shape(query, key, enable_gqa), lq, lk)
     if not inputs.broadcasts_to(attn_mask.shape, scores_shape):
         raise ValueError(
@@ -409,6 +445,8 @@ def _check_key_padding_mask(query: Tensor, key_padding_mask: object, sequence_sh
 def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask):
     """The checked call as the backends take it: ``q [B, Hq, Lq, E]``, ``k [B, Hk, Lk, E]``,
     ``v [B, Hk, Lk, Ev]``, its :class:`AttentionArgs`, and the shape of the result."""
+    _check_flag("is_causal", is_causal)
+    _check_flag("enable_gqa", enable_gqa)
     query_shape, key_shape, value_shape = _check_qkv(query, key, value)
     lq, lk, head_dim, value_head_dim = query_shape[-2], key_shape[-2], query_shape[-1], value_shape[-1]
     ndim = max(len(query_shape), len(key_shape), len(value_shape))

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ...ops.attention import (
-    AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output, key_padding_bounds,
+    MAX_HEAD_DIM, AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output, key_padding_bounds,
 )
 from ...ops.attention import grads_like_inputs as grads_contiguous
 from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
@@ -39,7 +39,12 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     reason = dtype_reason(query.dtype)
     if reason is not None:
         return reason
+    if args.attn_mask is not None and args.attn_mask.dtype not in (torch.bool, query.dtype):
+        return (f"the cuda attention kernels take a float attn_mask of the query's dtype ({query.dtype}), "
+                f"got {args.attn_mask.dtype}")
     head_dim = max(query.shape[-1], value.shape[-1])
+    if head_dim > MAX_HEAD_DIM:
+        return f"the cuda attention kernels serve head dims up to {MAX_HEAD_DIM}, got {head_dim}"
     if head_dim > MAX_BACKWARD_HEAD_DIM and _needs_grad(query, key, value, args):
         return (
             f"the cuda attention backward serves head dims up to {MAX_BACKWARD_HEAD_DIM}, got {head_dim} "

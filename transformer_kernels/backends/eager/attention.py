@@ -307,6 +307,9 @@ def _plan(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> list[_
             mask_bias = torch.zeros(mask_bias.shape, dtype=dtype, device=device).masked_fill_(
                 ~mask_bias, float("-inf")
             )
+        elif mask_bias.dtype != dtype and dtype not in (torch.float16, torch.bfloat16):
+            # torch's CPU flash kernel takes a float32 mask with 16-bit inputs, else only the inputs' dtype.
+            mask_bias = mask_bias.to(dtype)
     if key_padding_mask is None:
         bias_for = functools.partial(_slice_bias_or_none, mask_bias)
         return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for, causal_band)

@@ -1052,6 +1052,9 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Why the Triton kernels cannot serve these arguments, or ``None``."""
     if query.dtype not in SUPPORTED_DTYPES:
         return f"the triton backend supports float16, bfloat16 and float32, got {query.dtype}"
+    if args.attn_mask is not None and args.attn_mask.dtype not in (torch.bool, query.dtype):
+        return (f"the triton backend takes a float attn_mask of the query's dtype ({query.dtype}), "
+                f"got {args.attn_mask.dtype}")
     head_dim = max(query.shape[-1], value.shape[-1])
     if head_dim > MAX_HEAD_DIM:
         return f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got {head_dim}"
