@@ -223,6 +223,28 @@ def test_unbatched_matches_torch(batch_first, kind, mask, weights):
     _run_case(kind, batch_first, mask, weights, batch=None)
 
 
+@pytest.mark.parametrize("weights", NEED_WEIGHTS[:2], ids=["fused", "weights_avg"])
+@pytest.mark.parametrize(("batch", "lq", "lk"), [(0, 5, 7), (2, 0, 7), (2, 5, 0), (2, 0, 0)],
+                         ids=["no_batch", "no_query", "no_key", "nothing"])
+def test_zero_sized_inputs_match_torch(batch, lq, lk, weights):
+    """Empty batches and sequences, as torch's module takes them (no key: the output projection's
+    bias)."""
+    reference, ours = module_pair(batch_first=True)
+    query = torch.randn(batch, lq, EMBED, requires_grad=True)
+    key = torch.randn(batch, lk, EMBED, requires_grad=True)
+    assert_same_outputs_and_grads(reference, ours, {"query": query, "key": key, "value": key}, weights)
+
+
+@pytest.mark.parametrize("weights", NEED_WEIGHTS[:2], ids=["fused", "weights_avg"])
+def test_head_dims_past_the_fused_kernels_match_torch(weights):
+    """A head dim past 256 runs on eager (the fused GPU kernels serve up to 256)."""
+    reference = torch.nn.MultiheadAttention(300, 1, batch_first=True)
+    ours = tknn.MultiheadAttention(300, 1, batch_first=True)
+    ours.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 5, 300, requires_grad=True)
+    assert_same_outputs_and_grads(reference, ours, {"query": x, "key": x, "value": x}, weights)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_no_bias_matches_torch(batch_first):
     _run_case("self", batch_first, "padding_bool", {"need_weights": False}, bias=False)

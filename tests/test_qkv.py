@@ -292,14 +292,15 @@ def test_only_needed_gradients(backend, gradient_spy):
     spy.assert_computed(x=False, weight=True, bias=False)
 
 
+@pytest.mark.parametrize("shape", [(0, 5, 8), (2, 0, 8), (0, 8)], ids=["no_batch", "no_tokens", "2d_no_tokens"])
 @pytest.mark.parametrize("backend", backend_params("qkv"))
-def test_empty_batch(backend):
+def test_empty_batch(backend, shape):
     device = device_for(backend)
-    x = torch.randn(0, 5, 8, device=device, requires_grad=True)
+    x = torch.randn(shape, device=device, requires_grad=True)
     weight = torch.randn(24, 8, device=device, requires_grad=True)
     b = torch.randn(24, device=device, requires_grad=True)
     outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
-    assert [o.shape for o in outputs] == [(0, 2, 5, 4)] * 3
+    assert [o.shape for o in outputs] == [(*shape[:-2], 2, shape[-2], 4)] * 3
     sum(o.sum() for o in outputs).backward()
     assert x.grad.shape == x.shape
     assert torch.count_nonzero(weight.grad) == 0 and torch.count_nonzero(b.grad) == 0

@@ -153,7 +153,8 @@ def qkv_projection(
     check_tensor("x", x, dtypes=_DTYPES)
     _check_arguments(x, weight, bias, num_heads)
     args = QkvProjectionArgs(num_heads)
-    name = select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, args)
+    # No tokens: nothing for a kernel to do; eager's GEMMs give the empty results and zero gradients.
+    name = "eager" if x.numel() == 0 else select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, args)
     return tuple(qkv_projection_forward(x, weight, bias, args, name))
 
 

@@ -26,6 +26,8 @@ wheel dispatches it to ``slow_conv2d``, the BLAS GEMM.)
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -46,13 +48,14 @@ def forward(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: QkvProjectionArgs
 ) -> list[torch.Tensor]:
     *batch, seq_len, embed_dim = x.shape
+    num_seqs = math.prod(batch)  # not -1 in a view: a call may have no tokens
     num_proj = weight.shape[0] // embed_dim
     num_heads = args.num_heads
     head_dim = embed_dim // num_heads
     chunk_tokens = max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if x.numel() <= chunk_tokens * embed_dim:
         # One chunk (a decoding step, the seeds' short batches): the fewest host-side ops.
-        packed = onednn.linear(x, weight, bias).view(-1, seq_len, num_proj, num_heads, head_dim)
+        packed = onednn.linear(x, weight, bias).view(num_seqs, seq_len, num_proj, num_heads, head_dim)
         if num_proj == 1:
             return [packed.select(2, 0).transpose(1, 2).contiguous().view(*batch, num_heads, seq_len, head_dim)]
         # Outputs of one op must not share storage, so each is a copy, even where a head-split view
@@ -60,8 +63,7 @@ def forward(
         # decoding step 4.5 us more).
         outputs = torch.unbind_copy(packed.permute(2, 0, 3, 1, 4), 0)
         return [output.view(*batch, num_heads, seq_len, head_dim) for output in outputs]
-    sequences = x.reshape(-1, seq_len, embed_dim)
-    num_seqs = sequences.shape[0]
+    sequences = x.reshape(num_seqs, seq_len, embed_dim)
     outputs = [x.new_empty(num_seqs, num_heads, seq_len, head_dim) for _ in range(num_proj)]
     for seqs, positions in _token_chunks(num_seqs, seq_len, chunk_tokens):
         packed = onednn.linear(sequences[seqs, positions], weight, bias)
