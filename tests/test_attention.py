@@ -1232,6 +1232,23 @@ def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_di
                                    grad_out, names=result_names(1, list(leaves)))
 
 
+@pytest.mark.parametrize("mask_shape", [(1, 2, 1, 1), (3, 1, 9, 1), (1, 1, 1, 11)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_broadcast_16bit_mask_gradient_within_twice_torch(dtype, mask_shape):
+    """A broadcast 16-bit mask's gradient is summed over its broadcast dimensions before it is
+    rounded, as torch's math sums it (a per-head mask's gradient, exactly 0, stays near 0)."""
+    q, k, v = (torch.randn(3, 2, n, 16) for n in (9, 11, 11))
+    mask = torch.randn(mask_shape)
+
+    def ours(query, key, value, attn_mask):
+        return tk.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, backend="eager")
+
+    def torchs(query, key, value, attn_mask):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
+
+    assert_low_precision_within_2x(ours, torchs, [t.to(dtype) for t in (q, k, v, mask)], names=result_names(1, "qkvm"))
+
+
 @pytest.mark.parametrize("backend", backend_params("attention"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_finfo_min_mask_rows_average_like_torch(backend, dtype):

@@ -567,8 +567,24 @@ def _backward(ctx, grad_out, _grad_saved):
     dq, dk, dv, dmask = attention_backward(
         grad_out, query, key, value, out, saved, args, ctx.attn_mask_needs_grad, ctx.backend
     )
-    grad_mask = dmask.to(attn_mask.dtype) if ctx.attn_mask_needs_grad else None
+    grad_mask = _mask_gradient(dmask, attn_mask) if ctx.attn_mask_needs_grad else None
     return (dq, dk, dv), {"attn_mask": grad_mask}
+
+
+def _mask_gradient(dmask: Tensor, attn_mask: Tensor) -> Tensor:
+    """``dmask`` (float32 or wider) as the gradient of the op's ``attn_mask``, a view of the
+    caller's mask that may be broadcast (stride 0) along some dimensions, over which autograd sums
+    the gradient in the mask's dtype.  For a 16-bit mask those sums are taken here in ``dmask``'s
+    precision and rounded once, as torch's math does (autograd would add up values each rounded to
+    16 bits: a per-head bfloat16 mask's gradient, exactly 0, came out as -0.016): each sum sits in
+    the first slice along those dimensions, zeros in the others, which autograd's sum leaves exact."""
+    broadcast = [d for d in range(attn_mask.dim()) if attn_mask.stride(d) == 0 and attn_mask.shape[d] > 1]
+    if not broadcast or attn_mask.dtype not in (torch.float16, torch.bfloat16):
+        return dmask.to(attn_mask.dtype)
+    grad = torch.zeros(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
+    first = tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(attn_mask.dim()))
+    grad[first] = dmask.sum(broadcast, keepdim=True)
+    return grad
 
 
 attention_forward.register_autograd(_backward, _setup_context)
