@@ -1232,6 +1232,33 @@ def test_gpu_low_precision_error_within_twice_torch(dtype, kind, length, head_di
                                    grad_out, names=result_names(1, list(leaves)))
 
 
+@pytest.mark.parametrize("mask_needs_grad", [False, True])
+@pytest.mark.parametrize("length", [6, 80])  # the materialized path, the tiled flash path
+@pytest.mark.parametrize(("dtype", "row_value"), [
+    (torch.float64, torch.finfo(torch.float64).min), (torch.float32, torch.finfo(torch.float32).min),
+    (torch.float32, -1e9),
+])
+def test_eager_gradients_of_rows_of_huge_mask_values_are_torchs_math(dtype, row_value, length, mask_needs_grad):
+    """A row whose mask is one huge finite value on every key averages uniformly, and its gradients
+    are those of torch's math: the flash backward's lse has lost log(Lk) to that value, so eager
+    recomputes the probabilities (torch's own flash backends get them wrong)."""
+    q, k, v, grad_out = (torch.randn(2, 2, length, 16, dtype=dtype) for _ in range(4))
+    mask = torch.randn(length, length, dtype=dtype)
+    mask[0] = row_value
+    mask[3, : length // 2] = row_value
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)] + [mask.clone().requires_grad_(mask_needs_grad)]
+    reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)] + [mask.clone().requires_grad_(mask_needs_grad)]
+    out = tk.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3], backend="eager")
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*reference_inputs[:3], attn_mask=reference_inputs[3])
+    differentiated = slice(None) if mask_needs_grad else slice(3)
+    grads = torch.autograd.grad(out, inputs[differentiated], grad_out)
+    expected_grads = torch.autograd.grad(expected, reference_inputs[differentiated], grad_out)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    for actual, wanted in zip((out, *grads), (expected, *expected_grads)):
+        torch.testing.assert_close(actual, wanted, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("mask_shape", [(1, 2, 1, 1), (3, 1, 9, 1), (1, 1, 1, 11)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_broadcast_16bit_mask_gradient_within_twice_torch(dtype, mask_shape):

@@ -277,6 +277,12 @@ def scaled_dot_product_attention(
         finite float mask value, even ``torch.finfo(dtype).min``, is added
         like any other, so a row made entirely of ``finfo.min`` (the masks of
         many Hugging Face models) averages its values uniformly, as in torch.
+        Its gradients are those of torch's math on eager; the triton and cuda
+        backends, like torch's own flash kernels, derive the backward's
+        probabilities from a saved log-sum-exp that so large a value swamps,
+        so there a row whose every key carries a huge finite mask value
+        (``finfo.min``, ``-1e9``) gets inexact gradients: exclude keys with
+        ``-inf`` or a bool mask.
 
     Dropout:
         The keep-mask is generated inside the backend from a ``(seed, offset)``

@@ -813,13 +813,13 @@ def _probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool)
     return out, saved
 
 
-def _recomputed_probs(query, key, lse: Optional[torch.Tensor], args: AttentionArgs) -> torch.Tensor:
-    """The forward's probabilities again: ``P = exp(S - lse)`` from its lse (0 on rows without keys,
-    whose lse is +inf), or the softmax of the scores when it saved nothing."""
+def _recomputed_probs(query, key, args: AttentionArgs) -> torch.Tensor:
+    """The forward's probabilities again, as the softmax of the scores: not ``exp(S - lse)`` from a
+    saved lse, which a row of large scores (a float mask of ``finfo.min`` or ``-1e9`` on every key
+    of a row) rounds to its largest score, losing ``log(sum)``: that row's probabilities came out
+    ``Lk`` times too large."""
     batches = _HeadBatches.of(query, key)
     scores, masked = _scores(query, key, args, batches)
-    if lse is not None:
-        return scores.sub_(lse.unsqueeze(-1)).exp_()
     return _softmax(scores, masked, batches)
 
 
@@ -841,7 +841,7 @@ def _probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, att
         if saved.dim() == 4:
             probs = chunk.of(saved)
         else:
-            probs = _recomputed_probs(q, k, chunk.of(saved) if saved.dim() == 3 else None, chunk.args)
+            probs = _recomputed_probs(q, k, chunk.args)
         d_probs = batches.matmul(d_out, v.transpose(-1, -2))
         dropped = probs
         if chunk.dropout is not None:
@@ -916,6 +916,21 @@ def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionA
     return saved.dim() == 3 and not attn_mask_needs_grad and _uses_flash_tiles(query, value, args)
 
 
+# Past this magnitude a float32 lse's rounding (3e-5 at 256) shows in the probabilities that the
+# flash backward derives from it as exp(S - lse).
+_LSE_EXACT_LIMIT = 256.0
+
+
+def _lse_is_exact(lse: torch.Tensor, args: AttentionArgs) -> bool:
+    """Whether the flash backward may derive the probabilities from ``lse``: no float mask (only a
+    mask puts scores far from 0: a row of ``finfo.min`` or ``-1e9`` on every key, whose lse has lost
+    ``log(sum)``), or every finite lse within ``_LSE_EXACT_LIMIT``; else the backward recomputes
+    them on the materialized path.  (torch's flash backends share the flaw; its math is exact.)"""
+    if args.attn_mask is None or args.attn_mask.dtype == torch.bool:
+        return True
+    return bool(lse.nan_to_num(posinf=0.0).abs().amax() <= _LSE_EXACT_LIMIT)
+
+
 def grads_contiguous(query, key, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
     """Whether :func:`backward`'s ``dq, dk, dv`` are contiguous rather than laid out like their
     inputs: on the materialized path in batch chunks with one head count, whose folded matmuls
@@ -943,7 +958,7 @@ def backward(
     inputs) and ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``,
     else empty).  ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), the lse
     (3-D), or nothing (an empty tensor: the probabilities are computed again)."""
-    if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad):
+    if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad) and _lse_is_exact(saved, args):
         tiles = _plan(query, key, args)
         dq, dk, dv = _flash_backward(grad_out, query, key, value, out, saved, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
