@@ -336,15 +336,16 @@ def scaled_dot_product_attention(
 
 def _without_scores(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs) -> Tensor:
     """A call with no score to compute (an empty output, or no keys: every row gives 0), as
-    ``[B, Hq, Lq, Ev]`` from matmuls over the empty scores, so that autograd connects every input
-    (each gradient zeros, as torch gives them)."""
+    ``[B, Hq, Lq, Ev]`` over ``[B, Lq, Hq, Ev]`` memory like every backend's output, from matmuls
+    over the empty scores, so that autograd connects every input (each gradient zeros, as torch
+    gives them)."""
     group = query.shape[1] // max(key.shape[1], 1)
     if group > 1:  # grouped-query attention: each key/value head serves `group` query heads
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, key.transpose(-1, -2))
     if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
         scores = scores + args.attn_mask
-    return torch.matmul(scores, value)
+    return torch.matmul(scores, value).transpose(1, 2).contiguous().transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------
