@@ -322,6 +322,17 @@ def test_scale_and_dropout_p_take_what_torch_takes(scale):
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_dropout_of_every_weight_gives_zeros_like_torch(backend):
+    device = device_for(backend)
+    q, k, v = (torch.randn(2, 3, 5, 8, device=device, requires_grad=True) for _ in range(3))
+    mask = torch.randn(5, 5, device=device, requires_grad=True)
+    out = tk.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=1.0, backend=backend)
+    assert out.shape == (2, 3, 5, 8) and (out == 0).all()
+    grads = torch.autograd.grad(out, (q, k, v, mask), torch.randn_like(out))
+    assert all((g == 0).all() for g in grads)
+
+
 @pytest.mark.parametrize(("query_shape", "key_shape", "value_shape"), [
     ((0, 3, 5, 8), (0, 3, 6, 8), (0, 3, 6, 8)),  # no batch
     ((2, 0, 5, 8), (2, 0, 6, 8), (2, 0, 6, 8)),  # no heads
@@ -1065,7 +1076,7 @@ def _bad_inputs():
         ("padding_shape", dict(key_padding_mask=pad[:, :9]), ValueError,
          r"key_padding_mask must have shape \[\.\.\., Lk\] = \(2, 10\)"),
         ("padding_4d", dict(key_padding_mask=pad[:, None, None, :]), ValueError, "key_padding_mask must have shape"),
-        ("dropout_high", dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+        ("dropout_high", dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\]"),
         ("dropout_negative", dict(dropout_p=-0.1), ValueError, "dropout_p"),
         ("backend_name", dict(backend="fast"), ValueError, "backend must be one of"),
         ("not_a_tensor", dict(value=[1.0]), TypeError, "value must be a torch.Tensor"),

@@ -226,8 +226,9 @@ def scaled_dot_product_attention(
             mask must broadcast to the shape of ``query @ key^T``, not only
             to the output's: a mask may not add dimensions that only
             ``value`` has.  It is read through ``expand``, not copied.
-        dropout_p: probability in ``[0, 1)`` of dropping an attention weight
-            (after the softmax; kept weights are scaled by ``1 / (1 - dropout_p)``).
+        dropout_p: probability in ``[0, 1]`` of dropping an attention weight
+            (after the softmax; kept weights are scaled by ``1 / (1 - dropout_p)``;
+            ``1.0`` drops every weight: the output and the gradients are 0, as in torch).
             Like torch, dropout applies whenever ``dropout_p > 0``; pass
             ``dropout_p=0.0`` in evaluation.
         is_causal: top-left causal mask: query ``i`` attends to keys ``j <= i``
@@ -324,7 +325,10 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     if output_shape.numel() == 0 or k.shape[2] == 0:
-        return _without_scores(q, k, v, args).view(output_shape)
+        return _without_scores(q, k, v, args.attn_mask).view(output_shape)
+    if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
+        mask = None if args.attn_mask is None else args.attn_mask[..., :0]
+        return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
     chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
     needs_backward = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
@@ -334,7 +338,7 @@ def scaled_dot_product_attention(
     return out if out.shape == output_shape else out.view(output_shape)
 
 
-def _without_scores(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs) -> Tensor:
+def _without_scores(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
     """A call with no score to compute (an empty output, or no keys: every row gives 0), as
     ``[B, Hq, Lq, Ev]`` over ``[B, Lq, Hq, Ev]`` memory like every backend's output, from matmuls
     over the empty scores, so that autograd connects every input (each gradient zeros, as torch
@@ -343,8 +347,8 @@ def _without_scores(query: Tensor, key: Tensor, value: Tensor, args: AttentionAr
     if group > 1:  # grouped-query attention: each key/value head serves `group` query heads
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, key.transpose(-1, -2))
-    if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
-        scores = scores + args.attn_mask
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask
     return torch.matmul(scores, value).transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -393,8 +397,8 @@ def _as_float(name: str, value: object) -> float:
 
 def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[float, float]:
     dropout_p = _as_float("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _as_float("scale", scale)
     return dropout_p, scale
 
