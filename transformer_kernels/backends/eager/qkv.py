@@ -27,7 +27,6 @@ wheel dispatches it to ``slow_conv2d``, the BLAS GEMM.)
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch
