@@ -1158,7 +1158,8 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     ("bhld", 9, True, None, 4),   # short, differentiated: the probabilities
     ("blhd", 9, True, None, 4),   # ... of any layout
     ("blhd", 9, True, 1, 4),      # ... in chunks of sequences: batch-major
-    ("bhld", 9, False, None, 1),  # no backward: the materialized path, keeping nothing
+    ("bhld", 9, False, None, 1),  # no backward, operands that fold: the materialized path, keeping nothing
+    ("blhd", 9, False, None, 3),  # ... but views it would copy to fold: the flash path's lse
     ("bhld", 41, False, None, 3),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
     ("gqa", 9, True, None, 3),    # grouped heads: the flash path
     ("bhld", 65, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path

@@ -85,11 +85,12 @@ _CAUSAL_ROW_BLOCK = 128
 # 1.31x -> 1.48x; on [B, L, H, D] views (a projection's output split into heads) L16 0.74x ->
 # 1.1-1.4x, L64 1.44x -> 1.38-1.48x; B16 H4 L40 0.73x -> 1.14x.
 _PROBS_MAX_SCORES = 64 * 64
-# Up to this many, a call without a backward pass takes the materialized path too: torch's CPU
-# flash kernel cuts the queries into blocks of 32 rows and pays per block, which the batched
-# matmuls over B * H short score matrices beat.  No-grad forward, 1 thread, B128 H8 D64 with key
-# padding, materialized vs flash: L16 1.06x ([B, L, H, D] views) and 1.23x ([B, H, L, D]), L40
-# 1.06x and 1.17x; B16 L40, one head of 64 (ConvSeq2Seq's decoder) 1.7x, four of 32 1.15x.
+# Up to this many, a call without a backward pass whose operands fold as they are takes the
+# materialized path too: torch's CPU flash kernel cuts the queries into blocks of 32 rows and pays
+# per block, which the batched matmuls over B * H short score matrices beat.  No-grad forward,
+# 1 thread, B128 H8 D64 with key padding, flash time / materialized time, two runs: on
+# [B, H, L, D] inputs L16 1.19-1.26, L32 1.00-1.01, L40 1.16; on [B, L, H, D] views, which the
+# materialized path copies to fold, L16 0.86-0.93, L32 0.89, L40 1.06: those stay on flash.
 _INFERENCE_PROBS_MAX_SCORES = 40 * 40
 # The materialized path runs in chunks of sequences of about this many bytes of operands,
 # gradients and score-sized buffers (each chunk's operands copied to [B, H, L, D], which folds),
@@ -902,11 +903,16 @@ def forward(
 
 def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
     """Whether the forward runs on the tiled flash path: a call it can serve, unless the call is
-    short and its heads match, when the materialized path runs it instead and, when autograd will
-    differentiate it, keeps its probabilities for the backward pass (see ``_PROBS_MAX_SCORES`` and
-    ``_INFERENCE_PROBS_MAX_SCORES``)."""
-    max_scores = _PROBS_MAX_SCORES if needs_backward else _INFERENCE_PROBS_MAX_SCORES
-    materialized = query.shape[2] * key.shape[2] <= max_scores and key.shape[1] == query.shape[1]
+    short and its heads match, when the materialized path runs it instead: when autograd will
+    differentiate it, keeping its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``),
+    else when its operands fold as they are (see ``_INFERENCE_PROBS_MAX_SCORES``)."""
+    scores = query.shape[2] * key.shape[2]
+    if key.shape[1] != query.shape[1]:
+        materialized = False
+    elif needs_backward:
+        materialized = scores <= _PROBS_MAX_SCORES
+    else:
+        materialized = scores <= _INFERENCE_PROBS_MAX_SCORES and all(_folds(t) for t in (query, key, value))
     return not materialized and _uses_flash_tiles(query, value, args)
 
 
