@@ -1162,7 +1162,7 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     ("blhd", 9, False, None, 3),  # ... but views it would copy to fold: the flash path's lse
     ("bhld", 41, False, None, 3),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
     ("gqa", 9, True, None, 3),    # grouped heads: the flash path
-    ("bhld", 65, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path
+    ("bhld", 129, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path
 ])
 def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim,
                                                    monkeypatch):

@@ -304,7 +304,7 @@ def scaled_dot_product_attention(
         for :func:`torch.autograd.gradcheck`), composed of PyTorch ops, and on
         CPU cuts padded keys and the causal triangle out of the work.  Where
         it materializes the scores (short sequences: up to 40 x 40 scores
-        per head, 64 x 64 when a backward pass will run; dropout,
+        per head, 128 x 128 when a backward pass will run; dropout,
         ``Ev != E``, one query row, devices other than the CPU) and a
         backward pass will run, it keeps the ``[B, Hq, Lq, Lk]``
         probabilities for it, as torch's math backend does.

@@ -83,8 +83,10 @@ _CAUSAL_ROW_BLOCK = 128
 # forward+backward against the naive math (flash -> kept probabilities, in chunks): B128 H8 D64
 # on [B, H, L, D]-contiguous inputs (what qkv_projection returns) L16 0.55x -> 1.0-1.1x, L64
 # 1.31x -> 1.48x; on [B, L, H, D] views (a projection's output split into heads) L16 0.74x ->
-# 1.1-1.4x, L64 1.44x -> 1.38-1.48x; B16 H4 L40 0.73x -> 1.14x.
-_PROBS_MAX_SCORES = 64 * 64
+# 1.1-1.4x, L64 1.44x -> 1.38-1.48x; B16 H4 L40 0.73x -> 1.14x; H8 D64 with key padding on
+# [B, L, H, D] views, causal: B32 L96 1.03x -> 1.14x, L128 1.04x -> 1.16x (non-causal 1.05x ->
+# 1.16x), but B16 L192 1.26x -> 1.21x and L256 3.2x -> 2.1x, where flash skips the hidden half.
+_PROBS_MAX_SCORES = 128 * 128
 # Up to this many, a call without a backward pass whose operands fold as they are takes the
 # materialized path too: torch's CPU flash kernel cuts the queries into blocks of 32 rows and pays
 # per block, which the batched matmuls over B * H short score matrices beat.  No-grad forward,
