@@ -738,7 +738,7 @@ def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
         return batch_size
     num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
     per_sequence = 3 * num_heads * lq * lk
-    if num_kv_heads != num_heads or not all(_folds(t) for t in (query, key, value)):
+    if not _HeadBatches.of(query, key, value).folded:
         per_sequence += 2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk)
     return max(1, _CHUNK_BYTES // (_compute_dtype(query.dtype).itemsize * per_sequence))
 
@@ -828,7 +828,7 @@ def _recomputed_probs(query, key, args: AttentionArgs) -> torch.Tensor:
 
 def _probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn_mask_needs_grad):
     """Softmax-attention backward on the materialized probabilities ``P`` (``saved`` when it holds
-    them, else recomputed from the lse it holds, or from nothing):
+    them, else recomputed as the scores' softmax, see :func:`_recomputed_probs`):
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))``, ``dQ = dS K``,
     ``dK = dS^T Q`` (the last two scaled)."""
     dtype = _compute_dtype(query.dtype)
@@ -914,7 +914,7 @@ def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: b
     elif needs_backward:
         materialized = scores <= _PROBS_MAX_SCORES
     else:
-        materialized = scores <= _INFERENCE_PROBS_MAX_SCORES and all(_folds(t) for t in (query, key, value))
+        materialized = scores <= _INFERENCE_PROBS_MAX_SCORES and _HeadBatches.of(query, key, value).folded
     return not materialized and _uses_flash_tiles(query, value, args)
 
 
@@ -965,7 +965,8 @@ def backward(
     """``dq, dk, dv`` (contiguous where :func:`grads_contiguous` says so, else laid out like their
     inputs) and ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``,
     else empty).  ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), the lse
-    (3-D), or nothing (an empty tensor: the probabilities are computed again)."""
+    (3-D: the flash backward's, or, off that path, the probabilities are computed again), or nothing (an
+    empty tensor: computed again)."""
     if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad) and _lse_is_exact(saved, args):
         tiles = _plan(query, key, args)
         dq, dk, dv = _flash_backward(grad_out, query, key, value, out, saved, tiles, args.scale)
