@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import transformer_kernels
-from transformer_kernels.backends.triton import attention as triton_attention
+from transformer_kernels.backends.triton import attention_kernels as triton_attention_kernels
 from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 from transformer_kernels.backends.eager import qkv as eager_qkv
 from transformer_kernels.ops.attention import Causal, dropout_threshold, key_padding_bounds
@@ -432,9 +432,9 @@ def test_host_philox_reproduces_triton_philox_and_rand(attention_h, seed):
 @triton.jit
 def _triton_dropout_kernel(dropout_seed_ptr, keep_ptr, head_batch, threshold, key_start,
                            BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    seed, offset = triton_attention._dropout_seed_and_offset(dropout_seed_ptr, True)
+    seed, offset = triton_attention_kernels._dropout_seed_and_offset(dropout_seed_ptr, True)
     rows = tl.arange(0, BLOCK_Q)
-    keep = triton_attention._dropout_keep(rows, key_start, head_batch, seed, offset, threshold, BLOCK_Q, BLOCK_K)
+    keep = triton_attention_kernels._dropout_keep(rows, key_start, head_batch, seed, offset, threshold, BLOCK_Q, BLOCK_K)
     tl.store(keep_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], keep.to(tl.int8))
 
 
