@@ -908,14 +908,16 @@ def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: b
     short and its heads match, when the materialized path runs it instead: when autograd will
     differentiate it, keeping its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``),
     else when its operands fold as they are (see ``_INFERENCE_PROBS_MAX_SCORES``)."""
+    # The cheap test first: a decoding step's one query row never takes the tiles, and asking how
+    # its operands fold cost 3 of its 49 us (greedy decoding of the small preset: 0.97x -> 0.99x).
+    if not _uses_flash_tiles(query, value, args):
+        return False
     scores = query.shape[2] * key.shape[2]
     if key.shape[1] != query.shape[1]:
-        materialized = False
-    elif needs_backward:
-        materialized = scores <= _PROBS_MAX_SCORES
-    else:
-        materialized = scores <= _INFERENCE_PROBS_MAX_SCORES and _HeadBatches.of(query, key, value).folded
-    return not materialized and _uses_flash_tiles(query, value, args)
+        return True
+    if needs_backward:
+        return scores > _PROBS_MAX_SCORES
+    return scores > _INFERENCE_PROBS_MAX_SCORES or not _HeadBatches.of(query, key, value).folded
 
 
 def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
