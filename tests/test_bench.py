@@ -206,6 +206,34 @@ def test_readme_keeps_each_ops_newest_run(tiny_run, tmp_path):
     assert all(t["op"] != ops[0] for t in latest[1][1]["targets"])
 
 
+def test_readme_keeps_a_full_runs_cases_that_a_newer_quick_run_did_not_time(tiny_run, tmp_path):
+    """A newer --quick run of an op shows all it timed; the op's older full run still shows the
+    cases the quick one did not time (the CPU's quick and full models runs time different models),
+    and an op's runs older than those show nothing."""
+    _, out = tiny_run
+    run = json.loads((out / "results.json").read_text())
+    op = run["groups"][0]["op"]
+    cases = sorted({g["case"] for g in run["groups"] if g["op"] == op})
+    assert len(cases) >= 2
+
+    def of_size(size: str, date: str, kept_cases) -> dict:
+        return {**run, "environment": {**run["environment"], "size": size, "date": date},
+                "groups": [g for g in run["groups"] if g["op"] == op and g["case"] in kept_cases],
+                "targets": [t for t in run["targets"] if t["op"] == op]}
+
+    results_dir = tmp_path / "results"
+    for name, data in (("old-quick", of_size("quick", "2000-01-01T00:00:00+00:00", cases)),
+                       ("full", of_size("full", "2001-01-01T00:00:00+00:00", cases)),
+                       ("new-quick", of_size("quick", "2002-01-01T00:00:00+00:00", cases[:1]))):
+        (results_dir / name).mkdir(parents=True)
+        (results_dir / name / "results.json").write_text(json.dumps(data))
+    latest = report.latest_results(results_dir)
+    assert [path.parent.name for path, _ in latest] == ["new-quick", "full"]
+    assert {g["case"] for g in latest[0][1]["groups"]} == {cases[0]}
+    assert {g["case"] for g in latest[1][1]["groups"]} == set(cases[1:])
+    assert {t["case"] for t in latest[1][1]["targets"]} <= set(cases[1:])
+
+
 def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
     progress = run.Progress(2)

@@ -280,27 +280,44 @@ README_END = "<!-- end of performance -->"
 
 
 def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
-    """For each device type (CUDA first), the newest ``results.json`` under ``results_dir`` of each
-    op it measured: a run of some suites (``--only``) supersedes the older runs' results for its
-    ops and leaves the others' standing.  Each file comes with only the groups and targets of the
-    ops it is the newest for, the newest file first."""
-    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    """For each device type (CUDA first), the ``results.json`` files under ``results_dir`` to show,
+    each with only the groups and targets it stands for, the newest file first.
+
+    Per op: its newest run, whose groups all stand; a run of some suites (``--only``) supersedes
+    the older runs' results for its ops and leaves the others' standing.  When that newest run is
+    of a smaller preset than ``--full`` (``--quick``, whose cases may differ: the CPU's quick models
+    run times smaller models than the full run's seed models), the op's newest full run stands too,
+    for the cases (and directions) the newer run did not time.  Older runs of an op show nothing,
+    so cases a suite no longer has do not come back."""
+    runs: dict[tuple[str, str], list[tuple[Path, dict]]] = {}
     for path in sorted(results_dir.glob("*/results.json")):
         data = read_results(path)
-        kind = data["environment"]["device_type"]
         for op in {group["op"] for group in data["groups"]}:
-            known = newest.get((kind, op))
-            if known is None or data["environment"]["date"] > known[1]["environment"]["date"]:
-                newest[kind, op] = (path, data)
-    files: dict[Path, tuple[str, dict, set]] = {}
-    for (kind, op), (path, data) in newest.items():
-        files.setdefault(path, (kind, data, set()))[2].add(op)
-    newest_first = sorted(files.items(), key=lambda item: item[1][1]["environment"]["date"], reverse=True)
+            runs.setdefault((data["environment"]["device_type"], op), []).append((path, data))
+    # path -> (device type, data, the (op, case, direction) keys it stands for)
+    shown: dict[Path, tuple[str, dict, set]] = {}
+    for (kind, op), op_runs in runs.items():
+        op_runs.sort(key=lambda run: run[1]["environment"]["date"], reverse=True)
+        (newest_path, newest), *older = op_runs
+        taken = {_group_key(g) for g in newest["groups"] if g["op"] == op}
+        shown.setdefault(newest_path, (kind, newest, set()))[2].update(taken)
+        if newest["environment"]["size"] != "full":
+            full = next(((path, data) for path, data in older if data["environment"]["size"] == "full"), None)
+            if full is not None:
+                kept = {_group_key(g) for g in full[1]["groups"] if g["op"] == op} - taken
+                shown.setdefault(full[0], (kind, full[1], set()))[2].update(kept)
+    newest_first = sorted(shown.items(), key=lambda item: item[1][1]["environment"]["date"], reverse=True)
     return [
-        (path, {**data, "groups": [g for g in data["groups"] if g["op"] in ops],
-                "targets": [t for t in data["targets"] if t["op"] in ops]})
-        for path, (kind, data, ops) in sorted(newest_first, key=lambda item: item[1][0] != "cuda")
+        (path, {**data, "groups": [g for g in data["groups"] if _group_key(g) in keys],
+                "targets": [t for t in data["targets"] if _group_key(t) in keys]})
+        for path, (kind, data, keys) in sorted(newest_first, key=lambda item: item[1][0] != "cuda")
+        if keys
     ]
+
+
+def _group_key(entry: dict) -> tuple[str, str, str]:
+    """What a group or a target measures: ``(op, case, direction)``."""
+    return entry["op"], entry["case"], entry["direction"]
 
 
 def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
