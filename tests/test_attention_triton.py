@@ -191,6 +191,12 @@ CASES = {
     "head_dim_80_value_48": dict(head_dim=80, value_head_dim=48, lk=20),
     "head_dim_256": dict(batch=1, heads=1, head_dim=256, lk=40, causal="top_left"),
     "custom_scale": dict(scale=0.3),
+    # The forward runs a negative scale as -query with the scale negated, a zero one as a zeroed
+    # query (see the launcher).
+    "negative_scale": dict(scale=-8.0, lk=20),
+    "zero_scale_padding": dict(scale=0.0, lk=20, padding="suffix_and_all_pad"),
+    "negative_scale_interior_padding": dict(lq=40, lk=83, head_dim=64, scale=-2.0, causal="top_left",
+                                            padding="left_and_right"),
     # Head dim 64 fills its block, so whole key blocks inside the bounds load K
     # and V without any mask; these mix such blocks with edge blocks (a partial
     # tail, padding at either end, the diagonal), and holes in the padding
@@ -204,7 +210,7 @@ CASES = {
     "interior_lq1_padding": dict(lq=1, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
 }
 HALF_CASES = (
-    "no_mask", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa", "head_dim_256",
+    "no_mask", "negative_scale", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa", "head_dim_256",
     "interior_bottom_right_padding",
 )
 LOW_PRECISION = [torch.float16] + ([torch.bfloat16] if CUDA else [])

@@ -13,6 +13,7 @@ tensors (:class:`~._common.LaunchTemplates`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -613,6 +614,14 @@ def forward(
     """Flash-attention forward: ``out`` and ``lse`` (+inf on rows that see no key) in the layouts
     of :func:`~transformer_kernels.ops.attention.empty_output` and ``empty_lse``."""
     out, lse = empty_output(query, value), empty_lse(query)
+    if args.scale <= 0.0:
+        # The kernel scales each row's maximum score and the -inf of excluded keys, which needs a
+        # scale > 0.  -query with -scale gives the same scores, and a zero scale gives what a
+        # zeroed query (inf and NaN propagate alike) with scale 1 does.  Copies, for rare calls;
+        # the backward, which scales neither, runs on the call as it is.
+        negative = args.scale < 0.0
+        query = -query if negative else query * 0.0
+        args = dataclasses.replace(args, scale=-args.scale if negative else 1.0)
     query, key, value = _aligned(query), _aligned(key), _aligned(value)
     padded_out = _writable(out, value.shape[-1])
     masks = _Masks.of(args, query.device)

@@ -115,34 +115,52 @@ def _aligned_base(ptr, batch, stride_b, head, stride_h):
 
 
 @triton.jit
+def _mask_tile(mask_base, q_idx, k_idx, keep, stride_mm, stride_mn, seq_len_q):
+    # The dense mask's tile, read where `keep` and the row are in range.
+    return tl.load(mask_base + q_idx.to(tl.int64) * stride_mm + k_idx * stride_mn,
+                   mask=keep & (q_idx < seq_len_q), other=0)
+
+
+@triton.jit
+def _kept(
+    q_idx, k_idx, keep, mask_base, stride_mm, stride_mn, seq_len_q, causal_shift,
+    APPLY_CAUSAL: tl.constexpr, HAS_BOOL_MASK: tl.constexpr,
+):
+    # Which scores of one tile take part: `keep` (the key-side tests, bounds and
+    # padding, the caller made), the causal test and a bool mask's.  The tile may
+    # be query-major (forward, dQ) or key-major (dK/dV): `q_idx` and `k_idx` carry
+    # the orientation, already shaped to broadcast against the scores.
+    if APPLY_CAUSAL:
+        keep = keep & (k_idx <= q_idx + causal_shift)
+    if HAS_BOOL_MASK:
+        keep = keep & (_mask_tile(mask_base, q_idx, k_idx, keep, stride_mm, stride_mn, seq_len_q) != 0)
+    return keep
+
+
+@triton.jit
 def _masked_scores(
     qk, q_idx, k_idx, keep,
     mask_base, stride_mm, stride_mn,
-    seq_len_q, causal_shift, qk_scale,
+    seq_len_q, causal_shift, qk_scale, shift,
     APPLY_CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
 ):
-    # Scores of one tile in base-2 units, -inf where a key is excluded.  The tile
-    # may be query-major (forward, dQ) or key-major (dK/dV): `q_idx` and `k_idx`
-    # carry the orientation, already shaped to broadcast against `qk`, and
-    # `keep` holds the key-side tests (bounds, padding) the caller made.
-    s = qk * qk_scale
-    if APPLY_CAUSAL:
-        keep = keep & (k_idx <= q_idx + causal_shift)
-    if HAS_DENSE_MASK:
-        mask_tile = tl.load(
-            mask_base + q_idx.to(tl.int64) * stride_mm + k_idx * stride_mn,
-            mask=keep & (q_idx < seq_len_q),
-            other=0,
-        )
-        if MASK_IS_BOOL:
-            keep = keep & (mask_tile != 0)
-        else:
-            # finfo(float32).min * log2(e) overflows to -inf, which would drop the key; torch keeps
-            # every finite mask value finite (a row all finfo.min averages uniformly), so clamp the
-            # finite ones to the lowest float32 and let only a real -inf exclude a key.
-            bias = mask_tile.to(tl.float32)
-            s += tl.where(bias == float("-inf"), bias, tl.maximum(bias * LOG2E, FP32_LOWEST))
-    return tl.where(keep, s, float("-inf"))
+    # Scores of one tile in base-2 units less `shift` (0, or the backward's
+    # per-row lse: the scaling and the shift fuse into one FMA per score), -inf
+    # where a key is excluded (see `_kept` for the arguments).
+    keep = _kept(
+        q_idx, k_idx, keep, mask_base, stride_mm, stride_mn, seq_len_q, causal_shift,
+        APPLY_CAUSAL, HAS_DENSE_MASK and MASK_IS_BOOL,
+    )
+    if HAS_DENSE_MASK and not MASK_IS_BOOL:
+        # finfo(float32).min * log2(e) overflows to -inf, which would drop the key; torch keeps
+        # every finite mask value finite (a row all finfo.min averages uniformly), so clamp the
+        # finite ones to the lowest float32 and let only a real -inf exclude a key.  (Shifted
+        # last: shifting before the mask is added holds one more register, which spills the
+        # d128 dK/dV kernel with every mask under triton 3.9.)
+        bias = _mask_tile(mask_base, q_idx, k_idx, keep, stride_mm, stride_mn, seq_len_q).to(tl.float32)
+        s = qk * qk_scale + tl.where(bias == float("-inf"), bias, tl.maximum(bias * LOG2E, FP32_LOWEST))
+        return tl.where(keep, s, float("-inf")) - shift
+    return tl.where(keep, qk * qk_scale - shift, float("-inf"))
 
 
 @triton.jit
@@ -287,21 +305,36 @@ def _forward_inner(
                 keep = keep & (padding == 0)
         else:
             keep = tl.full([BLOCK_N], 1, tl.int1)
-        s = _masked_scores(
-            qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
-            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or HAS_DENSE_MASK:
+        if HAS_DENSE_MASK:
+            s = _masked_scores(
+                qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
+                seq_len_q, causal_shift, qk_scale, 0.0, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+            )
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no visible key so far keeps m = -inf; shifting by 0 then
-            # gives p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.  Only
-            # masks make -inf scores: an unmasked block gives every row a
-            # finite maximum.
+            # gives p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_shift[:, None])
         else:
-            m_shift = m_new
+            # Without a dense mask the scaled scores are never materialized: with
+            # qk_scale > 0 (the launcher makes it so) the row maximum of the scaled
+            # scores is the scaled row maximum, an excluded -inf stays -inf when
+            # scaled, and the scaling fuses with the shift into one FMA per score.
+            if MASKED:
+                kept = _kept(
+                    q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn, seq_len_q,
+                    causal_shift, APPLY_CAUSAL, False,
+                )
+                qk = tl.where(kept, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            if MASKED:
+                # As above; only masks make -inf scores: an unmasked block gives
+                # every row a finite maximum.
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_shift = m_new
+            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
-        p = tl.math.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             kept = _dropout_keep(
@@ -508,11 +541,10 @@ def _grad_key_value_inner(
         # Rows outside the range get lse = +inf, hence P = 0.
         lse = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * LOG2E
         qk_t = tl.dot(k, q_t, input_precision=INPUT_PRECISION)
-        s_t = _masked_scores(
+        p_t = tl.math.exp2(_masked_scores(
             qk_t, offs_m[None, :], k_idx, key_keep, mask_base, stride_mm, stride_mn,
-            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
-        )
-        p_t = tl.math.exp2(s_t - lse[None, :])
+            seq_len_q, causal_shift, qk_scale, lse[None, :], APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+        ))
         grad_out = tl.load(
             grad_out_base + offs_m[:, None] * stride_gom + offs_dv[None, :] * stride_god,
             mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
@@ -712,11 +744,10 @@ def _grad_query_inner(
                 keep = keep & (padding == 0)
         else:
             keep = tl.full([BLOCK_N], 1, tl.int1)
-        s = _masked_scores(
+        p = tl.math.exp2(_masked_scores(
             qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
-            seq_len_q, causal_shift, qk_scale, APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
-        )
-        p = tl.math.exp2(s - lse[:, None])
+            seq_len_q, causal_shift, qk_scale, lse[:, None], APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
+        ))
         dp = tl.dot(grad_out, v_t, input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             kept = _dropout_keep(
