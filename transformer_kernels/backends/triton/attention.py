@@ -579,13 +579,29 @@ def _grad_key_value_launches(
     )
 
 
+def _grad_query_splits_keys(variant: str, capability: Optional[int]) -> bool:
+    """Whether the dQ kernel runs its key blocks in the forward's two stages (``SPLIT_KEYS``) for
+    masks of ``variant`` (``_Masks.variant``) on a GPU of compute ``capability``.
+
+    A second loop body costs registers.  With a dense mask or dropout ("masked"), which hold
+    registers of their own, the unmasked stage would shed little, so one masked stage takes
+    every block.  With causality or key padding ("fast") the unmasked stage sheds the padding
+    load and the causal test.  Without masks ("dense") it sheds the tail's column masks and
+    fuses the scaling into exp2's argument (dQ d64 on sm_90: 326 instructions per iteration
+    -> 277); on sm_90, and under the interpreter, that costs no program per SM, but on sm_80
+    the d128 tile's 128 registers would grow to 156, halving its programs per SM."""
+    if variant == "dense":
+        return capability is None or capability >= 90
+    return variant == "fast"
+
+
 def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
     """Launches of the dQ kernel."""
     return _masked_kernel_launches(
         "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride()),
-        scale=masks.args.scale,
+        scale=masks.args.scale, SPLIT_KEYS=_grad_query_splits_keys(masks.variant, masks.capability),
     )
 
 
@@ -760,10 +776,13 @@ def compile_targets() -> list[CompileTarget]:
                 continue
         elif (kernel_name, bucket) not in (_FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]):
             continue
-        by_config: dict[KernelConfig, list[int]] = {}
+        # Architectures whose launches compile one variant share a target: one configuration and,
+        # for dQ, one SPLIT_KEYS.
+        by_config: dict[tuple[KernelConfig, bool], list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
             config = _table_config(kernel_name, bucket, dtype, variant, length, capability)
-            by_config.setdefault(config, []).append(capability)
+            splits = kernel_name == "grad_query" and _grad_query_splits_keys(variant, capability)
+            by_config.setdefault((config, splits), []).append(capability)
         name = f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}"
         for capabilities in by_config.values():
             launch = functools.partial(_target_launch, kernel_name, bucket, dtype, switches, length, capabilities[0])

@@ -30,8 +30,9 @@ that every row of the query block sees run without masks (no bounds, padding
 or causal test, no column mask when the head dims fill their blocks
 (``EVEN_HEAD_DIM``), and no guard for rows that have seen no key yet); only
 the blocks at the edges (a partial tail, padding, the diagonal) pay for them.
-dQ splits the same way under causality or key padding without a dense mask
-or dropout (see the kernel).  dK/dV is not split so: it loads its key-side
+dQ splits the same way where the launcher asks (``SPLIT_KEYS``: without a
+dense mask or dropout, and without any mask only where the second loop costs
+no program per SM).  dK/dV is not split so: it loads its key-side
 masks once, outside its loop, and unmasking its loop's query rows would take
 a third copy of the body of the kernel that is closest to spilling.
 
@@ -781,7 +782,7 @@ def _attention_grad_query_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
@@ -831,15 +832,12 @@ def _attention_grad_query_kernel(
         BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # The stages of the forward kernel (whole blocks every row sees, without
-    # masks, then the edge blocks, with them) where the interior sheds the
-    # padding load or the causal test and no dense mask or dropout holds
-    # registers.  Elsewhere it would shed little, and a second loop's
-    # registers cost dQ programs per SM: one masked stage takes every block.
-    split_keys: tl.constexpr = (CAUSAL != NO_CAUSAL or HAS_KEY_PADDING) and not (HAS_DENSE_MASK or HAS_DROPOUT)
-    if not split_keys:
+    # SPLIT_KEYS: the stages of the forward kernel (whole blocks every row sees,
+    # without masks, then the edge blocks, with them); else one masked stage
+    # takes every block (the launcher chooses, see `_grad_query_splits_keys`).
+    if not SPLIT_KEYS:
         key_full_end = key_lo
-    for stage in tl.static_range(0 if split_keys else 1, 2):
+    for stage in tl.static_range(0 if SPLIT_KEYS else 1, 2):
         dq = _grad_query_inner(
             dq, q, grad_out, lse, delta, offs_m, k_base, v_base, key_padding_base, mask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
