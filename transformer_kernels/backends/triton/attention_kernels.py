@@ -659,6 +659,15 @@ def _attention_grad_key_value_kernel(
         row_lo = tl.where(outside_bounds, seq_len_q, row_lo)
         row_full = tl.where(outside_bounds, seq_len_q, row_full)
 
+    # Each key's dK and dV rows take only its own scores, so the scores of keys
+    # outside the sequence or of padding need no -inf in the loop (rows past the
+    # end are not stored, padding rows are zeroed below) unless a dense mask is
+    # read or dS stored: a select per score saved, with causality or key padding.
+    # (Without any mask the compiler schedules the select-free loop into spills:
+    # d64 and d256 on sm_80, d128 on sm_90, under triton 3.9.)
+    score_keep = key_keep
+    if not HAS_DENSE_MASK and (CAUSAL != NO_CAUSAL or HAS_KEY_PADDING):
+        score_keep = tl.full([BLOCK_N], 1, tl.int1)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for group_index in range(0, group_size):
@@ -679,7 +688,7 @@ def _attention_grad_key_value_kernel(
         # test; stage 1: the rows that see the whole key block, without it.
         for stage in tl.static_range(0 if CAUSAL != NO_CAUSAL else 1, 2):
             dk, dv = _grad_key_value_inner(
-                dk, dv, k, v, offs_n[:, None], key_keep[:, None],
+                dk, dv, k, v, offs_n[:, None], score_keep[:, None],
                 q_base, grad_out_base, lse_base, delta_base, mask_base, grad_scores_base,
                 stride_qm, stride_qd, stride_gom, stride_god, stride_mm, stride_mn, stride_gsm, stride_gsn,
                 offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, seq_len_k, causal_shift, qk_scale,
@@ -689,6 +698,10 @@ def _attention_grad_key_value_kernel(
                 INPUT_PRECISION,
             )
 
+    if HAS_KEY_PADDING and not HAS_DENSE_MASK:
+        # (A padding key's scores may even overflow: the select drops what they gave.)
+        dk = tl.where(key_keep[:, None], dk, 0.0)
+        dv = tl.where(key_keep[:, None], dv, 0.0)
     dk *= scale
     tl.store(
         _aligned_base(dk_ptr, batch, stride_dkb, kv_head, stride_dkh)
