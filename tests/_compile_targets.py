@@ -8,8 +8,15 @@ representative shape, specialized by Triton's own launch-time rules
 Run in its own process by ``test_triton_compile.py``: the test session runs with
 ``TRITON_INTERPRET=1``, under which ``@triton.jit`` functions are interpreted
 and cannot be compiled.
+
+By hand, ``python tests/_compile_targets.py --loops [--save FILE] [--compare FILE]
+[MODULE ...]`` prints each target's registers, stack, shared memory and the
+instruction count of each loop of its SASS, the cost per iteration that a
+kernel change moves without a GPU to time it (``--save`` writes them as JSON,
+``--compare`` prints only the targets whose facts differ from a saved run).
 """
 
+import argparse
 import collections
 import concurrent.futures
 import itertools
@@ -232,27 +239,104 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
     }
 
 
-def compile_one(module_names, case_id: str) -> dict:
+# SASS (cuobjdump -sass): `/*01a0*/  @!P0 FFMA R1, R2, R3, R4 ;`.  A branch back to an earlier
+# address closes a loop.
+_SASS_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
+_SASS_BRANCH_TARGET = re.compile(r"\bBRA\b[^;]*?\b0x([0-9a-f]+)")
+# Shorter "loops" are the trap at a kernel's end, which branches to itself.
+_MIN_LOOP_INSTRUCTIONS = 8
+
+
+def main_loops(sass: str) -> list[int]:
+    """The instruction count of each loop of ``sass``, in order of their branches back (an outer
+    loop counts the inner ones it holds, and both branches of a condition)."""
+    addresses, loops = [], []
+    for line in sass.splitlines():
+        instruction = _SASS_INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        address = int(instruction.group(1), 16)
+        addresses.append(address)
+        branch = _SASS_BRANCH_TARGET.search(line) if instruction.group(2) == "BRA" else None
+        if branch and int(branch.group(1), 16) <= address:
+            length = len(addresses) - addresses.index(int(branch.group(1), 16))
+            if length >= _MIN_LOOP_INSTRUCTIONS:
+                loops.append(length)
+    return loops
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_one(module_names, case_id: str, loops: bool = False) -> dict:
     target, capability = _targets(module_names)[case_id]
     source, options = compile_source(target.launch(), capability)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as error:  # reported per target by the test
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
+    facts = {"shared": compiled.metadata.shared, **_resource_usage(compiled.asm["cubin"])}
+    if loops:
+        return {**facts, "loops": main_loops(_sass(compiled.asm["cubin"]))}
     return {
-        "shared": compiled.metadata.shared,
-        **_resource_usage(compiled.asm["cubin"]),
+        **facts,
         "num_stages": options["num_stages"],
         **instruction_selection(compiled.asm["ttgir"], compiled.asm["ptx"]),
     }
 
 
-def main(module_names) -> None:
+def compile_all(module_names, loops: bool = False) -> dict:
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        futures = {case_id: pool.submit(compile_one, module_names, case_id) for case_id in _targets(module_names)}
-        results = {case_id: future.result() for case_id, future in futures.items()}
-    json.dump(results, sys.stdout)
+        futures = {
+            case_id: pool.submit(compile_one, module_names, case_id, loops) for case_id in _targets(module_names)
+        }
+        return {case_id: future.result() for case_id, future in futures.items()}
+
+
+def _loop_facts(facts: dict) -> str:
+    if "error" in facts:
+        return facts["error"].splitlines()[0]
+    return f"REG {facts['REG']:3d}  STACK {facts['STACK']:3d}  shared {facts['shared']:6d}  loops {facts['loops']}"
+
+
+def print_loops(results: dict, compare_path: str = None) -> None:
+    """One line per target; with ``compare_path`` (a ``--save``d run), only the targets whose facts
+    differ, the saved ones above."""
+    saved = {}
+    if compare_path:
+        with open(compare_path) as f:
+            saved = json.load(f)
+    for case_id, facts in results.items():
+        if not compare_path:
+            print(f"{case_id:60s} {_loop_facts(facts)}")
+        elif saved.get(case_id) != facts:
+            print(f"{case_id:60s} {_loop_facts(saved[case_id]) if case_id in saved else '(new)'}")
+            print(f"{'':60s} {_loop_facts(facts)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--loops", action="store_true", help="print the SASS loop facts instead of JSON")
+    parser.add_argument("--save", help="with --loops: write them to this JSON file")
+    parser.add_argument("--compare", help="with --loops: print only what differs from this saved file")
+    options = parser.parse_args()
+    unknown = set(options.modules) - set(MODULES)
+    if unknown:
+        parser.error(f"unknown modules {sorted(unknown)}; choose from {list(MODULES)}")
+    results = compile_all(options.modules or list(MODULES), options.loops)
+    if not options.loops:
+        json.dump(results, sys.stdout)
+        return
+    if options.save:
+        with open(options.save, "w") as f:
+            json.dump(results, f, indent=1)
+    print_loops(results, options.compare)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(MODULES))
+    main()
