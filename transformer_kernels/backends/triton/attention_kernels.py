@@ -210,10 +210,12 @@ def _key_range(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
 ):
     # Keys that rows [row_start, row_start + BLOCK_M) can see: [lo, hi), split
-    # at `full_end`.  [lo, full_end) is whole BLOCK_N blocks of kept keys that
-    # every row of the block sees: they need no mask of any kind.  The blocks
-    # of [full_end, hi) do: a partial tail, the diagonal, and, where padding
-    # sits between kept keys (their count falls short of hi - lo), all of them.
+    # at `full_end`, and whether padding sits between the kept keys (`holes`:
+    # their count falls short of hi - lo).  [lo, full_end) is whole BLOCK_N
+    # blocks of kept keys that every row of the block sees: they need no mask of
+    # any kind.  The blocks of [full_end, hi) do: a partial tail, the diagonal,
+    # and, with holes, all of them.  Without holes every key in [lo, hi) is
+    # kept, so the masked blocks need not read the padding.
     # Blocks start on any key: K and V rows are 16-element aligned each, and
     # dropout draws each element's bits from its own coordinates.
     lo = 0
@@ -232,7 +234,7 @@ def _key_range(
     full_end = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
     if HAS_KEY_PADDING:
         full_end = tl.where(holes, lo, full_end)
-    return lo, full_end, hi
+    return lo, full_end, hi, holes
 
 
 @triton.jit
@@ -278,7 +280,7 @@ def _forward_inner(
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
     offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
     head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-    key_start, key_end,
+    key_start, key_end, holes,
     MASKED: tl.constexpr, APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -302,7 +304,11 @@ def _forward_inner(
         if MASKED:
             keep = key_in
             if HAS_KEY_PADDING:
-                padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+                # Read only with holes (see `_key_range`): a load predicated off
+                # costs no memory access, and keys outside [lo, hi) fail key_in.
+                padding = tl.load(
+                    key_padding_base + offs_n * stride_kpn, mask=tl.where(holes, key_in, False), other=0
+                )
                 keep = keep & (padding == 0)
         else:
             keep = tl.full([BLOCK_N], 1, tl.int1)
@@ -419,7 +425,7 @@ def _attention_forward_kernel(
         mask=row_in[:, None] & (offs_d[None, :] < head_dim),
         other=0.0,
     )
-    key_lo, key_full_end, key_hi = _key_range(
+    key_lo, key_full_end, key_hi, holes = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
         BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
@@ -435,7 +441,7 @@ def _attention_forward_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end,
+            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end, holes,
             stage == 1, stage == 1 and CAUSAL != NO_CAUSAL, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL,
             HAS_DROPOUT, EVEN_HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
@@ -724,7 +730,7 @@ def _grad_query_inner(
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
     offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
     head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-    key_start, key_end,
+    key_start, key_end, holes,
     MASKED: tl.constexpr, APPLY_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -754,7 +760,11 @@ def _grad_query_inner(
         if MASKED:
             keep = key_in
             if HAS_KEY_PADDING:
-                padding = tl.load(key_padding_base + offs_n * stride_kpn, mask=key_in, other=1)
+                # Read only with holes (see `_key_range`): a load predicated off
+                # costs no memory access, and keys outside [lo, hi) fail key_in.
+                padding = tl.load(
+                    key_padding_base + offs_n * stride_kpn, mask=tl.where(holes, key_in, False), other=0
+                )
                 keep = keep & (padding == 0)
         else:
             keep = tl.full([BLOCK_N], 1, tl.int1)
@@ -840,7 +850,7 @@ def _attention_grad_query_kernel(
     if HAS_DENSE_MASK:
         mask_base = _head_base(mask_ptr, batch, stride_mb, head, stride_mh)
 
-    key_lo, key_full_end, key_hi = _key_range(
+    key_lo, key_full_end, key_hi, holes = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
         BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
     )
@@ -856,7 +866,7 @@ def _attention_grad_query_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kpn, stride_mm, stride_mn,
             offs_d, offs_dv, head_dim, head_dim_v, seq_len_q, causal_shift, qk_scale,
             head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
-            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end,
+            key_full_end if stage == 1 else key_lo, key_hi if stage == 1 else key_full_end, holes,
             stage == 1, stage == 1 and CAUSAL != NO_CAUSAL, HAS_KEY_PADDING, HAS_DENSE_MASK, MASK_IS_BOOL,
             HAS_DROPOUT, EVEN_HEAD_DIM, BLOCK_M, BLOCK_N, INPUT_PRECISION,
         )
