@@ -377,6 +377,15 @@ def test_every_gpu_tile_shape_in_the_interpreter(kernel, block_m, block_n, masks
     _run_case(heads=1, lq=150, lk=170, head_dim=32, **masks)
 
 
+@pytest.mark.parametrize("splits", [False, True], ids=["one_masked_stage", "split_keys"])
+def test_grad_query_with_and_without_split_keys(splits, monkeypatch):
+    """dQ's two key stages (SPLIT_KEYS) and its one masked stage, which the launcher picks per GPU
+    (``_grad_query_splits_keys``: the interpreter would only meet the first without masks)."""
+    monkeypatch.setattr(triton_attention, "_grad_query_splits_keys", lambda variant, capability: splits)
+    _run_case(lq=70, lk=83, head_dim=64)
+    _run_case(lq=70, lk=83, head_dim=64, causal="top_left", padding="left_and_right")
+
+
 @pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("capability", [80, 90])
