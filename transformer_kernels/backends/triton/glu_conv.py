@@ -139,13 +139,13 @@ def _glu_conv_forward_kernel(
         ci_ok = ci < channels_in
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
+        # Padding positions read pad_value, and so, harmlessly, do rows past the end
+        # (not stored) and channels past C_in (they meet zero weights).
         x_tile = tl.load(
             (x_rows + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
-            other=0.0,
-        )
-        pad_mask = (row_ok & (~in_sequence))[:, None] & ci_ok[None, :]
-        x_tile = tl.where(pad_mask, pad_value, x_tile).to(x_ptr.dtype.element_ty)
+            other=pad_value,
+        ).to(x_ptr.dtype.element_ty)
         w_ptrs = weight_ptr + tap * stride_wk + ci[:, None] * stride_wi + cols[None, :] * stride_wo
         w_mask = ci_ok[:, None] & col_ok[None, :]
         w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)
