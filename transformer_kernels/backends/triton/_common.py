@@ -13,7 +13,8 @@
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
   whichever API set it.
 * ``input_precision``, ``num_sms``, ``cdiv``, ``next_power_of_2``.
-* ``multiple_of_16``: the in-kernel alignment hint.
+* ``multiple_of_16``: the in-kernel alignment hint; ``row_sum_operand``: the
+  dot operand that sums a tile's rows on the tensor cores (bias gradients).
 """
 
 from __future__ import annotations
@@ -250,6 +251,20 @@ def input_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "tf32x3" if allow_tf32 else "ieee"
+
+
+# The narrowest N of a tensor-core dot.
+ROW_SUM_WIDTH = tl.constexpr(16)
+
+
+@triton.jit
+def row_sum_operand(BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_K, ROW_SUM_WIDTH]`` of ``dtype``, ones in column 0 and zeros elsewhere: ``tile @`` it
+    holds ``tile``'s row sums in column 0, summed on the tensor cores from the tile the main dot
+    already loaded (products by 1 are exact, the sums float32); ``tl.sum`` over its columns
+    gives them."""
+    columns = tl.arange(0, ROW_SUM_WIDTH)[None, :]
+    return tl.where(columns == 0, 1.0, 0.0).broadcast_to((BLOCK_K, ROW_SUM_WIDTH)).to(dtype)
 
 
 @triton.jit

@@ -32,11 +32,13 @@ from ...ops.qkv import QkvProjectionArgs
 from ..eager import qkv as eager_qkv
 from ._common import (
     INT32_MAX,
+    ROW_SUM_WIDTH,
     TORCH_TO_TRITON_DTYPE,
     CompileTarget,
     KernelConfig,
     KernelLaunch,
     cdiv,
+    row_sum_operand,
     run_launches,
 )
 # Imported under this name: ``backward`` keeps the count in a local
@@ -325,14 +327,13 @@ def _qkv_grad_weight_kernel(
     token_end = min(token_start + tokens_per_split, num_tokens)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # grad_bias as a dot too: g @ a [BLOCK_K, 16] whose column 0 is ones (16 is the narrowest
-    # tensor-core tile), so the row sums run on tensor cores from g's operand tile, without
-    # reloading it in another layout; products by 1 are exact, the sums fp32.  Every program
-    # runs it: summing only in the first column's programs made each of their steps 1.8x as long
-    # as the others' on sm_90 (SASS: 360 against 201 instructions; now 235 for all), and with the
-    # short token loops of the seeds' batches one wave of programs waits for its slowest.
-    bias_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
-    ones_column = tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0).broadcast_to((BLOCK_K, 16))
+    # grad_bias as a second dot (see row_sum_operand), without reloading g in another layout.
+    # Every program runs it: summing only in the first column's programs made each of their
+    # steps 1.8x as long as the others' on sm_90 (SASS: 360 against 201 instructions; now 225
+    # for all), and with the short token loops of the seeds' batches one wave of programs
+    # waits for its slowest.
+    bias_acc = tl.zeros((BLOCK_M, ROW_SUM_WIDTH), dtype=tl.float32)
+    ones_column = row_sum_operand(BLOCK_K, grad_q_ptr.dtype.element_ty)
     for t0 in range(token_start, token_end, BLOCK_K):
         t = t0 + offs_k
         t_mask = t < token_end
@@ -350,7 +351,7 @@ def _qkv_grad_weight_kernel(
         )
         acc = tl.dot(g, xt, acc)
         if HAS_BIAS:
-            bias_acc = tl.dot(g, ones_column.to(g.dtype), bias_acc)
+            bias_acc = tl.dot(g, ones_column, bias_acc)
 
     rows = proj * embed_dim + offs_f
     mask = f_mask[:, None] & (offs_e < in_features)[None, :]
