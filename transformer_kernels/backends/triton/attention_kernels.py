@@ -41,7 +41,11 @@ multiples of 16 elements (the launchers copy the rare input that is not), and
 say so (``_aligned_base``, ``multiple_of_16``) so that their loads vectorize.
 
 Scores are kept in base-2 units (``qk_scale = scale * log2(e)``) so the
-softmax uses ``exp2``.  Rows where every key is excluded get output 0 and
+softmax uses ``exp2``.  The forward without a dense mask never materializes
+them: it takes each row's maximum of ``Q Kᵀ`` and scales that, which needs
+``scale > 0`` (the launcher runs other scales on a negated or zeroed query), and
+``exp2(qk · qk_scale - m)`` is one FMA per score; the backward folds its lse
+shift into that FMA the same way.  Rows where every key is excluded get output 0 and
 ``lse = +inf``, which makes every probability in backward exactly 0: such rows
 never produce NaN and have zero gradient.
 """
