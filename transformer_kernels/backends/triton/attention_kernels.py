@@ -278,6 +278,27 @@ def _tile_mask(rows_in, columns_in, MASK_ROWS: tl.constexpr, MASK_COLUMNS: tl.co
 
 
 @triton.jit
+def _key_keep(
+    offs_n, key_in, key_padding_base, stride_kpn, holes,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+):
+    # The key-side tests of one key block: none in a MASKED-off block (whole
+    # kept keys, see `_key_range`); else the bounds and, only with holes, the
+    # padding (a load predicated off costs no memory access, and keys outside
+    # [lo, hi) already fail key_in).
+    if MASKED:
+        keep = key_in
+        if HAS_KEY_PADDING:
+            padding = tl.load(
+                key_padding_base + offs_n * stride_kpn, mask=tl.where(holes, key_in, False), other=0
+            )
+            keep = keep & (padding == 0)
+    else:
+        keep = tl.full([BLOCK_N], 1, tl.int1)
+    return keep
+
+
+@triton.jit
 def _forward_inner(
     acc, l_i, m_i, q, offs_m,
     k_base, v_base, key_padding_base, mask_base,
@@ -305,17 +326,7 @@ def _forward_inner(
         else:
             k_t = tl.load(k_ptrs)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
-        if MASKED:
-            keep = key_in
-            if HAS_KEY_PADDING:
-                # Read only with holes (see `_key_range`): a load predicated off
-                # costs no memory access, and keys outside [lo, hi) fail key_in.
-                padding = tl.load(
-                    key_padding_base + offs_n * stride_kpn, mask=tl.where(holes, key_in, False), other=0
-                )
-                keep = keep & (padding == 0)
-        else:
-            keep = tl.full([BLOCK_N], 1, tl.int1)
+        keep = _key_keep(offs_n, key_in, key_padding_base, stride_kpn, holes, BLOCK_N, MASKED, HAS_KEY_PADDING)
         if HAS_DENSE_MASK:
             s = _masked_scores(
                 qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
@@ -763,17 +774,7 @@ def _grad_query_inner(
             k_t = tl.load(k_ptrs)
             v_t = tl.load(v_ptrs)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
-        if MASKED:
-            keep = key_in
-            if HAS_KEY_PADDING:
-                # Read only with holes (see `_key_range`): a load predicated off
-                # costs no memory access, and keys outside [lo, hi) fail key_in.
-                padding = tl.load(
-                    key_padding_base + offs_n * stride_kpn, mask=tl.where(holes, key_in, False), other=0
-                )
-                keep = keep & (padding == 0)
-        else:
-            keep = tl.full([BLOCK_N], 1, tl.int1)
+        keep = _key_keep(offs_n, key_in, key_padding_base, stride_kpn, holes, BLOCK_N, MASKED, HAS_KEY_PADDING)
         p = tl.math.exp2(_masked_scores(
             qk, q_idx, offs_n[None, :], keep[None, :], mask_base, stride_mm, stride_mn,
             seq_len_q, causal_shift, qk_scale, lse[:, None], APPLY_CAUSAL, HAS_DENSE_MASK, MASK_IS_BOOL,
