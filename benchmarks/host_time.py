@@ -17,6 +17,12 @@ Usage: ``python benchmarks/host_time.py [--rounds N]``; prints median and
 p10-p90 microseconds per call.  Issue 9's target: at most 20 us per forward on
 this class of CPU.  Forwards run with inputs that require gradients (autograd
 records them, as in training) unless named "no grad" (inference).
+
+It then times, in a second process that loads the kernels compiled rather than
+interpreted, the part of Triton's own launch that happens before the driver
+call, for each attention kernel: ``kernel[grid](...)`` binding its arguments and
+building its cache key (``JITFunction.run``), against ``DirectLaunch``'s
+replay of a template's arguments.  The driver call itself needs a GPU.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+_LAUNCH_PREPARATION = "--launch-preparation"
+# Before triton is imported: the call timings interpret, the launch preparation compiles.
+os.environ["TRITON_INTERPRET"] = "0" if _LAUNCH_PREPARATION in sys.argv else "1"
 
 import torch  # noqa: E402
 from transformer_kernels.bench.timing import Schedule, Summary, measure  # noqa: E402
@@ -82,17 +92,70 @@ def _calls() -> dict[str, callable]:
     }
 
 
+def _print_launch_preparation(rounds: int) -> None:
+    """Microseconds per launch before the driver call: Triton's binding and cache key against
+    ``DirectLaunch``'s, for the launches of the seeds' kind of call (bf16, head dim 64, causal
+    with key padding, sm_90)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    from transformer_kernels.backends.triton import attention
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    launches = {}
+    for target in attention.compile_targets():
+        if 90 in target.capabilities and (target.name.endswith("_bf16_d64_causal_padding") or "_delta_bf16" in target.name
+                                          or target.name == "attention_key_bounds"):
+            launches[target.name] = target.launch()
+
+    def triton_preparation(launch, binder, key_cache):
+        def prepare():
+            bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+            return compute_cache_key(key_cache, specialization, options), list(bound_args.values())
+        return prepare
+
+    def direct_preparation(launch):
+        compiled = {}
+
+        def prepare():
+            arguments = launch.direct.arguments(launch)
+            return compiled.get(launch.direct.key(0, arguments)), arguments
+        return prepare
+
+    calls = {}
+    for name, launch in launches.items():
+        binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+        calls[f"{name} triton"] = triton_preparation(launch, binder, {})
+        calls[f"{name} direct"] = direct_preparation(launch)
+    result = measure(calls, torch.device("cpu"), Schedule(rounds, rounds, 0.0, 0.02))
+    print(f"launch preparation before the driver call, per launch ({rounds} rounds; triton {triton.__version__})")
+    for name, launch in launches.items():
+        triton_us, direct_us = (Summary.of([t * 1e6 for t in result["times_s"][f"{name} {way}"]]).median
+                                for way in ("triton", "direct"))
+        print(f"  {name:52s} {len(launch.args) + len(launch.kwargs):3d} arguments: "
+              f"kernel[grid] {triton_us:5.1f} us, direct {direct_us:4.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
-    rounds = parser.parse_args().rounds
-    _common.KernelLaunch.__call__ = lambda self: None
+    parser.add_argument(_LAUNCH_PREPARATION, action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    rounds = options.rounds
     torch.set_num_threads(1)
+    if options.launch_preparation:
+        _print_launch_preparation(rounds)
+        return
+    _common.KernelLaunch.__call__ = lambda self: None
     result = measure(_calls(), torch.device("cpu"), Schedule(rounds, rounds, 0.0, 0.02))
     print(f"host time per call, kernel launches stubbed ({rounds} rounds; torch {torch.__version__}, 1 thread)")
     for name, times in result["times_s"].items():
         summary = Summary.of([t * 1e6 for t in times])
         print(f"  {name:28s} {summary.median:8.1f} us  (p10-p90 {summary.low:.1f}-{summary.high:.1f})")
+    sys.stdout.flush()
+    subprocess.run([sys.executable, __file__, _LAUNCH_PREPARATION, "--rounds", str(rounds)], check=True)
 
 
 if __name__ == "__main__":

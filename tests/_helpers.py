@@ -9,6 +9,8 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
+* :func:`json_of_compiled_script`: what a script of this folder prints, run in a process whose
+  Triton kernels are compiled rather than interpreted.
 
 The spies look at what a backend function returns (or its positional arguments as a whole), never
 at its parameter list: those signatures change with the kernels.
@@ -16,13 +18,18 @@ at its parameter list: those signatures change with the kernels.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable, Optional, Sequence, Union
+import pathlib
+import subprocess
+import sys
+from typing import Any, Callable, Optional, Sequence, Union
 
 import pytest
 import torch
 from conftest import CUDA, TRITON_DEVICE
 
+import transformer_kernels
 from transformer_kernels import _backend
 from transformer_kernels._backend import backend_module
 from transformer_kernels.bench.check import Results, as_list, outputs_and_grads  # noqa: F401  (shared with --check)
@@ -301,3 +308,23 @@ class ForwardSpy:
     @property
     def backends(self) -> list[str]:
         return [name for _, name in self.calls]
+
+
+# ----------------------------------------------------------------------------
+# Scripts that need Triton's compiled kernels
+# ----------------------------------------------------------------------------
+
+
+def json_of_compiled_script(script_name: str, timeout: float) -> Any:
+    """The JSON that ``tests/<script_name>`` prints, run with ``TRITON_INTERPRET=0``: this session
+    interprets the kernels, and only compiled ones can be compiled for a GPU or bound by Triton."""
+    script = pathlib.Path(__file__).with_name(script_name)
+    # A script's path starts at its own folder, not the working directory: put
+    # the package this session imported first, or a checkout run from its root
+    # would use the installed copy's kernels instead of its own.
+    package_root = str(pathlib.Path(transformer_kernels.__file__).resolve().parents[1])
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": python_path}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout)

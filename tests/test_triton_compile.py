@@ -23,17 +23,12 @@ session runs with the Triton interpreter switched on.
 """
 
 import fnmatch
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from _helpers import json_of_compiled_script
 
 triton = pytest.importorskip("triton")
 
-import transformer_kernels  # noqa: E402
 from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
 
 MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
@@ -105,16 +100,7 @@ def fallbacks(case_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    script = pathlib.Path(__file__).with_name("_compile_targets.py")
-    # A script's path starts at its own folder, not the working directory: put
-    # the package this session imported first, or a checkout run from its root
-    # would compile the installed copy's kernels instead of its own.
-    package_root = str(pathlib.Path(transformer_kernels.__file__).resolve().parents[1])
-    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": python_path}
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1500)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout)
+    return json_of_compiled_script("_compile_targets.py", timeout=1500)
 
 
 def test_every_module_lists_targets():

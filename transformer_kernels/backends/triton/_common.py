@@ -7,7 +7,8 @@
   that shape runs (``compile_source`` specializes it the way Triton's
   launcher does).
 * ``LaunchTemplates``: a call's launches worked out once per layout, so later
-  calls of that layout only fill in their tensors.
+  calls of that layout only fill in their tensors, and ``DirectLaunch``, which
+  runs them on their compiled kernel without Triton's per-call binding.
 * ``KernelConfig``: the tile sizes and launch options of one kernel, and
   ``run_launches``, which runs a call's launches on its tensors' device.
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
@@ -36,15 +37,98 @@ INT32_MAX = 2**31 - 1
 @dataclasses.dataclass(frozen=True)
 class KernelLaunch:
     """``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the constexprs and
-    the launch options (``num_warps``, ``num_stages``)."""
+    the launch options (``num_warps``, ``num_stages``).  ``direct``: how a
+    launch of a template runs its compiled kernel without Triton's binding
+    (:class:`DirectLaunch`), or None."""
 
     kernel: Any
     grid: tuple
     args: tuple
     kwargs: dict
+    direct: Optional["DirectLaunch"] = None
 
     def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        if self.direct is None:
+            self.kernel[self.grid](*self.args, **self.kwargs)
+        else:
+            self.direct.run(self)
+
+
+def current_device_and_stream() -> tuple[int, int]:
+    """The current device and its current stream, as Triton's launcher takes them."""
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    return device, driver.get_current_stream(device)
+
+
+class DirectLaunch:
+    """One launch of a :class:`LaunchTemplates` entry, run on its compiled kernel directly.
+
+    ``kernel[grid](*args, **kwargs)`` binds every argument, works out each one's specialization
+    and builds a cache key from them on every call before it finds the compiled kernel: 10-13 us
+    for an attention kernel's 60-74 arguments (``benchmarks/host_time.py``), as long as the
+    kernel runs at the seeds' sizes.  A template fixes every argument but its leading tensors
+    and its per-call keyword arguments, so after its first launch, which goes through Triton and
+    compiles, the compiled kernel is kept and later launches hand it the arguments as Triton's
+    launcher does: every parameter's value in signature order (constexprs included), the
+    template's values worked out once.
+
+    That is sound only where the compiled variant cannot depend on what the call puts in: a
+    kernel whose tensor parameters are exempt from alignment specialization (the attention
+    kernels' ``_kernel``), so that only their dtypes and which of them are None count, and
+    these key the compiled kernels with the device.  :meth:`of` returns None for any other
+    kernel, which keeps Triton's own launch.
+    """
+
+    __slots__ = ("num_pointers", "tail", "call_slots", "compiled")
+
+    def __init__(self, num_pointers: int, tail: list, call_slots: tuple[tuple[int, str], ...]) -> None:
+        self.num_pointers, self.tail, self.call_slots = num_pointers, tail, call_slots
+        self.compiled: dict[tuple, Any] = {}
+
+    @classmethod
+    def of(cls, launch: "KernelLaunch", num_pointers: int, call_kwargs: Iterable[str]) -> Optional["DirectLaunch"]:
+        """For ``launch`` (a template's, with its pointers and call keyword arguments in place)."""
+        kernel = launch.kernel
+        if not isinstance(kernel, triton.runtime.JITFunction):  # the interpreter's kernels
+            return None
+        parameters = kernel.signature.parameters
+        bound = kernel.signature.bind(
+            *launch.args, **{name: value for name, value in launch.kwargs.items() if name in parameters}
+        )
+        bound.apply_defaults()
+        names = list(bound.arguments)
+        call_slots = tuple((names.index(name), name) for name in call_kwargs)
+        varying = [*range(num_pointers), *(index for index, _ in call_slots)]
+        if not all(kernel.params[index].do_not_specialize_on_alignment for index in varying):
+            return None
+        values = list(bound.arguments.values())
+        return cls(num_pointers, values[num_pointers:], call_slots)
+
+    def arguments(self, launch: "KernelLaunch") -> list:
+        """Every parameter's value for ``launch``, in signature order: what Triton's binder gives."""
+        arguments = [*launch.args[: self.num_pointers], *self.tail]
+        for index, name in self.call_slots:
+            arguments[index] = launch.kwargs[name]
+        return arguments
+
+    def key(self, device: int, arguments: list) -> tuple:
+        """What the compiled kernel for ``arguments`` depends on beyond the template: the device,
+        and the tensors' dtypes (or None)."""
+        return (device, *(None if value is None else value.dtype for value in arguments[: self.num_pointers]),
+                *(arguments[index].dtype for index, _ in self.call_slots))
+
+    def run(self, launch: "KernelLaunch") -> None:
+        arguments = self.arguments(launch)
+        device, stream = current_device_and_stream()
+        key = self.key(device, arguments)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+            if compiled is not None:
+                self.compiled[key] = compiled
+            return
+        compiled[launch.grid](*arguments, stream=stream)
 
 
 class LaunchTemplates:
@@ -56,7 +140,8 @@ class LaunchTemplates:
     scalars, the GPU), so the first call of a layout builds its launches and keeps them as a
     template: the launches without their leading pointer arguments and without the keyword
     arguments that vary from call to call (a device tensor holding a seed).  Later calls of
-    that layout only put their tensors in.
+    that layout only put their tensors in, and where the kernel allows it they skip Triton's
+    argument binding too (:class:`DirectLaunch`).
 
     ``layout`` must determine every argument besides those, including what the build reads from
     state that can change at run time (a tile table a sweep swaps).  The template is checked, when
@@ -81,7 +166,7 @@ class LaunchTemplates:
             self._templates[layout] = template
         return [
             KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args),
-                         {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs)
+                         {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
             for launch in template
         ]
 
@@ -97,7 +182,8 @@ def _template(launches: list[KernelLaunch], pointers: tuple, call_kwargs: dict) 
         kwargs = {name: value for name, value in launch.kwargs.items() if name not in call_kwargs}
         if any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
             raise RuntimeError(f"a launch of {launch.kernel} takes a tensor its template would keep")
-        template.append(KernelLaunch(launch.kernel, launch.grid, args, kwargs))
+        direct = DirectLaunch.of(launch, len(pointers), call_kwargs)
+        template.append(KernelLaunch(launch.kernel, launch.grid, args, kwargs, direct))
     return tuple(template)
 
 

@@ -1,0 +1,66 @@
+"""For every Triton compile target, print as JSON whether its launch runs directly on its compiled
+kernel (``DirectLaunch``), and whether that is sound under the installed Triton: the arguments it
+hands the compiled kernel are those Triton's own binder gives, and the specialization Triton works
+out does not change when every tensor moves to an address that is not 16-byte aligned (so one
+compiled kernel serves every call of the template).
+
+Run in its own process by ``test_triton_direct_launch.py``: Triton's binder exists only for
+compiled kernels, and the test session interprets them (``TRITON_INTERPRET=1``).
+"""
+
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
+
+MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
+
+
+def _misaligned(value):
+    """A tensor like ``value`` one element past a 16-byte boundary; anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.numel() + 1, dtype=value.dtype)[1:].view(value.shape)
+
+
+def _same(a, b) -> bool:
+    return a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b and type(a) is type(b)
+
+
+def facts(launch, capability: int) -> dict:
+    if launch.direct is None:
+        return {"direct": False}
+    binder = create_function_from_signature(
+        launch.kernel.signature, launch.kernel.params, make_backend(GPUTarget("cuda", capability, 32))
+    )
+    bound, specialization, _ = binder(*launch.args, **launch.kwargs)
+    arguments = launch.direct.arguments(launch)
+    misaligned_args = tuple(_misaligned(value) for value in launch.args)
+    misaligned_kwargs = {name: _misaligned(value) for name, value in launch.kwargs.items()}
+    _, misaligned_specialization, _ = binder(*misaligned_args, **misaligned_kwargs)
+    return {
+        "direct": True,
+        "arguments_match": len(arguments) == len(bound)
+        and all(_same(a, b) for a, b in zip(arguments, bound.values())),
+        "alignment_independent": list(map(str, specialization)) == list(map(str, misaligned_specialization)),
+    }
+
+
+def main() -> None:
+    result = {}
+    for module_name, module in MODULES.items():
+        for target in module.compile_targets():
+            for capability in target.capabilities:
+                result[f"{module_name}/{target.name}@sm_{capability}"] = facts(target.launch(), capability)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
