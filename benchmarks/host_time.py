@@ -20,9 +20,10 @@ records them, as in training) unless named "no grad" (inference).
 
 It then times, in a second process that loads the kernels compiled rather than
 interpreted, the part of Triton's own launch that happens before the driver
-call, for each attention kernel: ``kernel[grid](...)`` binding its arguments and
-building its cache key (``JITFunction.run``), against ``DirectLaunch``'s
-replay of a template's arguments.  The driver call itself needs a GPU.
+call, for each attention kernel and each GEMM kernel: ``kernel[grid](...)``
+binding its arguments and building its cache key (``JITFunction.run``), against
+``DirectLaunch``'s replay of a template's arguments and its key.  The driver
+call itself needs a GPU.
 """
 
 from __future__ import annotations
@@ -94,14 +95,14 @@ def _calls() -> dict[str, callable]:
 
 def _print_launch_preparation(rounds: int) -> None:
     """Microseconds per launch before the driver call: Triton's binding and cache key against
-    ``DirectLaunch``'s, for the launches of the seeds' kind of call (bf16, head dim 64, causal
-    with key padding, sm_90)."""
+    ``DirectLaunch``'s, for the attention launches of the seeds' kind of call (bf16, head dim 64,
+    causal with key padding, sm_90) and one launch of each GEMM kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-    from transformer_kernels.backends.triton import attention
+    from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
     launches = {}
@@ -109,6 +110,12 @@ def _print_launch_preparation(rounds: int) -> None:
         if 90 in target.capabilities and (target.name.endswith("_bf16_d64_causal_padding") or "_delta_bf16" in target.name
                                           or target.name == "attention_key_bounds"):
             launches[target.name] = target.launch()
+    # The GEMMs: the first sm_90 target of each kernel.
+    for module in (qkv, glu_conv, _split_sum):
+        for target in module.compile_targets():
+            launch = target.launch()
+            if 90 in target.capabilities and all(other.kernel is not launch.kernel for other in launches.values()):
+                launches[target.name] = launch
 
     def triton_preparation(launch, binder, key_cache):
         def prepare():
@@ -134,7 +141,7 @@ def _print_launch_preparation(rounds: int) -> None:
     for name, launch in launches.items():
         triton_us, direct_us = (Summary.of([t * 1e6 for t in result["times_s"][f"{name} {way}"]]).median
                                 for way in ("triton", "direct"))
-        print(f"  {name:52s} {len(launch.args) + len(launch.kwargs):3d} arguments: "
+        print(f"  {name:54s} {len(launch.args) + len(launch.kwargs):3d} arguments: "
               f"kernel[grid] {triton_us:5.1f} us, direct {direct_us:4.1f} us")
 
 

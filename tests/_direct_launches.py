@@ -1,13 +1,14 @@
 """For every Triton compile target, print as JSON whether its launch runs directly on its compiled
 kernel (``DirectLaunch``), and whether that is sound under the installed Triton: the arguments it
 hands the compiled kernel are those Triton's own binder gives, and the specialization Triton works
-out does not change when every tensor moves to an address that is not 16-byte aligned (so one
-compiled kernel serves every call of the template).
+out for the launch with any one tensor moved off its 16-byte alignment is the same wherever
+``DirectLaunch``'s key for it is (so the key picks the right compiled kernel).
 
 Run in its own process by ``test_triton_direct_launch.py``: Triton's binder exists only for
 compiled kernels, and the test session interprets them (``TRITON_INTERPRET=1``).
 """
 
+import dataclasses
 import json
 import os
 
@@ -40,16 +41,33 @@ def facts(launch, capability: int) -> dict:
     binder = create_function_from_signature(
         launch.kernel.signature, launch.kernel.params, make_backend(GPUTarget("cuda", capability, 32))
     )
-    bound, specialization, _ = binder(*launch.args, **launch.kwargs)
+
+    def variant(args, kwargs):
+        """Triton's specialization of a launch, and the key ``DirectLaunch`` files its compiled kernel under."""
+        moved = dataclasses.replace(launch, args=args, kwargs=kwargs)
+        _, specialization, _ = binder(*args, **kwargs)
+        return list(map(str, specialization)), launch.direct.key(0, launch.direct.arguments(moved))
+
+    bound, _, _ = binder(*launch.args, **launch.kwargs)
     arguments = launch.direct.arguments(launch)
-    misaligned_args = tuple(_misaligned(value) for value in launch.args)
-    misaligned_kwargs = {name: _misaligned(value) for name, value in launch.kwargs.items()}
-    _, misaligned_specialization, _ = binder(*misaligned_args, **misaligned_kwargs)
+    specialization, key = variant(launch.args, launch.kwargs)
+    # Each tensor moved off its 16-byte alignment in turn: where the key stays, the variant must too.
+    key_determines_variant = True
+    for index, value in enumerate(launch.args):
+        if isinstance(value, torch.Tensor):
+            moved_specialization, moved_key = variant((*launch.args[:index], _misaligned(value), *launch.args[index + 1:]),
+                                                      launch.kwargs)
+            key_determines_variant &= moved_key != key or moved_specialization == specialization
+    for name, value in launch.kwargs.items():
+        if isinstance(value, torch.Tensor):
+            moved_specialization, moved_key = variant(launch.args, {**launch.kwargs, name: _misaligned(value)})
+            key_determines_variant &= moved_key != key or moved_specialization == specialization
     return {
         "direct": True,
         "arguments_match": len(arguments) == len(bound)
         and all(_same(a, b) for a, b in zip(arguments, bound.values())),
-        "alignment_independent": list(map(str, specialization)) == list(map(str, misaligned_specialization)),
+        "key_determines_variant": key_determines_variant,
+        "key_holds_addresses": bool(launch.direct.aligned_slots),
     }
 
 

@@ -1,4 +1,5 @@
 import contextlib
+import importlib.util
 import os
 
 import pytest
@@ -14,6 +15,12 @@ if CUDA:
     os.environ["TRITON_INTERPRET"] = "0"
 
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+if importlib.util.find_spec("triton") is not None:
+    from transformer_kernels.backends.triton._common import LaunchTemplates
+
+    # Every call of a known layout also builds its launches anew and checks them against the kept ones.
+    LaunchTemplates.verify = True
 
 
 @pytest.fixture(autouse=True)

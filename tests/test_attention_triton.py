@@ -274,9 +274,20 @@ def test_launch_templates_keep_no_tensor():
     with pytest.raises(RuntimeError, match="does not begin with the call's pointer arguments"):
         templates.launches("layout", (other,), lambda: [launch])
     (bound,) = templates.launches("layout", (tensor, other), lambda: [launch])
-    (rebound,) = templates.launches("layout", (other, tensor), lambda: [])
+    relaunch = KernelLaunch(None, (1,), (other, tensor, 7), {"BLOCK": 16})
+    (rebound,) = templates.launches("layout", (other, tensor), lambda: [relaunch])
     assert bound.args == (tensor, other, 7) and bound.kwargs == {"BLOCK": 16}
     assert rebound.args == (other, tensor, 7) and rebound.kwargs == {"BLOCK": 16}
+
+
+def test_launch_templates_verify_that_the_layout_determines_the_launches():
+    # The test suite runs with LaunchTemplates.verify on: a layout that misses an argument the launches
+    # depend on fails at its next call rather than launching with the first call's value.
+    tensor, templates = torch.empty(4), LaunchTemplates()
+    assert LaunchTemplates.verify
+    templates.launches("layout", (tensor,), lambda: [KernelLaunch(None, (1,), (tensor, 7), {"BLOCK": 16})])
+    with pytest.raises(AssertionError, match="misses something the launches depend on"):
+        templates.launches("layout", (tensor,), lambda: [KernelLaunch(None, (1,), (tensor, 8), {"BLOCK": 16})])
 
 
 def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():

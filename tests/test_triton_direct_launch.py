@@ -3,9 +3,10 @@
 
 A template's later launches hand its compiled kernel the arguments themselves.
 Under the installed Triton (``_direct_launches.py``, in a process that compiles
-rather than interprets): every attention launch goes that way; its arguments
-are exactly what Triton's binder gives; and one compiled kernel serves every
-call, since the specialization does not change with the tensors' addresses.
+rather than interprets), for every compile target: the launch goes that way;
+its arguments are exactly what Triton's binder gives; and the key it files the
+compiled kernel under changes wherever Triton's specialization does when a
+tensor's address loses its 16-byte alignment (attention's never does).
 Here, with a stand-in kernel and compiled kernel: which launches go through
 Triton (the first of each device and dtypes) and which run directly.
 """
@@ -26,17 +27,20 @@ def direct_facts() -> dict:
     return json_of_compiled_script("_direct_launches.py", timeout=600)
 
 
-def test_every_attention_launch_runs_directly(direct_facts):
-    attention = {case: facts for case, facts in direct_facts.items() if case.startswith("attention/")}
-    assert attention
-    assert [case for case, facts in attention.items() if not facts["direct"]] == []
+def test_every_launch_runs_directly(direct_facts):
+    assert direct_facts
+    assert [case for case, facts in direct_facts.items() if not facts["direct"]] == []
 
 
 def test_direct_launches_are_what_triton_would_launch(direct_facts):
-    direct = {case: facts for case, facts in direct_facts.items() if facts["direct"]}
-    assert direct
-    assert [case for case, facts in direct.items() if not facts["arguments_match"]] == []
-    assert [case for case, facts in direct.items() if not facts["alignment_independent"]] == []
+    assert [case for case, facts in direct_facts.items() if not facts["arguments_match"]] == []
+    assert [case for case, facts in direct_facts.items() if not facts["key_determines_variant"]] == []
+
+
+def test_attention_launches_depend_on_no_address(direct_facts):
+    attention = {case: facts for case, facts in direct_facts.items() if case.startswith("attention/")}
+    assert attention
+    assert [case for case, facts in attention.items() if facts["key_holds_addresses"]] == []
 
 
 def _scale(x_ptr, out_ptr, n, seed_ptr, factor, BLOCK: "tl.constexpr", EXTRA: "tl.constexpr" = 3):  # noqa: F821
@@ -104,9 +108,17 @@ def test_a_template_launches_through_triton_once_per_dtypes(device_and_stream):
     assert [way for way, *_ in launches] == ["triton", "direct", "triton", "direct"]
 
 
-def test_a_kernel_that_specializes_on_alignment_always_launches_through_triton(device_and_stream):
+def test_alignment_keys_the_compiled_kernel_of_a_kernel_that_specializes_on_it(device_and_stream):
     launches = []
     kernel, templates = _stand_in_kernel(False, launches), _common.LaunchTemplates()
-    for _ in range(3):
-        _launch(templates, kernel, torch.zeros(10), torch.zeros(10), torch.zeros(2, dtype=torch.int64))
-    assert [way for way, *_ in launches] == ["triton"] * 3
+    buffer, seed = torch.zeros(64), torch.zeros(2, dtype=torch.int64)
+    aligned, misaligned = buffer[:10], buffer[1:11]  # 0 and 4 bytes past a 16-byte boundary
+    assert aligned.data_ptr() % 16 == 0
+    for x in (aligned, buffer[4:14], misaligned, misaligned):
+        _launch(templates, kernel, x, torch.zeros(10), seed)
+    assert [way for way, *_ in launches] == ["triton", "direct", "triton", "direct"]
+
+
+def test_an_interpreted_kernel_launches_through_triton():
+    launch = _common.KernelLaunch(lambda *args: None, (1,), (torch.zeros(1), 3), {})
+    assert _common.DirectLaunch.of(launch, 1, ()) is None

@@ -66,31 +66,32 @@ class DirectLaunch:
 
     ``kernel[grid](*args, **kwargs)`` binds every argument, works out each one's specialization
     and builds a cache key from them on every call before it finds the compiled kernel: 10-13 us
-    for an attention kernel's 60-74 arguments (``benchmarks/host_time.py``), as long as the
-    kernel runs at the seeds' sizes.  A template fixes every argument but its leading tensors
-    and its per-call keyword arguments, so after its first launch, which goes through Triton and
-    compiles, the compiled kernel is kept and later launches hand it the arguments as Triton's
-    launcher does: every parameter's value in signature order (constexprs included), the
-    template's values worked out once.
+    for an attention kernel's 60-74 arguments, 4-6 us for a GEMM's 25-40
+    (``benchmarks/host_time.py``), as long as the kernels run at the seeds' sizes.  A template
+    fixes every argument but its leading tensors and its per-call keyword arguments, so after
+    the first launch of a variant, which goes through Triton (and compiles), the compiled kernel
+    is kept and later launches hand it the arguments as Triton's launcher does: every
+    parameter's value in signature order (constexprs included), the template's worked out once.
 
-    That is sound only where the compiled variant cannot depend on what the call puts in: a
-    kernel whose tensor parameters are exempt from alignment specialization (the attention
-    kernels' ``_kernel``), so that only their dtypes and which of them are None count, and
-    these key the compiled kernels with the device.  :meth:`of` returns None for any other
-    kernel, which keeps Triton's own launch.
+    A template fixes the integers Triton specializes on (equal to 1, divisible by 16), so the
+    variant depends only on the tensors: their dtypes, which are None, and, for a parameter not
+    exempt from it, whether the address is 16-byte aligned.  These key the compiled kernels,
+    with the device.  The attention kernels (``_kernel``) are exempt on every tensor, so their
+    key holds no address.
     """
 
-    __slots__ = ("num_pointers", "tail", "call_slots", "compiled")
+    __slots__ = ("num_pointers", "tail", "call_slots", "aligned_slots", "compiled")
 
-    def __init__(self, num_pointers: int, tail: list, call_slots: tuple[tuple[int, str], ...]) -> None:
-        self.num_pointers, self.tail, self.call_slots = num_pointers, tail, call_slots
+    def __init__(self, num_pointers: int, tail: list, call_slots: tuple, aligned_slots: tuple[int, ...]) -> None:
+        self.num_pointers, self.tail, self.call_slots, self.aligned_slots = num_pointers, tail, call_slots, aligned_slots
         self.compiled: dict[tuple, Any] = {}
 
     @classmethod
     def of(cls, launch: "KernelLaunch", num_pointers: int, call_kwargs: Iterable[str]) -> Optional["DirectLaunch"]:
-        """For ``launch`` (a template's, with its pointers and call keyword arguments in place)."""
+        """For ``launch`` (a template's, with its pointers and call keyword arguments in place); None
+        for a kernel Triton interprets."""
         kernel = launch.kernel
-        if not isinstance(kernel, triton.runtime.JITFunction):  # the interpreter's kernels
+        if not isinstance(kernel, triton.runtime.JITFunction):
             return None
         parameters = kernel.signature.parameters
         bound = kernel.signature.bind(
@@ -100,10 +101,8 @@ class DirectLaunch:
         names = list(bound.arguments)
         call_slots = tuple((names.index(name), name) for name in call_kwargs)
         varying = [*range(num_pointers), *(index for index, _ in call_slots)]
-        if not all(kernel.params[index].do_not_specialize_on_alignment for index in varying):
-            return None
-        values = list(bound.arguments.values())
-        return cls(num_pointers, values[num_pointers:], call_slots)
+        aligned_slots = tuple(index for index in varying if not kernel.params[index].do_not_specialize_on_alignment)
+        return cls(num_pointers, list(bound.arguments.values())[num_pointers:], call_slots, aligned_slots)
 
     def arguments(self, launch: "KernelLaunch") -> list:
         """Every parameter's value for ``launch``, in signature order: what Triton's binder gives."""
@@ -113,10 +112,14 @@ class DirectLaunch:
         return arguments
 
     def key(self, device: int, arguments: list) -> tuple:
-        """What the compiled kernel for ``arguments`` depends on beyond the template: the device,
-        and the tensors' dtypes (or None)."""
-        return (device, *(None if value is None else value.dtype for value in arguments[: self.num_pointers]),
-                *(arguments[index].dtype for index, _ in self.call_slots))
+        """What the compiled kernel for ``arguments`` depends on beyond the template."""
+        key = [device]
+        key += [None if tensor is None else tensor.dtype for tensor in arguments[: self.num_pointers]]
+        if self.call_slots:
+            key += [arguments[index].dtype for index, _ in self.call_slots]
+        if self.aligned_slots:
+            key += [arguments[i] is not None and arguments[i].data_ptr() % 16 == 0 for i in self.aligned_slots]
+        return tuple(key)
 
     def run(self, launch: "KernelLaunch") -> None:
         arguments = self.arguments(launch)
@@ -146,8 +149,13 @@ class LaunchTemplates:
     ``layout`` must determine every argument besides those, including what the build reads from
     state that can change at run time (a tile table a sweep swaps).  The template is checked, when
     it is made, to hold no tensor, so a tensor left out of ``pointers`` fails there rather than
-    running on a stale address.  Bounded: decoding meets a new length on every step.
+    running on a stale address.  With ``verify`` set (the test suite sets it), every later call
+    builds its launches anew too and fails unless they equal the template's: a layout that misses
+    something its build reads shows in any test whose calls differ in it.  Bounded: decoding meets
+    a new length on every step.
     """
+
+    verify = False
 
     def __init__(self, max_layouts: int = 4096) -> None:
         self._templates: dict[Hashable, tuple[KernelLaunch, ...]] = {}
@@ -164,11 +172,24 @@ class LaunchTemplates:
             if len(self._templates) >= self._max_layouts:
                 self._templates.clear()
             self._templates[layout] = template
+        elif self.verify:
+            _check_template(template, build(), pointers, call_kwargs, layout)
         return [
             KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args),
                          {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
             for launch in template
         ]
+
+
+def _check_template(template: tuple, launches: list, pointers: tuple, call_kwargs: dict, layout: Hashable) -> None:
+    """Fails unless ``launches``, built for this call, are ``template``'s for it."""
+    rebuilt = _template(launches, pointers, call_kwargs)
+    if len(rebuilt) != len(template) or any(
+        (kept.kernel, kept.grid, kept.args, kept.kwargs) != (new.kernel, new.grid, new.args, new.kwargs)
+        for kept, new in zip(template, rebuilt)
+    ):
+        raise AssertionError(f"the launches kept for layout {layout!r} differ from this call's: the layout "
+                             f"misses something the launches depend on")
 
 
 def _template(launches: list[KernelLaunch], pointers: tuple, call_kwargs: dict) -> tuple[KernelLaunch, ...]:

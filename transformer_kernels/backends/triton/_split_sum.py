@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelConfig, KernelLaunch, cdiv
+from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelConfig, KernelLaunch, LaunchTemplates, cdiv
 
 __all__ = ["split_sum_launch", "compile_targets"]
 
@@ -34,12 +34,21 @@ def _split_sum_kernel(partials_ptr, out_ptr, numel, num_splits, BLOCK_M: tl.cons
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=in_range)
 
 
+# Every launch of this kernel, by layout (see ``LaunchTemplates``).
+_TEMPLATES = LaunchTemplates()
+
+
 def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
     """``out = partials.sum(0)`` cast to ``out``'s dtype: ``partials`` a contiguous float32
     ``[splits, *out.shape]``, ``out`` contiguous."""
-    numel = out.numel()
-    return KernelLaunch(_split_sum_kernel, (cdiv(numel, _CONFIG.block_m),), (partials, out, numel, partials.shape[0]),
-                        _CONFIG.launch_kwargs())
+    numel, num_splits = out.numel(), partials.shape[0]
+
+    def build() -> list[KernelLaunch]:
+        grid = (cdiv(numel, _CONFIG.block_m),)
+        return [KernelLaunch(_split_sum_kernel, grid, (partials, out, numel, num_splits), _CONFIG.launch_kwargs())]
+
+    (launch,) = _TEMPLATES.launches((numel, num_splits), (partials, out), build)
+    return launch
 
 
 # A QKV weight gradient's partial sums, and a ragged GLU bias gradient's (an odd channel count):

@@ -50,6 +50,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    LaunchTemplates,
     cdiv,
     compute_capability,
     fp32_conv_allows_tf32,
@@ -469,6 +470,10 @@ def unsupported_reason(
     return None
 
 
+# Every launch of this backend, by layout (see ``LaunchTemplates``).
+_TEMPLATES = LaunchTemplates()
+
+
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward: the packed weight (see :func:`_packed_weight`), so
     backward does not pack it again; the pre-activation is recomputed, never kept."""
@@ -519,39 +524,52 @@ def _preactivation_launch(
     """``_glu_conv_forward_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
     for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
     epilogue."""
-    batch, channels_in, length_in = x.shape
-    kernel_size, _, channels_z = packed.shape
     config = dots.config("forward", x.dtype)
-    unused_strides = (0, 0, 0)
-    grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
-    return KernelLaunch(_glu_conv_forward_kernel, grid, (
+    pointers = (
         x,
         packed,
         bias if bias is not None else packed,
         residual if residual is not None else destination,
         grad_out if grad_out is not None else destination,
         destination,
-        batch,
-        length_in,
-        length_out,
-        channels_in,
-        channels_z // 2,
-        kernel_size,
-        pad_left,
-        float(pad_value),
-        float(residual_scale),
-        *x.stride(),
-        *packed.stride(),
-        *(residual.stride() if residual is not None else unused_strides),
-        *(grad_out.stride() if grad_out is not None else unused_strides),
-        *destination.stride(),
-    ), dict(
-        HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None,
-        COMPUTE_GRAD=grad_out is not None,
-        INPUT_PRECISION=dots.precision,
-        **config.launch_kwargs(),
-    ))
+    )
+    layout = (
+        "forward", x.shape, x.stride(), packed.shape, packed.stride(), bias is None,
+        None if residual is None else residual.stride(), None if grad_out is None else grad_out.stride(),
+        destination.stride(), pad_left, length_out, pad_value, residual_scale, dots.precision, config,
+    )
+
+    def build() -> list[KernelLaunch]:
+        batch, channels_in, length_in = x.shape
+        kernel_size, _, channels_z = packed.shape
+        unused_strides = (0, 0, 0)
+        grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
+        return [KernelLaunch(_glu_conv_forward_kernel, grid, (
+            *pointers,
+            batch,
+            length_in,
+            length_out,
+            channels_in,
+            channels_z // 2,
+            kernel_size,
+            pad_left,
+            float(pad_value),
+            float(residual_scale),
+            *x.stride(),
+            *packed.stride(),
+            *(residual.stride() if residual is not None else unused_strides),
+            *(grad_out.stride() if grad_out is not None else unused_strides),
+            *destination.stride(),
+        ), dict(
+            HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            COMPUTE_GRAD=grad_out is not None,
+            INPUT_PRECISION=dots.precision,
+            **config.launch_kwargs(),
+        ))]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 def _weight_splits(rows: int, tiles: int, config: KernelConfig, device: torch.device) -> int:
@@ -650,15 +668,23 @@ def _grad_input_launch(
 ) -> KernelLaunch:
     """``_glu_conv_grad_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
     ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
-    batch, channels_in, length_in = grad_x.shape
-    kernel_size, _, channels_z = packed.shape
     config = dots.config("grad_input", grad_x.dtype)
-    grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
-    return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
-        grad_z, packed, grad_x,
-        batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
-        *grad_z.stride(), *packed.stride(), *grad_x.stride(),
-    ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
+    pointers = (grad_z, packed, grad_x)
+    layout = ("grad_input", grad_z.shape, grad_z.stride(), packed.shape, packed.stride(), grad_x.shape,
+              grad_x.stride(), pad_left, dots.precision, config)
+
+    def build() -> list[KernelLaunch]:
+        batch, channels_in, length_in = grad_x.shape
+        kernel_size, _, channels_z = packed.shape
+        grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
+        return [KernelLaunch(_glu_conv_grad_input_kernel, grid, (
+            *pointers,
+            batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
+            *grad_z.stride(), *packed.stride(), *grad_x.stride(),
+        ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 def _grad_weight_launch(
@@ -674,15 +700,24 @@ def _grad_weight_launch(
 ) -> KernelLaunch:
     """``_glu_conv_grad_weight_kernel`` writing float32 partial sums
     ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
-    batch, channels_in, length_in = x.shape
-    splits, channels_z, _, kernel_size = grad_weight_partial.shape
     config = dots.config("grad_weight", x.dtype)
-    tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
-    return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
-        x, grad_z, grad_weight_partial, grad_bias_partial,
-        batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
-        *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
-    ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
+    pointers = (x, grad_z, grad_weight_partial, grad_bias_partial)
+    layout = ("grad_weight", x.shape, x.stride(), grad_z.shape, grad_z.stride(), grad_weight_partial.shape,
+              grad_weight_partial.stride(), grad_bias_partial.stride(0), pad_left, rows_per_split, pad_value,
+              has_bias, dots.precision, config)
+
+    def build() -> list[KernelLaunch]:
+        batch, channels_in, length_in = x.shape
+        splits, channels_z, _, kernel_size = grad_weight_partial.shape
+        tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
+        return [KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
+            *pointers,
+            batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
+            *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
+        ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 # The representative problems: C_in = C = 256, kernel size 4, channel-first or channel-last x;

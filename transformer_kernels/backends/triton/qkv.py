@@ -37,6 +37,7 @@ from ._common import (
     CompileTarget,
     KernelConfig,
     KernelLaunch,
+    LaunchTemplates,
     cdiv,
     row_sum_operand,
     run_launches,
@@ -424,6 +425,9 @@ def _uses_torch_matmul(dtype: torch.dtype) -> bool:
 # Launchers
 # ---------------------------------------------------------------------------
 
+# Every launch of this backend, by layout (see ``LaunchTemplates``).
+_TEMPLATES = LaunchTemplates()
+
 
 def _max_offset(t: torch.Tensor) -> int:
     """Largest element offset a kernel computes into ``t`` (the kernels index in int32)."""
@@ -468,23 +472,30 @@ def _forward_launch(
 ) -> KernelLaunch:
     """The forward GEMM: ``x3`` ``[B, L, E_in]``, ``outputs`` the ``n``
     ``[B, H, L, Dh]`` contiguous results."""
-    _, seq_len, in_features = x3.shape
-    _, num_heads, _, head_dim = outputs[0].shape
-    embed_dim = num_heads * head_dim
     num_proj = len(outputs)
-    num_tokens = x3.shape[0] * seq_len
-    padded = outputs + [outputs[0]] * (3 - num_proj)
-    grid = (cdiv(num_tokens, cfg.block_m) * num_proj * cdiv(embed_dim, cfg.block_n),)
-    return KernelLaunch(
-        _qkv_forward_kernel,
-        grid,
-        (
-            x3, weight, weight if bias is None else bias, *padded,
-            num_tokens, seq_len, embed_dim, in_features, head_dim,
-            *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
-        ),
-        dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
-    )
+    pointers = (x3, weight, weight if bias is None else bias, *outputs, *[outputs[0]] * (3 - num_proj))
+    layout = ("forward", x3.shape, x3.stride(), weight.shape, weight.stride(), bias is None, num_proj,
+              outputs[0].shape, outputs[0].stride(), cfg)
+
+    def build() -> list[KernelLaunch]:
+        _, seq_len, in_features = x3.shape
+        _, num_heads, _, head_dim = outputs[0].shape
+        embed_dim = num_heads * head_dim
+        num_tokens = x3.shape[0] * seq_len
+        grid = (cdiv(num_tokens, cfg.block_m) * num_proj * cdiv(embed_dim, cfg.block_n),)
+        return [KernelLaunch(
+            _qkv_forward_kernel,
+            grid,
+            (
+                *pointers,
+                num_tokens, seq_len, embed_dim, in_features, head_dim,
+                *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
+            ),
+            dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
+        )]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 def forward(
@@ -528,22 +539,30 @@ def _grad_input_launch(
 ) -> KernelLaunch:
     """The input-gradient GEMM: ``grads4`` as ``_shared_layout`` returns
     them, ``grad_x`` contiguous ``[*batch, L, E_in]``."""
-    batch, num_heads, seq_len, head_dim = grads4[0].shape
-    embed_dim = num_heads * head_dim
-    in_features = grad_x.shape[-1]
-    num_tokens = batch * seq_len
-    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
-    grid = (cdiv(num_tokens, cfg.block_m) * cdiv(in_features, cfg.block_n),)
-    return KernelLaunch(
-        _qkv_grad_input_kernel,
-        grid,
-        (
-            *grads4, *[grads4[0]] * (3 - len(grads4)), weight, grad_x,
-            num_tokens, seq_len, embed_dim, in_features, head_dim,
-            stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
-        ),
-        dict(NUM_PROJ=len(grads4), **cfg.launch_kwargs()),
-    )
+    pointers = (*grads4, *[grads4[0]] * (3 - len(grads4)), weight, grad_x)
+    layout = ("grad_input", grads4[0].shape, grads4[0].stride(), len(grads4), weight.shape, weight.stride(),
+              grad_x.shape, cfg)
+
+    def build() -> list[KernelLaunch]:
+        batch, num_heads, seq_len, head_dim = grads4[0].shape
+        embed_dim = num_heads * head_dim
+        in_features = grad_x.shape[-1]
+        num_tokens = batch * seq_len
+        stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
+        grid = (cdiv(num_tokens, cfg.block_m) * cdiv(in_features, cfg.block_n),)
+        return [KernelLaunch(
+            _qkv_grad_input_kernel,
+            grid,
+            (
+                *pointers,
+                num_tokens, seq_len, embed_dim, in_features, head_dim,
+                stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
+            ),
+            dict(NUM_PROJ=len(grads4), **cfg.launch_kwargs()),
+        )]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 def _grad_weight_launch(
@@ -553,24 +572,32 @@ def _grad_weight_launch(
     """The weight/bias-gradient GEMM: ``grad_w_out`` ``[n*E, E_in]`` (one
     split) or ``[splits, n*E, E_in]`` float32 partial sums, ``grad_b_out``
     likewise (any tensor when ``has_bias`` is False)."""
-    batch, seq_len, in_features = x3.shape
-    _, num_heads, _, head_dim = grads4[0].shape
-    embed_dim = num_heads * head_dim
     num_proj = len(grads4)
-    num_tokens = batch * seq_len
-    features = num_proj * embed_dim
-    stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
-    tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
-    return KernelLaunch(
-        _qkv_grad_weight_kernel,
-        (tiles, cdiv(num_tokens, tokens_per_split)),
-        (
-            *grads4, *[grads4[0]] * (3 - num_proj), x3, grad_w_out, grad_b_out,
-            num_tokens, seq_len, embed_dim, in_features, head_dim, tokens_per_split,
-            stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
-        ),
-        dict(NUM_PROJ=num_proj, HAS_BIAS=has_bias, **cfg.launch_kwargs()),
-    )
+    pointers = (*grads4, *[grads4[0]] * (3 - num_proj), x3, grad_w_out, grad_b_out)
+    layout = ("grad_weight", grads4[0].shape, grads4[0].stride(), num_proj, x3.shape, x3.stride(),
+              grad_w_out.shape, has_bias, tokens_per_split, cfg)
+
+    def build() -> list[KernelLaunch]:
+        batch, seq_len, in_features = x3.shape
+        _, num_heads, _, head_dim = grads4[0].shape
+        embed_dim = num_heads * head_dim
+        num_tokens = batch * seq_len
+        features = num_proj * embed_dim
+        stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
+        tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
+        return [KernelLaunch(
+            _qkv_grad_weight_kernel,
+            (tiles, cdiv(num_tokens, tokens_per_split)),
+            (
+                *pointers,
+                num_tokens, seq_len, embed_dim, in_features, head_dim, tokens_per_split,
+                stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
+            ),
+            dict(NUM_PROJ=num_proj, HAS_BIAS=has_bias, **cfg.launch_kwargs()),
+        )]
+
+    (launch,) = _TEMPLATES.launches(layout, pointers, build)
+    return launch
 
 
 def backward(
