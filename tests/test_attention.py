@@ -28,7 +28,8 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import transformer_kernels as tk
 from transformer_kernels._backend import backend_module
-from transformer_kernels.backends.eager import attention as eager_attention
+from transformer_kernels.backends.eager import _attention_probs as eager_probs
+from transformer_kernels.backends.eager import _attention_tiles as eager_tiles
 from transformer_kernels.ops.attention import AttentionArgs
 from transformer_kernels.ops.attention import _normalize as normalize_attention
 from transformer_kernels.reference import attention as reference_attention
@@ -195,7 +196,7 @@ def test_eager_per_sequence_tiles(kind, lq, lk):
     mask = case["ours"].get("attn_mask")
     dense_mask = mask.expand(4, 2, lq, lk) if isinstance(mask, torch.Tensor) else None
     causal = {"causal": 1, "causal_lower_right": 2}.get(kind, 0)
-    tiles = eager_attention._plan(q, k, AttentionArgs(padding, dense_mask, causal, 1.0, 0.0, None))
+    tiles = eager_tiles.plan(q, k, AttentionArgs(padding, dense_mask, causal, 1.0, 0.0, None))
     assert tiles and all(tile.batch.stop - tile.batch.start == 1 for tile in tiles)
     assert any(tile.keys.stop < lk for tile in tiles)
     check_against_reference(case, "eager", tol=1e-9)
@@ -231,7 +232,7 @@ def test_materialized_path_layouts_and_grouped_heads(kind, lq, heads, kv_heads, 
     when they are small; else one per query head, reading ``[B, L, H, D]`` memory in place (large
     operands: ``small`` False) and summing the key/value gradients over each group."""
     if not small:
-        monkeypatch.setattr(eager_attention, "_small", lambda tensor: False)
+        monkeypatch.setattr(eager_probs, "_small", lambda tensor: False)
     case = make_case(kind, 2, heads, kv_heads, lq, 12, 16, value_head_dim=24)
     if layout == "blhd":
         for name in ("query", "key", "value"):
@@ -250,7 +251,7 @@ def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, se
     a shorter one): each chunk with its slice of the key padding and of a per-sequence float mask
     (a broadcast one whole), its folded copies of the operands in the buffers the chunks share, and
     its results written into the call's outputs, gradients and mask gradient."""
-    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: sequences_per_chunk)
     case = make_case(kind, 3, heads, kv_heads, lq, 12, 16)
     if layout == "blhd":
         for name in ("query", "key", "value"):
@@ -262,7 +263,7 @@ def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, se
 def test_batch_chunks_in_half_precision(monkeypatch):
     """float16 operands computed in float32 by chunk: each chunk's output is rounded into the
     call's float16 output (not written in place by the float32 matmul), and the gradients too."""
-    monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: 2)
+    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: 2)
     leaves = [torch.randn(3, 9, 4, 16, dtype=torch.float16).requires_grad_() for _ in range(3)]
     padding = torch.arange(9) >= torch.tensor([9, 5, 2])[:, None]
 
@@ -281,8 +282,8 @@ def test_batch_chunks_keep_the_call_wide_dropout_mask(monkeypatch):
     """Chunks cut the one keep-mask the call's seed draws: a chunked call matches an unchunked one."""
     q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     results = []
-    for chunk_bytes in (eager_attention._CHUNK_BYTES, 1):
-        monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", chunk_bytes)
+    for chunk_bytes in (eager_probs._CHUNK_BYTES, 1):
+        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES", chunk_bytes)
         torch.manual_seed(5)
         out = tk.scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="eager")
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
@@ -824,7 +825,7 @@ def test_rows_without_keys_give_zero_on_the_materialized_path(kind, lq, lk, sequ
     can have none (see _every_row_sees_a_key, decided once per call): every such row still gives 0,
     in batch chunks and in one piece."""
     if sequences_per_chunk is not None:
-        monkeypatch.setattr(eager_attention, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+        monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: sequences_per_chunk)
     case = make_case(kind, 4, 2, 2, lq, lk, 8)
     if "causal" in kind and "pad" in kind:
         case["ours"]["key_padding_mask"][1, : 3 + max(0, lk - lq)] = True  # shared with the reference's
@@ -850,17 +851,17 @@ def test_every_row_sees_a_key_rule(kind, lq, lk):
         ours = case["ours"]
         *_, args, _ = normalize_attention(query, key, value, ours.get("attn_mask"), 0.0, ours.get("is_causal", False),
                                           None, False, ours.get("key_padding_mask"))
-        excluded = eager_attention._excluded_keys(query, key, args)
+        excluded = eager_probs._excluded_keys(query, key, args)
         if args.attn_mask is not None and args.attn_mask.dtype != torch.bool:
             excluded = args.attn_mask.isneginf()
         empty = excluded is not None and bool(excluded.expand(5, 1, lq, lk).all(-1).any())
-        rule = eager_attention._every_row_sees_a_key(lq, lk, args, may_sync=True)
+        rule = eager_probs._every_row_sees_a_key(lq, lk, args, may_sync=True)
         assert not (rule and empty)
         if args.attn_mask is None:
             assert rule == (not empty)
         # Without a host sync, key padding is not looked at: the rule assumes an empty row may exist.
         if args.key_padding_mask is not None:
-            assert not eager_attention._every_row_sees_a_key(lq, lk, args, may_sync=False)
+            assert not eager_probs._every_row_sees_a_key(lq, lk, args, may_sync=False)
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
@@ -1170,7 +1171,7 @@ def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backwar
     calls with one head count keep the probabilities, short calls without a backward pass nothing
     (a backward recomputes the probabilities), the others the lse."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(eager_attention, "_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES", chunk_bytes)
     shape = (2, 4, length, 16) if layout != "blhd" else (2, length, 4, 16)
     q, k, v = (torch.randn(shape) if layout != "blhd" else torch.randn(shape).transpose(1, 2) for _ in range(3))
     if layout == "gqa":
@@ -1330,8 +1331,8 @@ def test_eager_causal_row_blocks(kind, lq, lk):
     case = make_case(kind, 2, 2, 2, lq, lk, 16)
     q, k = case["leaves"]["query"], case["leaves"]["key"]
     causal = 2 if "lower_right" in kind else 1
-    tiles = eager_attention._plan(q, k, AttentionArgs(None, None, causal, 1.0, 0.0, None))
+    tiles = eager_tiles.plan(q, k, AttentionArgs(None, None, causal, 1.0, 0.0, None))
     scores = sum((t.rows.stop - t.rows.start) * (t.keys.stop - t.keys.start) for t in tiles)
     assert len(tiles) > 1 and scores < lq * lk
-    assert all(t.rows.stop - t.rows.start <= eager_attention._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)
+    assert all(t.rows.stop - t.rows.start <= eager_tiles._CAUSAL_ROW_BLOCK for t in tiles if t.bias is not None)
     check_against_reference(case, "eager", tol=1e-9)

@@ -340,7 +340,7 @@ KEY_BLOCK_CASES = [
 def test_key_blocks_visit_every_visible_key_and_skip_masks_only_where_all_are_visible(
     attention_h, lq, lk, causal, padding, block_m, block_n
 ):
-    from transformer_kernels.backends.eager.attention import _causal_shift
+    from transformer_kernels.backends.eager._attention_common import causal_shift
 
     keys = torch.arange(lk)
     pad = {
@@ -351,7 +351,7 @@ def test_key_blocks_visit_every_visible_key_and_skip_masks_only_where_all_are_vi
     if padding is None:
         first, end = 0, lk
     (shift,) = attention_h([("causal_shift", int(causal), lq, lk)])[0]
-    assert shift == (_causal_shift(causal, lq, lk) or 0)
+    assert shift == (causal_shift(causal, lq, lk) or 0)
     is_causal = causal != Causal.NONE
     # Interior blocks skip the causal and bounds tests, not the per-key padding (holes) test.
     outside_bounds = (keys < first) | (keys >= end)
