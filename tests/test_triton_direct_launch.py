@@ -17,6 +17,7 @@ from _helpers import json_of_compiled_script
 
 triton = pytest.importorskip("triton")
 
+from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from transformer_kernels.backends.triton import _common  # noqa: E402
@@ -48,13 +49,25 @@ def _scale(x_ptr, out_ptr, n, seed_ptr, factor, BLOCK: "tl.constexpr", EXTRA: "t
 
 
 class _Compiled:
-    """Stands in for a compiled kernel: records ``compiled[grid](*arguments, stream=...)``."""
+    """Stands in for a compiled kernel under Triton's own ``compiled[grid](*arguments, stream=...)``
+    (``CompiledKernel.__getitem__``), recording what reaches its launcher instead of launching."""
+
+    __getitem__ = CompiledKernel.__getitem__
+    function, packed_metadata = "function", "packed metadata"
 
     def __init__(self, launches: list):
         self.launches = launches
 
-    def __getitem__(self, grid):
-        return lambda *arguments, stream: self.launches.append(("direct", grid, arguments, stream))
+    def _init_handles(self):
+        pass
+
+    def launch_metadata(self, grid, stream, *arguments):
+        return None
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+            *arguments):
+        assert (function, packed_metadata) == (self.function, self.packed_metadata)
+        self.launches.append(("direct", (grid_x, grid_y, grid_z), arguments, stream))
 
 
 def _stand_in_kernel(exempt: bool, launches: list) -> JITFunction:
@@ -95,7 +108,7 @@ def test_a_template_launches_through_triton_once_per_dtypes(device_and_stream):
     x2, out2, seed2 = torch.ones(10), torch.ones(10), torch.ones(2, dtype=torch.int64)
     _launch(templates, kernel, x2, out2, seed2)
     way, grid, arguments, stream = launches[1]
-    assert (way, grid, stream) == ("direct", (4,), 7)
+    assert (way, grid, stream) == ("direct", (4, 1, 1), 7)
     # Every parameter in signature order, constexprs and defaults included, as Triton's binder gives them.
     assert len(arguments) == 7
     assert arguments[0] is x2 and arguments[1] is out2 and arguments[3] is seed2

@@ -80,9 +80,13 @@ class DirectLaunch:
     key holds no address.
     """
 
-    __slots__ = ("num_pointers", "tail", "call_slots", "aligned_slots", "compiled")
+    __slots__ = ("grid", "num_pointers", "tail", "call_slots", "aligned_slots", "compiled")
 
-    def __init__(self, num_pointers: int, tail: list, call_slots: tuple, aligned_slots: tuple[int, ...]) -> None:
+    def __init__(
+        self, grid: tuple, num_pointers: int, tail: list, call_slots: tuple, aligned_slots: tuple[int, ...]
+    ) -> None:
+        # A compiled kernel's launcher takes all three grid dimensions (``kernel[grid]`` fills in 1s).
+        self.grid = (*grid, *(1,) * (3 - len(grid)))
         self.num_pointers, self.tail, self.call_slots, self.aligned_slots = num_pointers, tail, call_slots, aligned_slots
         self.compiled: dict[tuple, Any] = {}
 
@@ -102,7 +106,7 @@ class DirectLaunch:
         call_slots = tuple((names.index(name), name) for name in call_kwargs)
         varying = [*range(num_pointers), *(index for index, _ in call_slots)]
         aligned_slots = tuple(index for index in varying if not kernel.params[index].do_not_specialize_on_alignment)
-        return cls(num_pointers, list(bound.arguments.values())[num_pointers:], call_slots, aligned_slots)
+        return cls(launch.grid, num_pointers, list(bound.arguments.values())[num_pointers:], call_slots, aligned_slots)
 
     def arguments(self, launch: "KernelLaunch") -> list:
         """Every parameter's value for ``launch``, in signature order: what Triton's binder gives."""
@@ -131,7 +135,7 @@ class DirectLaunch:
             if compiled is not None:
                 self.compiled[key] = compiled
             return
-        compiled[launch.grid](*arguments, stream=stream)
+        compiled[self.grid](*arguments, stream=stream)
 
 
 class LaunchTemplates:
