@@ -1,7 +1,10 @@
-"""Run every Triton kernel once, forward and backward, on small CUDA inputs.
+"""Run every Triton kernel, forward and backward, on small CUDA inputs, twice.
 
 Meant to run under ``compute-sanitizer`` (see gpu_check.sh): odd sizes, every
 mask kind and both layouts, so out-of-bounds accesses in edge tiles show up.
+The first pass launches each kernel through Triton (``kernel[grid]``, which
+compiles it); the second, on the same inputs, launches it directly on its
+compiled variant (``DirectLaunch``), and must give the same bits.
 """
 
 import torch
@@ -9,9 +12,10 @@ import torch
 import transformer_kernels as tk
 
 
-def attention_cases(device: torch.device, dtype: torch.dtype) -> None:
+def attention_cases(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     # float32 is served up to head dim 64 on the GPU; 16-bit inputs past 64 take the d128 tiles.
     batch, heads, head_dim = 2, 4, 40 if dtype == torch.float32 else 80
+    results = []
     for lq, lk in ((1, 37), (70, 33), (130, 130)):
         q = torch.randn(batch, heads, lq, head_dim, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(batch, heads // 2, lk, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -29,19 +33,24 @@ def attention_cases(device: torch.device, dtype: torch.dtype) -> None:
             dict(attn_mask=bool_mask, key_padding_mask=padding),
         ):
             out = tk.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="triton", **kwargs)
-            out.backward(torch.randn_like(out))
+            inputs = (q, k, v, float_mask) if kwargs.get("attn_mask") is float_mask else (q, k, v)
+            results += [out, *torch.autograd.grad(out, inputs, torch.randn_like(out))]
+    return results
 
 
-def qkv_cases(device: torch.device, dtype: torch.dtype) -> None:
+def qkv_cases(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    results = []
     for embed, heads, tokens in ((4, 2, 7), (520, 8, 33)):
         x = torch.randn(3, tokens, embed, device=device, dtype=dtype, requires_grad=True)
         weight = torch.randn(3 * embed, embed, device=device, dtype=dtype, requires_grad=True)
         bias = torch.randn(3 * embed, device=device, dtype=dtype, requires_grad=True)
         outs = tk.qkv_projection(x, weight, bias, num_heads=heads, backend="triton")
-        sum((o * torch.randn_like(o)).sum() for o in outs).backward()
+        results += [*outs, *torch.autograd.grad(outs, (x, weight, bias), [torch.randn_like(o) for o in outs])]
+    return results
 
 
-def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> None:
+def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    results = []
     for channels, length, kernel_size in ((24, 1, 3), (520, 41, 5), (64, 130, 2)):
         weight = torch.randn(2 * channels, channels, kernel_size, device=device, dtype=dtype, requires_grad=True)
         bias = torch.randn(2 * channels, device=device, dtype=dtype, requires_grad=True)
@@ -50,17 +59,26 @@ def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> None:
             x = x.detach().requires_grad_()
             out = tk.glu_conv1d(x, weight, bias, padding=padding, pad_value=1.0, residual=x, residual_scale=0.5**0.5,
                                 backend="triton")
-            out.backward(torch.randn_like(out))
+            results += [out, *torch.autograd.grad(out, (x, weight, bias), torch.randn_like(out))]
+    return results
 
 
 def main() -> None:
     device = torch.device("cuda")
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        attention_cases(device, dtype)
-        qkv_cases(device, dtype)
-        glu_conv_cases(device, dtype)
+    passes = []
+    for _ in ("through Triton", "directly"):
+        torch.manual_seed(0)  # the same inputs and dropout seeds in both passes
+        results = {}
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for cases in (attention_cases, qkv_cases, glu_conv_cases):
+                results[f"{cases.__name__} {dtype}"] = cases(device, dtype)
+        passes.append(results)
     torch.cuda.synchronize()
-    print("gpu_smoke: every kernel ran")
+    differ = [name for name, results in passes[0].items()
+              if not all(torch.equal(a, b) for a, b in zip(results, passes[1][name]))]
+    if differ:
+        raise SystemExit(f"gpu_smoke: kernels launched directly differ from their launches through Triton: {differ}")
+    print("gpu_smoke: every kernel ran, through Triton and then directly, with the same results")
 
 
 if __name__ == "__main__":
