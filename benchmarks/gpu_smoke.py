@@ -2,9 +2,10 @@
 
 Meant to run under ``compute-sanitizer`` (see gpu_check.sh): odd sizes, every
 mask kind and both layouts, so out-of-bounds accesses in edge tiles show up.
-The first pass launches each kernel through Triton (``kernel[grid]``, which
-compiles it); the second, on the same inputs, launches it directly on its
-compiled variant (``DirectLaunch``), and must give the same bits.
+In the first pass each kernel variant is launched through Triton
+(``kernel[grid]``, which compiles it) on its first use; in the second, on the
+same inputs, every launch runs directly on its compiled variant
+(``DirectLaunch``), and must give the same bits.
 """
 
 import torch
