@@ -9,7 +9,8 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
-* :func:`json_of_compiled_script`: what a script of this folder prints, run in a process whose
+* :func:`script_output`: what a script prints, run with this session's package;
+  :func:`json_of_compiled_script`: the JSON a script of this folder prints, run in a process whose
   Triton kernels are compiled rather than interpreted.
 
 The spies look at what a backend function returns (or its positional arguments as a whole), never
@@ -315,16 +316,23 @@ class ForwardSpy:
 # ----------------------------------------------------------------------------
 
 
-def json_of_compiled_script(script_name: str, timeout: float) -> Any:
-    """The JSON that ``tests/<script_name>`` prints, run with ``TRITON_INTERPRET=0``: this session
-    interprets the kernels, and only compiled ones can be compiled for a GPU or bound by Triton."""
-    script = pathlib.Path(__file__).with_name(script_name)
+def script_output(script: pathlib.Path, *args: str, env: Optional[dict] = None, timeout: float) -> str:
+    """What ``python script *args`` prints, run with this session's package (and ``env`` added to the
+    environment); fails with its error output unless it exits with 0."""
     # A script's path starts at its own folder, not the working directory: put
     # the package this session imported first, or a checkout run from its root
     # would use the installed copy's kernels instead of its own.
     package_root = str(pathlib.Path(transformer_kernels.__file__).resolve().parents[1])
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": python_path}
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=timeout)
+    env = {**os.environ, **(env or {}), "PYTHONPATH": python_path}
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout)
+    return run.stdout
+
+
+def json_of_compiled_script(script_name: str, timeout: float) -> Any:
+    """The JSON that ``tests/<script_name>`` prints, run with ``TRITON_INTERPRET=0``: this session
+    interprets the kernels, and only compiled ones can be compiled for a GPU or bound by Triton."""
+    script = pathlib.Path(__file__).with_name(script_name)
+    return json.loads(script_output(script, env={"TRITON_INTERPRET": "0"}, timeout=timeout))

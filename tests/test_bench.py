@@ -4,13 +4,18 @@ a finite time and error and draws its plots, ``--check`` passes here and catches
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import pathlib
 import platform
+import re
 import sys
 
 import pytest
 import torch
+
+from _helpers import script_output
 
 from transformer_kernels.bench import check, cli, graphs, report, run, suites, timing
 
@@ -252,3 +257,15 @@ def test_seed_layer_paths_compute_one_step():
     for other in others:
         for got, expected in zip(ours, other):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_host_time_script_prints_every_call_and_launch():
+    """``benchmarks/host_time.py`` (timings, no target asserted here) still runs end to end: a host
+    time per call, then Triton's and the direct launch preparation per launch."""
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "host_time.py"
+    text = script_output(script, "--rounds", "1", timeout=300)
+    calls = re.findall(r"^  (.+?) +([0-9.]+) us  \(p10-p90", text, re.MULTILINE)
+    launches = re.findall(r"kernel\[grid\] +([0-9.]+) us, direct +([0-9.]+) us$", text, re.MULTILINE)
+    assert len(calls) == 8 and all(math.isfinite(float(us)) for _, us in calls), text
+    assert len(launches) == 12 and all(math.isfinite(float(us)) for pair in launches for us in pair), text
