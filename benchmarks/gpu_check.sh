@@ -40,7 +40,7 @@ bench_size=--full
 test_paths=(tests)
 if [[ $steps == ",budget," ]]; then
     steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
-    limit=([install]=45 [tests]=200 [sanitizer]=70 [graphs]=55 [benchmarks]=140)
+    limit=([install]=45 [tests]=200 [sanitizer]=80 [graphs]=55 [benchmarks]=130)
     bench_size=--quick
     # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
     test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py

@@ -7,7 +7,7 @@ In the first pass each kernel variant is launched through Triton
 same inputs, every launch runs directly on its compiled variant
 (``DirectLaunch``), and must give the same bits.  The second pass runs the
 bfloat16 cases only: the direct launches of every kernel family, at a third of
-a pass's time under the sanitizer (gpu_check's budget run gives this step 70 s).
+a pass's time under the sanitizer (gpu_check's budget run gives this step 80 s).
 """
 
 import torch
