@@ -1,4 +1,4 @@
-"""Run every Triton kernel, forward and backward, on small CUDA inputs, twice.
+"""Run every Triton kernel, forward and backward, on small CUDA inputs (the bfloat16 ones twice).
 
 Meant to run under ``compute-sanitizer`` (see gpu_check.sh): odd sizes, every
 mask kind and both layouts, so out-of-bounds accesses in edge tiles show up.
