@@ -15,13 +15,10 @@ import os
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
+from _compile_targets import MODULES  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
-from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
-
-MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
 
 
 def _misaligned(value):
