@@ -184,6 +184,13 @@ class LaunchTemplates:
             for launch in template
         ]
 
+    def launch(
+        self, layout: Hashable, pointers: tuple, build: Callable[[], KernelLaunch], **call_kwargs: Any
+    ) -> KernelLaunch:
+        """:meth:`launches` for a call of one launch, which ``build()`` makes."""
+        (launch,) = self.launches(layout, pointers, lambda: [build()], **call_kwargs)
+        return launch
+
 
 def _check_template(template: tuple, launches: list, pointers: tuple, call_kwargs: dict, layout: Hashable) -> None:
     """Fails unless ``launches``, built for this call, are ``template``'s for it."""

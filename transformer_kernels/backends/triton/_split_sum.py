@@ -43,12 +43,11 @@ def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
     ``[splits, *out.shape]``, ``out`` contiguous."""
     numel, num_splits = out.numel(), partials.shape[0]
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         grid = (cdiv(numel, _CONFIG.block_m),)
-        return [KernelLaunch(_split_sum_kernel, grid, (partials, out, numel, num_splits), _CONFIG.launch_kwargs())]
+        return KernelLaunch(_split_sum_kernel, grid, (partials, out, numel, num_splits), _CONFIG.launch_kwargs())
 
-    (launch,) = _TEMPLATES.launches((numel, num_splits), (partials, out), build)
-    return launch
+    return _TEMPLATES.launch((numel, num_splits), (partials, out), build)
 
 
 # A QKV weight gradient's partial sums, and a ragged GLU bias gradient's (an odd channel count):

@@ -539,12 +539,12 @@ def _preactivation_launch(
         destination.stride(), pad_left, length_out, pad_value, residual_scale, dots.precision, config,
     )
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         batch, channels_in, length_in = x.shape
         kernel_size, _, channels_z = packed.shape
         unused_strides = (0, 0, 0)
         grid = (cdiv(batch * length_out, config.block_m), cdiv(channels_z // 2, config.block_n))
-        return [KernelLaunch(_glu_conv_forward_kernel, grid, (
+        return KernelLaunch(_glu_conv_forward_kernel, grid, (
             *pointers,
             batch,
             length_in,
@@ -566,10 +566,9 @@ def _preactivation_launch(
             COMPUTE_GRAD=grad_out is not None,
             INPUT_PRECISION=dots.precision,
             **config.launch_kwargs(),
-        ))]
+        ))
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 def _weight_splits(rows: int, tiles: int, config: KernelConfig, device: torch.device) -> int:
@@ -673,18 +672,17 @@ def _grad_input_launch(
     layout = ("grad_input", grad_z.shape, grad_z.stride(), packed.shape, packed.stride(), grad_x.shape,
               grad_x.stride(), pad_left, dots.precision, config)
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         batch, channels_in, length_in = grad_x.shape
         kernel_size, _, channels_z = packed.shape
         grid = (cdiv(batch * length_in, config.block_m), cdiv(channels_in, config.block_n))
-        return [KernelLaunch(_glu_conv_grad_input_kernel, grid, (
+        return KernelLaunch(_glu_conv_grad_input_kernel, grid, (
             *pointers,
             batch, length_in, grad_z.shape[2], channels_in, channels_z, kernel_size, pad_left,
             *grad_z.stride(), *packed.stride(), *grad_x.stride(),
-        ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))]
+        ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 def _grad_weight_launch(
@@ -706,18 +704,17 @@ def _grad_weight_launch(
               grad_weight_partial.stride(), grad_bias_partial.stride(0), pad_left, rows_per_split, pad_value,
               has_bias, dots.precision, config)
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         batch, channels_in, length_in = x.shape
         splits, channels_z, _, kernel_size = grad_weight_partial.shape
         tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
-        return [KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
+        return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
             *pointers,
             batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
             *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
-        ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))]
+        ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 # The representative problems: C_in = C = 256, kernel size 4, channel-first or channel-last x;

@@ -477,13 +477,13 @@ def _forward_launch(
     layout = ("forward", x3.shape, x3.stride(), weight.shape, weight.stride(), bias is None, num_proj,
               outputs[0].shape, outputs[0].stride(), cfg)
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         _, seq_len, in_features = x3.shape
         _, num_heads, _, head_dim = outputs[0].shape
         embed_dim = num_heads * head_dim
         num_tokens = x3.shape[0] * seq_len
         grid = (cdiv(num_tokens, cfg.block_m) * num_proj * cdiv(embed_dim, cfg.block_n),)
-        return [KernelLaunch(
+        return KernelLaunch(
             _qkv_forward_kernel,
             grid,
             (
@@ -492,10 +492,9 @@ def _forward_launch(
                 *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
             ),
             dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
-        )]
+        )
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 def forward(
@@ -543,14 +542,14 @@ def _grad_input_launch(
     layout = ("grad_input", grads4[0].shape, grads4[0].stride(), len(grads4), weight.shape, weight.stride(),
               grad_x.shape, cfg)
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         batch, num_heads, seq_len, head_dim = grads4[0].shape
         embed_dim = num_heads * head_dim
         in_features = grad_x.shape[-1]
         num_tokens = batch * seq_len
         stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
         grid = (cdiv(num_tokens, cfg.block_m) * cdiv(in_features, cfg.block_n),)
-        return [KernelLaunch(
+        return KernelLaunch(
             _qkv_grad_input_kernel,
             grid,
             (
@@ -559,10 +558,9 @@ def _grad_input_launch(
                 stride_gb, stride_gh, stride_gl, *weight.stride(), in_features,
             ),
             dict(NUM_PROJ=len(grads4), **cfg.launch_kwargs()),
-        )]
+        )
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 def _grad_weight_launch(
@@ -577,7 +575,7 @@ def _grad_weight_launch(
     layout = ("grad_weight", grads4[0].shape, grads4[0].stride(), num_proj, x3.shape, x3.stride(),
               grad_w_out.shape, has_bias, tokens_per_split, cfg)
 
-    def build() -> list[KernelLaunch]:
+    def build() -> KernelLaunch:
         batch, seq_len, in_features = x3.shape
         _, num_heads, _, head_dim = grads4[0].shape
         embed_dim = num_heads * head_dim
@@ -585,7 +583,7 @@ def _grad_weight_launch(
         features = num_proj * embed_dim
         stride_gb, stride_gh, stride_gl, _ = grads4[0].stride()
         tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
-        return [KernelLaunch(
+        return KernelLaunch(
             _qkv_grad_weight_kernel,
             (tiles, cdiv(num_tokens, tokens_per_split)),
             (
@@ -594,10 +592,9 @@ def _grad_weight_launch(
                 stride_gb, stride_gh, stride_gl, *x3.stride(), features * in_features, in_features, features,
             ),
             dict(NUM_PROJ=num_proj, HAS_BIAS=has_bias, **cfg.launch_kwargs()),
-        )]
+        )
 
-    (launch,) = _TEMPLATES.launches(layout, pointers, build)
-    return launch
+    return _TEMPLATES.launch(layout, pointers, build)
 
 
 def backward(
