@@ -47,11 +47,16 @@ def _targets(module_names):
     }
 
 
-def _resource_usage(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """What ``cuobjdump option`` prints for ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     line = next(line for line in text.splitlines() if "REG:" in line)
     return {key: int(value) for key, value in (item.split(":") for item in line.split() if ":" in item)}
 
@@ -265,13 +270,6 @@ def main_loops(sass: str) -> list[int]:
     return loops
 
 
-def _sass(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
 def compile_one(module_names, case_id: str, loops: bool = False) -> dict:
     target, capability = _targets(module_names)[case_id]
     source, options = compile_source(target.launch(), capability)
@@ -281,7 +279,7 @@ def compile_one(module_names, case_id: str, loops: bool = False) -> dict:
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
     facts = {"shared": compiled.metadata.shared, **_resource_usage(compiled.asm["cubin"])}
     if loops:
-        return {**facts, "loops": main_loops(_sass(compiled.asm["cubin"]))}
+        return {**facts, "loops": main_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))}
     return {
         **facts,
         "num_stages": options["num_stages"],

@@ -32,6 +32,16 @@ def _same(a, b) -> bool:
     return a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b and type(a) is type(b)
 
 
+def _moved(launch):
+    """``(args, kwargs)`` of ``launch`` with each of its tensors in turn moved off 16-byte alignment."""
+    for index, value in enumerate(launch.args):
+        if isinstance(value, torch.Tensor):
+            yield (*launch.args[:index], _misaligned(value), *launch.args[index + 1:]), launch.kwargs
+    for name, value in launch.kwargs.items():
+        if isinstance(value, torch.Tensor):
+            yield launch.args, {**launch.kwargs, name: _misaligned(value)}
+
+
 def facts(launch, capability: int) -> dict:
     if launch.direct is None:
         return {"direct": False}
@@ -40,25 +50,19 @@ def facts(launch, capability: int) -> dict:
     )
 
     def variant(args, kwargs):
-        """Triton's specialization of a launch, and the key ``DirectLaunch`` files its compiled kernel under."""
+        """Triton's bound arguments and specialization of a launch, and the key ``DirectLaunch``
+        files its compiled kernel under."""
+        bound, specialization, _ = binder(*args, **kwargs)
         moved = dataclasses.replace(launch, args=args, kwargs=kwargs)
-        _, specialization, _ = binder(*args, **kwargs)
-        return list(map(str, specialization)), launch.direct.key(0, launch.direct.arguments(moved))
+        return bound, list(map(str, specialization)), launch.direct.key(0, launch.direct.arguments(moved))
 
-    bound, _, _ = binder(*launch.args, **launch.kwargs)
+    bound, specialization, key = variant(launch.args, launch.kwargs)
     arguments = launch.direct.arguments(launch)
-    specialization, key = variant(launch.args, launch.kwargs)
-    # Each tensor moved off its 16-byte alignment in turn: where the key stays, the variant must too.
-    key_determines_variant = True
-    for index, value in enumerate(launch.args):
-        if isinstance(value, torch.Tensor):
-            moved_specialization, moved_key = variant((*launch.args[:index], _misaligned(value), *launch.args[index + 1:]),
-                                                      launch.kwargs)
-            key_determines_variant &= moved_key != key or moved_specialization == specialization
-    for name, value in launch.kwargs.items():
-        if isinstance(value, torch.Tensor):
-            moved_specialization, moved_key = variant(launch.args, {**launch.kwargs, name: _misaligned(value)})
-            key_determines_variant &= moved_key != key or moved_specialization == specialization
+    # Where the key stays for a moved tensor, the variant must stay too.
+    key_determines_variant = all(
+        moved_key != key or moved_specialization == specialization
+        for _, moved_specialization, moved_key in (variant(*moved) for moved in _moved(launch))
+    )
     return {
         "direct": True,
         "arguments_match": len(arguments) == len(bound)

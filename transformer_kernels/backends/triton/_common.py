@@ -87,7 +87,8 @@ class DirectLaunch:
     ) -> None:
         # A compiled kernel's launcher takes all three grid dimensions (``kernel[grid]`` fills in 1s).
         self.grid = (*grid, *(1,) * (3 - len(grid)))
-        self.num_pointers, self.tail, self.call_slots, self.aligned_slots = num_pointers, tail, call_slots, aligned_slots
+        self.num_pointers, self.tail = num_pointers, tail
+        self.call_slots, self.aligned_slots = call_slots, aligned_slots
         self.compiled: dict[tuple, Any] = {}
 
     @classmethod
@@ -194,29 +195,35 @@ class LaunchTemplates:
 
 def _check_template(template: tuple, launches: list, pointers: tuple, call_kwargs: dict, layout: Hashable) -> None:
     """Fails unless ``launches``, built for this call, are ``template``'s for it."""
-    rebuilt = _template(launches, pointers, call_kwargs)
-    if len(rebuilt) != len(template) or any(
-        (kept.kernel, kept.grid, kept.args, kept.kwargs) != (new.kernel, new.grid, new.args, new.kwargs)
-        for kept, new in zip(template, rebuilt)
+    if len(launches) != len(template) or any(
+        (kept.kernel, kept.grid, (kept.args, kept.kwargs))
+        != (new.kernel, new.grid, _stripped(new, pointers, call_kwargs))
+        for kept, new in zip(template, launches)
     ):
         raise AssertionError(f"the launches kept for layout {layout!r} differ from this call's: the layout "
                              f"misses something the launches depend on")
 
 
+def _stripped(launch: KernelLaunch, pointers: tuple, call_kwargs: dict) -> tuple[tuple, dict]:
+    """``launch``'s arguments without ``pointers`` (its leading ones) and its keyword arguments without
+    ``call_kwargs``: what a template keeps."""
+    leading = launch.args[: len(pointers)]
+    if len(leading) != len(pointers) or any(arg is not pointer for arg, pointer in zip(leading, pointers)):
+        raise RuntimeError(f"a launch of {launch.kernel} does not begin with the call's pointer arguments")
+    args = launch.args[len(pointers) :]
+    kwargs = {name: value for name, value in launch.kwargs.items() if name not in call_kwargs}
+    if any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
+        raise RuntimeError(f"a launch of {launch.kernel} takes a tensor its template would keep")
+    return args, kwargs
+
+
 def _template(launches: list[KernelLaunch], pointers: tuple, call_kwargs: dict) -> tuple[KernelLaunch, ...]:
-    """``launches`` without ``pointers`` (their leading arguments) and ``call_kwargs``."""
-    template = []
-    for launch in launches:
-        leading = launch.args[: len(pointers)]
-        if len(leading) != len(pointers) or any(arg is not pointer for arg, pointer in zip(leading, pointers)):
-            raise RuntimeError(f"a launch of {launch.kernel} does not begin with the call's pointer arguments")
-        args = launch.args[len(pointers) :]
-        kwargs = {name: value for name, value in launch.kwargs.items() if name not in call_kwargs}
-        if any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
-            raise RuntimeError(f"a launch of {launch.kernel} takes a tensor its template would keep")
-        direct = DirectLaunch.of(launch, len(pointers), call_kwargs)
-        template.append(KernelLaunch(launch.kernel, launch.grid, args, kwargs, direct))
-    return tuple(template)
+    """``launches`` as a template (see :func:`_stripped`), each with its :class:`DirectLaunch`."""
+    return tuple(
+        KernelLaunch(launch.kernel, launch.grid, *_stripped(launch, pointers, call_kwargs),
+                     DirectLaunch.of(launch, len(pointers), call_kwargs))
+        for launch in launches
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
