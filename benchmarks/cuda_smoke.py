@@ -40,7 +40,7 @@ def main() -> int:
     out_t.sum().backward()
     # Attention, forward and backward: key padding holes, bottom-right causal with Lq > Lk, GQA,
     # partial blocks; a float mask (its gradient too) with dropout and head dims padded up (40, 24);
-    # forward only at head dim 256 (over 48 KiB of shared memory).
+    # head dim 256 (over 48 KiB of shared memory; dK and dV in a pass each) with a float mask.
     q = torch.randn(2, 4, 150, 128, device=device, dtype=dtype, requires_grad=True)
     kv = torch.randn(2, 2, 100, 128, device=device, dtype=dtype, requires_grad=True)
     pad = torch.arange(100, device=device) % 7 == 3
@@ -51,9 +51,10 @@ def main() -> int:
     mask = torch.randn(1, 3, 70, 70, device=device, dtype=dtype, requires_grad=True)
     out = tk.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.2, backend="cuda")
     out.backward(torch.randn_like(out))
-    with torch.no_grad():
-        q = torch.randn(1, 2, 70, 256, device=device, dtype=dtype)
-        tk.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda")
+    q = torch.randn(1, 2, 70, 256, device=device, dtype=dtype, requires_grad=True)
+    mask = torch.randn(1, 2, 70, 70, device=device, dtype=dtype, requires_grad=True)
+    out = tk.scaled_dot_product_attention(q, q, q, mask, is_causal=False, backend="cuda")
+    out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     print("cuda_smoke: every CUDA extension kernel ran")
     return 0

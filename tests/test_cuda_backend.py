@@ -65,17 +65,14 @@ def test_attention_reasons():
     assert cuda_attention.unsupported_reason(q.requires_grad_(), kv, kv, args) is None
     assert "float16 and bfloat16, got torch.float32" in cuda_attention.unsupported_reason(
         q.float(), kv.float(), kv.float(), args)
-    # Head dims past 128: forward only.
-    wide = torch.empty(2, 4, 9, 192, dtype=torch.float16)
-    wide_kv = torch.empty(2, 2, 7, 192, dtype=torch.float16)
-    assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
-    assert "backward serves head dims up to 128, got 192" in cuda_attention.unsupported_reason(
-        wide.requires_grad_(), wide_kv, wide_kv, args)
-    with torch.no_grad():
-        assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, args) is None
+    # Head dims up to 256, with gradients too (the float mask's included); past it, none.
+    wide = torch.empty(2, 4, 9, 256, dtype=torch.float16, requires_grad=True)
+    wide_kv = torch.empty(2, 2, 7, 256, dtype=torch.float16)
     mask = torch.zeros(2, 4, 9, 7, dtype=torch.float16, requires_grad=True)
     masked = AttentionArgs(None, mask, Causal.NONE, 0.125, 0.0, None)
-    assert "up to 128, got 192" in cuda_attention.unsupported_reason(wide.detach(), wide_kv, wide_kv, masked)
+    assert cuda_attention.unsupported_reason(wide, wide_kv, wide_kv, masked) is None
+    wider = torch.empty(2, 4, 9, 264, dtype=torch.float16)
+    assert "head dims up to 256, got 264" in cuda_attention.unsupported_reason(wider, wider, wider, args)
     many = torch.empty(1, 1, 9, 64, dtype=torch.float16).expand(300, 300, 9, 64)
     assert "B * Hq up to 65535, got 90000" in cuda_attention.unsupported_reason(many, kv, kv, args)
     # auto never picks it for attention (no GPU measurement), whatever the architecture.
@@ -224,23 +221,29 @@ def test_attention_agrees_with_triton_and_eager(
         attn_mask = attn_mask.expand(batch, -1, -1, -1)
     elif causal != Causal.NONE:
         attn_mask = (causal_upper_left if causal == Causal.TOP_LEFT else causal_lower_right)(lq, lk)
-    # Gradients where the backward kernels serve the head dim (up to 128), the float mask's included.
-    with_grads = max(dim, dim_v) <= 128
+    # Gradients of every input, the float mask's included.
     inputs = [q, k, v] + ([attn_mask] if mask_kind == "float" else [])
-    if with_grads:
-        for t in inputs:
-            t.requires_grad_()
+    for t in inputs:
+        t.requires_grad_()
     grad_out = torch.randn(batch, heads_q, lq, dim_v, device="cuda", dtype=dtype)
     results = {}
     for name in ("cuda", "triton", "eager"):
         torch.manual_seed(1)  # the same (seed, offset) for every backend
-        out = tk.scaled_dot_product_attention(
-            q, k, v, attn_mask, dropout_p=dropout_p, enable_gqa=heads_k != heads_q,
-            key_padding_mask=key_padding_mask, backend=name,
-        )
-        results[name] = [out, *(torch.autograd.grad(out, inputs, grad_out) if with_grads else ())]
+        try:
+            out = tk.scaled_dot_product_attention(
+                q, k, v, attn_mask, dropout_p=dropout_p, enable_gqa=heads_k != heads_q,
+                key_padding_mask=key_padding_mask, backend=name,
+            )
+        except tk.BackendUnavailableError:
+            from transformer_kernels.backends.triton.attention import MAX_MASKED_HEAD_DIM_ON_GPU
+
+            # Under triton 3.6 the Triton backward serves a dense mask up to head dim 128 only.
+            assert name == "triton" and max(dim, dim_v) > MAX_MASKED_HEAD_DIM_ON_GPU
+            continue
+        results[name] = [out, *torch.autograd.grad(out, inputs, grad_out)]
     tol = 2e-2 if dtype == torch.float16 else 6e-2
-    assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=tol, same_dtype=True)
+    if "triton" in results:
+        assert_close_to_reference(results["cuda"], results["triton"], "cuda vs triton", tol=tol, same_dtype=True)
+        assert results["cuda"][0].stride() == results["triton"][0].stride()
     if dropout_p == 0.0:  # eager draws its own keep-mask
         assert_close_to_reference(results["cuda"], results["eager"], "cuda vs eager", tol=tol, same_dtype=True)
-    assert results["cuda"][0].stride() == results["triton"][0].stride()

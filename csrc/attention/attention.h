@@ -46,7 +46,8 @@ struct ForwardProblem {
   float dropout_scale;
 };
 
-// The head dims the kernels are instantiated for (max(E, Ev) rounded up to one of them).
+// The head dims the forward and backward kernels are instantiated for (max(E, Ev) rounded up to
+// one of them), 0 past them.
 int padded_head_dim(int head_dim);
 
 cudaError_t forward(const ForwardProblem& p, cudaStream_t stream);
@@ -63,9 +64,6 @@ struct BackwardProblem {
   HeadStrides dq_stride, dk_stride, dv_stride;
   float* grad_scores;  // contiguous [B, Hq, Lq, Lk]: the float mask's gradient, or null
 };
-
-// The head dims the backward kernels are instantiated for (max(E, Ev) rounded up), 0 past them.
-int backward_head_dim(int head_dim);
 
 cudaError_t backward(const BackwardProblem& p, cudaStream_t stream);
 

@@ -5,7 +5,9 @@
 //   than atomics from the dK/dV kernel: deterministic, and no fp32 dQ buffer to convert.
 // * dK/dV: one CTA per (key block, batch * kv head), the queries looped inside, the query heads of a
 //   GQA group summed in order inside the program (deterministic): S^T = K Q^T, dV += P^T dO,
-//   dP^T = V dO^T, dK += dS^T Q; it also writes dS, the float mask's gradient.
+//   dP^T = V dO^T, dK += dS^T Q; it also writes dS, the float mask's gradient.  At head dim 256 the
+//   two [keys, 256] fp32 accumulators would take every register a thread has (128 each), so that
+//   kernel runs twice, once per gradient (KvGrads), recomputing S^T: one accumulator each.
 // Every product keeps its result in registers as the next MMA's A operand; the transposed B
 // operands (K^T, Q^T, dO^T) are read from shared memory by ldmatrix.trans.  Rows without any key
 // have lse = +inf, hence P = 0 and zero gradients.
@@ -208,12 +210,16 @@ __device__ __forceinline__ void store_rows(const Acc& acc, const ThrMma& thr_mma
   }
 }
 
+// Which gradients a dK/dV program accumulates: both, or one of them (a pass of its own).
+enum class KvGrads { kBoth, kKey, kValue };
+
 // Traits::kBlockM keys per CTA (the MMA rows), Traits::kBlockN queries per step (the columns).
-template <class Traits>
+template <class Traits, KvGrads kGrads>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     grad_key_value_kernel(const __grid_constant__ BackwardProblem bp) {
   using T = typename Traits::Element;
   constexpr int BK = Traits::kBlockM, BQ = Traits::kBlockN, D = Traits::kHeadDim, kThreads = Traits::kThreads;
+  constexpr bool kKey = kGrads != KvGrads::kValue, kValue = kGrads != KvGrads::kKey;
   const ForwardProblem& p = bp.fwd;
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   T* smem = reinterpret_cast<T*>(smem_bytes);
@@ -258,12 +264,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdOt_part = bt_thr.partition_S(sdOt);
   Tensor rdOt_view = bt_thr.retile_D(rdOt);
 
+  // A pass that does not accumulate a gradient leaves its accumulator untouched: no registers.
   Tensor acc_dk = partition_fragment_C(mma, Shape<Int<BK>, Int<D>>{});
   Tensor acc_dv = partition_fragment_C(mma, Shape<Int<BK>, Int<D>>{});
   Tensor acc_s = partition_fragment_C(mma, Shape<Int<BK>, Int<BQ>>{});
   Tensor acc_dp = partition_fragment_C(mma, Shape<Int<BK>, Int<BQ>>{});
-  clear(acc_dk);
-  clear(acc_dv);
+  if constexpr (kKey) clear(acc_dk);
+  if constexpr (kValue) clear(acc_dv);
   Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BK>, Int<BQ>>{}));
   Tensor c_rc = make_tensor(coords.data(), rowcol(coords.layout()));
   Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
@@ -287,7 +294,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (!outside_bounds && rows.row_begin < p.seq_len_q) {
     load_stage<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
-    load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);
+    if constexpr (kKey) load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);  // for dP^T
     cp_async_fence();
     for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
       const int head_batch = batch * p.heads_q + head;
@@ -314,11 +321,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           copy(b_copy, sQ_part(_, _, kk), rQ_view(_, _, kk));
           gemm(mma, rK(_, _, kk), rQ(_, _, kk), acc_s);
         }
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(rV); ++kk) {
-          copy(a_copy, sV_part(_, _, kk), rV_view(_, _, kk));
-          copy(b_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
-          gemm(mma, rV(_, _, kk), rdO(_, _, kk), acc_dp);
+        if constexpr (kKey) {
+          CUTE_UNROLL
+          for (int kk = 0; kk < size<2>(rV); ++kk) {
+            copy(a_copy, sV_part(_, _, kk), rV_view(_, _, kk));
+            copy(b_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
+            gemm(mma, rV(_, _, kk), rdO(_, _, kk), acc_dp);
+          }
         }
 
         // Per column (query): its lse and delta; rows past Lq have lse = +inf, hence P = 0.
@@ -327,7 +336,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int c = 0; c < kCols; ++c) {
           const int query = q_start + get<1>(c_rc(0, c));
           lse_log2[c] = query < p.seq_len_q ? p.lse[row_base + query] * kLog2e : INFINITY;
-          delta[c] = query < p.seq_len_q ? bp.delta[row_base + query] : 0.f;
+          if constexpr (kKey) delta[c] = query < p.seq_len_q ? bp.delta[row_base + query] : 0.f;
         }
         const bool needs_mask = !keys_inside || (bounds.causal && q_start < rows.row_full) || masks.per_element();
         Tensor probs = make_tensor<T>(acc_s.layout());  // dropped-out P^T, the A operand of dV
@@ -347,38 +356,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             if (needs_mask) s = masks(s, query, key);
             const float prob = fast_exp2(s - lse_log2[c]);
             const bool keep = kept >> c & 1;
-            probs_rc(r, c) = T(keep ? prob * dropout_scale : 0.f);
-            const float dp = keep ? dp_rc(r, c) * dropout_scale : 0.f;
-            const float ds = prob * (dp - delta[c]);
-            s_rc(r, c) = ds;
-            if (bp.grad_scores != nullptr && query < p.seq_len_q && key < p.seq_len_k) {
-              bp.grad_scores[(row_base + query) * p.seq_len_k + key] = ds;
+            if constexpr (kValue) probs_rc(r, c) = T(keep ? prob * dropout_scale : 0.f);
+            if constexpr (kKey) {
+              const float dp = keep ? dp_rc(r, c) * dropout_scale : 0.f;
+              const float ds = prob * (dp - delta[c]);
+              s_rc(r, c) = ds;
+              if (bp.grad_scores != nullptr && query < p.seq_len_q && key < p.seq_len_k) {
+                bp.grad_scores[(row_base + query) * p.seq_len_k + key] = ds;
+              }
             }
           }
         }
-        Tensor probs_a = make_tensor(probs.data(), as_a_operand(probs.layout()));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(probs_a); ++kk) {
-          copy(bt_copy, sdOt_part(_, _, kk), rdOt_view(_, _, kk));
-          gemm(mma, probs_a(_, _, kk), rdOt(_, _, kk), acc_dv);
+        if constexpr (kValue) {
+          Tensor probs_a = make_tensor(probs.data(), as_a_operand(probs.layout()));
+          CUTE_UNROLL
+          for (int kk = 0; kk < size<2>(probs_a); ++kk) {
+            copy(bt_copy, sdOt_part(_, _, kk), rdOt_view(_, _, kk));
+            gemm(mma, probs_a(_, _, kk), rdOt(_, _, kk), acc_dv);
+          }
         }
-        Tensor ds = make_tensor<T>(acc_s.layout());
-        round_into(ds, acc_s);
-        Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(ds_a); ++kk) {
-          copy(bt_copy, sQt_part(_, _, kk), rQt_view(_, _, kk));
-          gemm(mma, ds_a(_, _, kk), rQt(_, _, kk), acc_dk);
+        if constexpr (kKey) {
+          Tensor ds = make_tensor<T>(acc_s.layout());
+          round_into(ds, acc_s);
+          Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
+          CUTE_UNROLL
+          for (int kk = 0; kk < size<2>(ds_a); ++kk) {
+            copy(bt_copy, sQt_part(_, _, kk), rQt_view(_, _, kk));
+            gemm(mma, ds_a(_, _, kk), rQt(_, _, kk), acc_dk);
+          }
         }
       }
     }
   }
-  store_rows<T, BK, D>(acc_dk, thr_mma,
-                       static_cast<T*>(bp.dk) + batch * bp.dk_stride.b + kv_head * bp.dk_stride.h, bp.dk_stride.l,
-                       key_start, p.seq_len_k, p.head_dim, p.scale);
-  store_rows<T, BK, D>(acc_dv, thr_mma,
-                       static_cast<T*>(bp.dv) + batch * bp.dv_stride.b + kv_head * bp.dv_stride.h, bp.dv_stride.l,
-                       key_start, p.seq_len_k, p.head_dim_v, 1.f);
+  if constexpr (kKey) {
+    store_rows<T, BK, D>(acc_dk, thr_mma,
+                         static_cast<T*>(bp.dk) + batch * bp.dk_stride.b + kv_head * bp.dk_stride.h, bp.dk_stride.l,
+                         key_start, p.seq_len_k, p.head_dim, p.scale);
+  }
+  if constexpr (kValue) {
+    store_rows<T, BK, D>(acc_dv, thr_mma,
+                         static_cast<T*>(bp.dv) + batch * bp.dv_stride.b + kv_head * bp.dv_stride.h, bp.dv_stride.l,
+                         key_start, p.seq_len_k, p.head_dim_v, 1.f);
+  }
 }
 
 template <class Kernel>
@@ -392,35 +411,47 @@ cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem_bytes, const 
   return cudaGetLastError();
 }
 
-// (head dim, dQ's query block x key block, dK/dV's key block x query block).
-template <class T, int D, int kQueryBlock, int kKeyBlock, int kKvKeys, int kKvQueries>
+template <class Traits>
+constexpr int backward_smem_bytes() {
+  return (2 * Traits::kSmemElementsQ + 2 * Traits::kSmemElementsKV) * int(sizeof(typename Traits::Element));
+}
+
+// (head dim, dQ's query block x key block, dK/dV's key block x query block, whether dK and dV take a
+// pass each: past head dim 128 their two accumulators do not fit in registers together).
+template <class T, int D, int kQueryBlock, int kKeyBlock, int kKvKeys, int kKvQueries, bool kKvPassEach = false>
 cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
   using QueryTraits = FlashTraits<T, D, kQueryBlock, kKeyBlock>;
   using KvTraits = FlashTraits<T, D, kKvKeys, kKvQueries>;
   const ForwardProblem& f = p.fwd;
   cudaError_t error = launch(grad_query_kernel<QueryTraits>, dim3(ceil_div(f.seq_len_q, kQueryBlock), f.batch * f.heads_q),
-                             QueryTraits::kThreads,
-                             (2 * QueryTraits::kSmemElementsQ + 2 * QueryTraits::kSmemElementsKV) * int(sizeof(T)), p,
-                             stream);
+                             QueryTraits::kThreads, backward_smem_bytes<QueryTraits>(), p, stream);
   if (error != cudaSuccess) return error;
-  return launch(grad_key_value_kernel<KvTraits>, dim3(ceil_div(f.seq_len_k, kKvKeys), f.batch * f.heads_k),
-                KvTraits::kThreads, (2 * KvTraits::kSmemElementsQ + 2 * KvTraits::kSmemElementsKV) * int(sizeof(T)), p,
-                stream);
+  const dim3 kv_grid(ceil_div(f.seq_len_k, kKvKeys), f.batch * f.heads_k);
+  constexpr int kKvSmem = backward_smem_bytes<KvTraits>();
+  if constexpr (kKvPassEach) {
+    error = launch(grad_key_value_kernel<KvTraits, KvGrads::kKey>, kv_grid, KvTraits::kThreads, kKvSmem, p, stream);
+    if (error != cudaSuccess) return error;
+    return launch(grad_key_value_kernel<KvTraits, KvGrads::kValue>, kv_grid, KvTraits::kThreads, kKvSmem, p, stream);
+  } else {
+    return launch(grad_key_value_kernel<KvTraits, KvGrads::kBoth>, kv_grid, KvTraits::kThreads, kKvSmem, p, stream);
+  }
 }
 
 }  // namespace
 
-int backward_head_dim(int head_dim) { return head_dim <= 64 ? 64 : (head_dim <= 128 ? 128 : 0); }
-
 cudaError_t backward(const BackwardProblem& p, cudaStream_t stream) {
-  const int head_dim = backward_head_dim(p.fwd.head_dim > p.fwd.head_dim_v ? p.fwd.head_dim : p.fwd.head_dim_v);
+  const int head_dim = padded_head_dim(p.fwd.head_dim > p.fwd.head_dim_v ? p.fwd.head_dim : p.fwd.head_dim_v);
   return dispatch_dtype(p.fwd.dtype, [&](auto element) -> cudaError_t {
     using T = decltype(element);
     switch (head_dim) {
 #ifndef TK_COMPILE_CHECK_ONE_DTYPE
+      case 32: return run<T, 32, 64, 64, 64, 32>(p, stream);
       case 64: return run<T, 64, 64, 64, 64, 32>(p, stream);
+      case 96: return run<T, 96, 64, 64, 64, 32>(p, stream);
+      case 192: return run<T, 192, 64, 32, 64, 16, true>(p, stream);
 #endif
       case 128: return run<T, 128, 64, 64, 64, 16>(p, stream);
+      case 256: return run<T, 256, 64, 16, 64, 16, true>(p, stream);
       default: return cudaErrorInvalidValue;
     }
   });

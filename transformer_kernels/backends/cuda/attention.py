@@ -5,8 +5,8 @@ giving 0 and zero gradients, GQA (heads summed in order inside the dK/dV kernel)
 strided inputs read in place, and dropout dropping the same weights as the Triton backend for the
 same ``(seed, offset)``.
 
-Served: float16 and bfloat16; head dims up to 256 forward and up to 128 where gradients are needed
-(``E`` or ``Ev`` not a multiple of 8 is copied zero-padded).  ``backend="auto"`` never picks it for
+Served: float16 and bfloat16; head dims up to 256, forward and backward (``E`` or ``Ev`` not a
+multiple of 8 is copied zero-padded).  ``backend="auto"`` never picks it for
 attention (no GPU measurement yet); ``backend="cuda"`` does.
 """
 
@@ -26,13 +26,6 @@ __all__ = ["forward", "backward", "empty_saved", "grads_contiguous", "unsupporte
 
 # CUDA caps the second grid dimension, which holds batch * query heads.
 MAX_BATCH_HEADS = 65535
-# The largest head dim the backward kernels are instantiated for (csrc/attention/attention_bwd.cu).
-MAX_BACKWARD_HEAD_DIM = 128
-
-
-def _needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> bool:
-    tensors = (query, key, value, args.attn_mask)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> Optional[str]:
@@ -45,11 +38,6 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     head_dim = max(query.shape[-1], value.shape[-1])
     if head_dim > MAX_HEAD_DIM:
         return f"the cuda attention kernels serve head dims up to {MAX_HEAD_DIM}, got {head_dim}"
-    if head_dim > MAX_BACKWARD_HEAD_DIM and _needs_grad(query, key, value, args):
-        return (
-            f"the cuda attention backward serves head dims up to {MAX_BACKWARD_HEAD_DIM}, got {head_dim} "
-            "with inputs that require grad"
-        )
     batch_heads = query.shape[0] * query.shape[1]
     if batch_heads > MAX_BATCH_HEADS:
         return f"the cuda attention kernels take B * Hq up to {MAX_BATCH_HEADS}, got {batch_heads}"
