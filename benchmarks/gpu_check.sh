@@ -9,7 +9,7 @@
 # what gets committed:
 #   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
 #   (tune/: with the tune step)
-# STEPS: a comma-separated subset of install,nvcc,tests,sanitizers,check,graphs,benchmarks
+# STEPS: a comma-separated subset of install,nvcc,tests,cuda-tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks
 # (default: all), and tune and pack (only when named; pack: the plots as one plots.tar, for the device
 # tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
 # against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
@@ -17,6 +17,10 @@
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
 # device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks,pack" (the
 # second install is a no-op rebuild check on a warm machine).
+# STEPS "budget-cuda": the CUDA extension alone within one such command: built for this GPU's
+# architecture only (TORCH_CUDA_ARCH_LIST, both dtypes), the tests of the cuda backend (-k cuda: its
+# own suite and its cases in the op suites), and one small case per kernel under compute-sanitizer
+# memcheck and racecheck.
 # STEPS "budget": what fits one command of at most 10 minutes when a whole GPU lease is 15 minutes,
 # its start included (the device tool's present limit), about 9 minutes at most, each step cut off at
 # its own limit: the package without the CUDA extension (building it alone takes minutes), the GPU
@@ -35,9 +39,18 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:uppe
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
 steps=",${2:-install,nvcc,tests,sanitizers,check,graphs,benchmarks},"
 # Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
-declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [graphs]=120 [benchmarks]=360)
+declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 [cuda-racecheck]=180 [graphs]=120
+                  [benchmarks]=360)
 bench_size=--full
 test_paths=(tests)
+if [[ $steps == ",budget-cuda," ]]; then
+    steps=",install,cuda-tests,cuda-sanitizers,"
+    limit=([install]=210 [tests]=140 [cuda-memcheck]=60 [cuda-racecheck]=100)
+    # sm_90a on Hopper (its arch-specific instructions), else the plain compute capability.
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; major, minor = \
+torch.cuda.get_device_capability(); print(f'{major}.{minor}' + ('a' if major == 9 else ''))")}
+    export TORCH_CUDA_ARCH_LIST
+fi
 if [[ $steps == ",budget," ]]; then
     steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
     limit=([install]=45 [tests]=200 [sanitizer]=80 [graphs]=55 [benchmarks]=130)
@@ -82,12 +95,18 @@ wanted nvcc && step nvcc 300 env TRANSFORMER_KERNELS_NVCC_ALL_DTYPES=1 python3 -
     -q -p no:cacheprovider $parallel
 wanted tests && step tests "${limit[tests]}" python3 -m pytest "${test_paths[@]}" -q -m "not slow" -p no:cacheprovider $parallel -rf \
     --junitxml="$out/tests.xml"
-if wanted sanitizers; then
-    step sanitizer "${limit[sanitizer]}" compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/gpu_smoke.py
+# (Host-only tests of the extension's sources need no GPU: CI runs them.)
+wanted cuda-tests && step cuda-tests "${limit[tests]}" python3 -m pytest tests --ignore=tests/test_cuda_host.py \
+    --ignore=tests/test_cuda_build.py -k cuda -q -m "not slow" -p no:cacheprovider $parallel -rf --junitxml="$out/tests.xml"
+wanted sanitizers && step sanitizer "${limit[sanitizer]}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 benchmarks/gpu_smoke.py
+if wanted sanitizers || wanted cuda-sanitizers; then
     # The extension's kernels where it is built (a full run's install fails without it).
     if python3 -c "import sys; from transformer_kernels.backends.cuda import extension; sys.exit(extension() is None)"; then
-        step cuda-memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
-        step cuda-racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 python3 benchmarks/cuda_smoke.py
+        step cuda-memcheck "${limit[cuda-memcheck]}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+            python3 benchmarks/cuda_smoke.py
+        step cuda-racecheck "${limit[cuda-racecheck]}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+            python3 benchmarks/cuda_smoke.py
     else
         echo "=== cuda sanitizers: skipped, the CUDA extension is not built" | tee -a "$log"
     fi
