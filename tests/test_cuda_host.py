@@ -389,6 +389,21 @@ def test_query_rows_of_a_key_block_start_at_its_first_viewer_and_are_full_past_t
         assert block[int(row_full):].all(), "rows from row_full on must see the whole block"
 
 
+@pytest.mark.parametrize("lq, block_q, row_begin, group", [(100, 16, 0, 1), (100, 16, 37, 4), (64, 32, 63, 2),
+                                                           (1, 16, 0, 3), (48, 16, 32, 2)])
+def test_query_steps_of_a_key_block_visit_each_head_and_query_block_once_in_order(
+    attention_h, lq, block_q, row_begin, group
+):
+    # The dK/dV kernel's query loop (one flat loop, prefetching each next step) against two nested
+    # loops: the group's heads, then the query blocks from the first that sees the key block.
+    q_first = row_begin // block_q * block_q
+    first_head = 2 * group  # kv head 2's group
+    expected = [value for head in range(first_head, first_head + group) for q_start in range(q_first, lq, block_q)
+                for value in (head, q_start)]
+    (steps,) = attention_h([("query_steps", first_head, first_head + group, q_first, block_q, lq)])
+    assert list(map(int, steps)) == expected
+
+
 def test_float_mask_bias_in_base_2_matches_the_triton_kernels(attention_h):
     log2e, lowest = 1.4426950408889634, torch.finfo(torch.float32).min
     values = torch.tensor([float("-inf"), lowest, -1e38, -3.5, 0.0, 1.25, 2e37, 3e38], dtype=torch.float32)

@@ -298,8 +298,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float dropout_scale = p.dropout_seed != nullptr ? p.dropout_scale : 1.f;
 
   if (!outside_bounds && rows.row_begin < p.seq_len_q) {
-    // The query steps: every query block from the first that sees these keys, for each query head of
-    // the GQA group in order.
+    // The query steps (next_query_step): every query block from the first that sees these keys, for
+    // each query head of the GQA group in order.
     const int q_first = rows.row_begin / BQ * BQ;
     auto load_queries = [&](int head, int q_start, int stage) {
       const HeadRows<T> q_rows{static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h +
@@ -314,25 +314,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     load_stage<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
     if constexpr (kKey) load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);  // for dP^T
     const int end_head = (kv_head + 1) * group;
-    int head = kv_head * group, q_start = q_first, stage = 0;
-    load_queries(head, q_start, stage);
+    QueryStep step{kv_head * group, q_first};
+    int stage = 0;
+    load_queries(step.head, step.q_start, stage);
     cp_async_fence();
-    // The step after (head, q_start): the next query block, or the next head's first.
-    auto next_step = [&](int head, int q_start) {
-      return q_start + BQ < p.seq_len_q ? make_int2(head, q_start + BQ) : make_int2(head + 1, q_first);
-    };
-    while (head < end_head) {
-      const int2 next = next_step(head, q_start);
+    while (step.head < end_head) {
+      const QueryStep next = next_query_step(step, BQ, p.seq_len_q, q_first);
       // The next step's stage was last read by the step before this one, which every thread has
       // finished (the barrier at the end of the loop).
-      if (next.x < end_head) {
-        load_queries(next.x, next.y, stage ^ 1);
+      if (next.head < end_head) {
+        load_queries(next.head, next.q_start, stage ^ 1);
         cp_async_fence();
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
       }
       __syncthreads();  // this step's Q and dO (and K, V) have landed
+      const int head = step.head, q_start = step.q_start;
       const int head_batch = batch * p.heads_q + head;
       const ScoreMasks<T> masks(p, batch, head);
       const int64_t row_base = int64_t(head_batch) * p.seq_len_q;
@@ -413,9 +411,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       __syncthreads();  // every thread is done with this step's stage: the step after next loads into it
-      const int2 after = next_step(head, q_start);  // recomputed: nothing stays live across the step
-      head = after.x;
-      q_start = after.y;
+      step = next_query_step(step, BQ, p.seq_len_q, q_first);  // recomputed: not kept live across the step
       stage ^= 1;
     }
   }

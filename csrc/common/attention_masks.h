@@ -2,7 +2,8 @@
 // tests/test_cuda_host.py compiles this header for the host and checks it against the op layer's
 // definitions (transformer_kernels/ops/attention.py) and the Triton backend's kernels
 // (backends/triton/attention.py): which key blocks a query block visits and which of them need
-// per-element masks, the float mask's contribution to a score, and the dropout keep-mask (Philox
+// per-element masks, the query steps of a key block (dK/dV), the float mask's contribution to a
+// score, and the dropout keep-mask (Philox
 // counters laid out as the Triton backend lays them out, so both backends drop the same weights).
 #pragma once
 
@@ -69,6 +70,18 @@ TK_HOST_DEVICE QueryRows query_rows(int key_start, int block_n, int seq_len_q, b
   if (!causal) return QueryRows{0, 0};
   auto clamp = [seq_len_q](int row) { return row < 0 ? 0 : (row > seq_len_q ? seq_len_q : row); };
   return QueryRows{clamp(key_start - shift), clamp(key_start + block_n - 1 - shift)};
+}
+
+// The steps of one key block's query loop: the query blocks from `q_first` (row_begin rounded down to
+// a block) to Lq, for each query head of the kv head's GQA group in turn, starting at
+// {first head, q_first} and ending when `head` passes the group's last.
+struct QueryStep {
+  int head, q_start;
+};
+
+TK_HOST_DEVICE QueryStep next_query_step(QueryStep step, int block_q, int seq_len_q, int q_first) {
+  return step.q_start + block_q < seq_len_q ? QueryStep{step.head, step.q_start + block_q}
+                                             : QueryStep{step.head + 1, q_first};
 }
 
 // ------------------------------------------------------------------------------------------------

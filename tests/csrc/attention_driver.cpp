@@ -23,6 +23,14 @@ int main() {
       std::cin >> key_start >> block_n >> seq_len_q >> causal >> shift;
       at::QueryRows r = at::query_rows(key_start, block_n, seq_len_q, causal != 0, shift);
       std::cout << r.row_begin << ' ' << r.row_full << '\n';
+    } else if (function == "query_steps") {
+      int head_begin, head_end, q_first, block_q, seq_len_q;
+      std::cin >> head_begin >> head_end >> q_first >> block_q >> seq_len_q;
+      for (at::QueryStep step{head_begin, q_first}; step.head < head_end;
+           step = at::next_query_step(step, block_q, seq_len_q, q_first)) {
+        std::cout << step.head << ' ' << step.q_start << ' ';
+      }
+      std::cout << '\n';
     } else if (function == "causal_shift") {
       int causal, seq_len_q, seq_len_k;
       std::cin >> causal >> seq_len_q >> seq_len_k;
