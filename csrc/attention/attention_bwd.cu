@@ -1,7 +1,8 @@
 // Flash-attention backward on sm_80 tensor cores (flash_sm80.cuh), two kernels after the dO . O
 // row-sum pre-pass (delta, computed by the caller):
 // * dQ: one CTA per (query block, batch * query head), the forward's key loop and masks:
-//   P = exp2(S - lse log2 e), dP = dO V^T, dS = P (dP - delta), dQ += dS K.  A separate pass rather
+//   P = exp2(S - lse log2 e), dP = dO V^T, dS = P (dP - delta), dQ += dS K; the next key block's K
+//   (a second buffer) and V land while the current block's products run.  A separate pass rather
 //   than atomics from the dK/dV kernel: deterministic, and no fp32 dQ buffer to convert.
 // * dK/dV: one CTA per (key block, batch * kv head), the queries looped inside, the query heads of a
 //   GQA group summed in order inside the program (deterministic): S^T = K Q^T, dV += P^T dO,
@@ -51,11 +52,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   const HeadRows<T> v_rows{static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h, p.v_stride.l,
                            p.seq_len_k, p.head_dim_v};
 
+  // Shared memory (grad_query_smem_bytes): Q, dO, V and two buffers of K.  K(n) is read until dQ's
+  // product, V(n) only by dP's: K(n - 1) lands while this block's products run, V(n - 1) while dS
+  // and dQ += dS K(n) do.
   constexpr int kQ = Traits::kSmemElementsQ, kKV = Traits::kSmemElementsKV;
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem + kQ), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem + 2 * kQ), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(smem + 2 * kQ + kKV), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem + 2 * kQ), typename Traits::SmemLayoutKV{});
+  auto sK_at = [&](int stage) {
+    return make_tensor(make_smem_ptr(smem + 2 * kQ + (1 + stage) * kKV), typename Traits::SmemLayoutKV{});
+  };
+  Tensor sK = sK_at(0);  // stage 0 gives the register fragments their shapes
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutVt{});
 
   typename Traits::TiledMma mma;
@@ -75,11 +82,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   Tensor rQ_view = a_thr.retile_D(rQ);
   Tensor sdO_part = a_thr.partition_S(sdO);
   Tensor rdO_view = a_thr.retile_D(rdO);
-  Tensor sK_part = b_thr.partition_S(sK);
   Tensor rK_view = b_thr.retile_D(rK);
   Tensor sV_part = b_thr.partition_S(sV);
   Tensor rV_view = b_thr.retile_D(rV);
-  Tensor sKt_part = bt_thr.partition_S(sKt);
   Tensor rKt_view = bt_thr.retile_D(rKt);
 
   Tensor acc_dq = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
@@ -107,17 +112,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   if (p.dropout_seed != nullptr) dropout = dropout_key(p.dropout_seed[0], p.dropout_seed[1]);
   const float dropout_scale = p.dropout_seed != nullptr ? p.dropout_scale : 1.f;
 
+  // cp.async groups in flight at the top of block n's step: K(n) (with Q and dO at the first), then
+  // V(n).
   if (blocks.begin < blocks.end) {
     load_stage<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
     load_stage<Major::K, BM, D, kThreads>(do_rows, sdO, 0, 0, tid);
     load_stage<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
+    cp_async_fence();
     load_stage<Major::K, BN, D, kThreads>(v_rows, sV, (blocks.end - 1) * BN, 0, tid);
     cp_async_fence();
   }
+  int stage = 0;
   for (int n_block = blocks.end - 1; n_block >= blocks.begin; --n_block) {
     const int key_start = n_block * BN;
-    cp_async_wait<0>();
-    __syncthreads();  // K(n) and V(n) have landed
+    const bool more = n_block > blocks.begin;
+    cp_async_wait<1>();
+    __syncthreads();  // K(n) has landed; every thread is done with K(n + 1), in the other buffer
+    if (more) {
+      load_stage<Major::K, BN, D, kThreads>(k_rows, sK_at(stage ^ 1), key_start - BN, 0, tid);
+      cp_async_fence();
+    }
+    Tensor sK_part = b_thr.partition_S(sK_at(stage));
+    Tensor sKt_part = bt_thr.partition_S(make_tensor(sK_at(stage).data(), typename Traits::SmemLayoutVt{}));
     clear(acc_s);
     clear(acc_dp);
     CUTE_UNROLL
@@ -126,11 +142,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
       copy(b_copy, sK_part(_, _, kk), rK_view(_, _, kk));
       gemm(mma, rQ(_, _, kk), rK(_, _, kk), acc_s);
     }
+    if (more) {
+      cp_async_wait<1>();  // all but K(n - 1)
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // V(n) has landed
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(rdO); ++kk) {
       copy(a_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
       copy(b_copy, sV_part(_, _, kk), rV_view(_, _, kk));
       gemm(mma, rdO(_, _, kk), rV(_, _, kk), acc_dp);
+    }
+    __syncthreads();  // every thread is done with V(n)
+    if (more) {
+      load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
+      cp_async_fence();
     }
 
     const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
@@ -160,12 +187,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
       copy(bt_copy, sKt_part(_, _, kk), rKt_view(_, _, kk));
       gemm(mma, ds_a(_, _, kk), rKt(_, _, kk), acc_dq);
     }
-    __syncthreads();  // every thread is done with K(n) and V(n)
-    if (n_block > blocks.begin) {
-      load_stage<Major::K, BN, D, kThreads>(k_rows, sK, key_start - BN, 0, tid);
-      load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
-      cp_async_fence();
-    }
+    stage ^= 1;
   }
 
   Tensor o_coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
@@ -438,10 +460,11 @@ cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem_bytes, const 
   return cudaGetLastError();
 }
 
-// dQ's shared memory: its Q and dO (block M rows) and one key block's K and V (block N rows).
+// dQ's shared memory: its Q and dO (block M rows), a key block's V and two key blocks' K (block N
+// rows each).
 template <class Traits>
 constexpr int grad_query_smem_bytes() {
-  return (2 * Traits::kSmemElementsQ + 2 * Traits::kSmemElementsKV) * int(sizeof(typename Traits::Element));
+  return (2 * Traits::kSmemElementsQ + 3 * Traits::kSmemElementsKV) * int(sizeof(typename Traits::Element));
 }
 
 // dK/dV's: its K and V (block M rows) and two query steps' Q and dO (block N rows each).
