@@ -63,29 +63,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
     return make_tensor(make_smem_ptr(smem + 2 * kQ + (1 + stage) * kKV), typename Traits::SmemLayoutKV{});
   };
   Tensor sK = sK_at(0);  // stage 0 gives the register fragments their shapes
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutVt{});
+  Tensor sKt = Traits::transposed(sK);
 
   typename Traits::TiledMma mma;
   auto thr_mma = mma.get_slice(tid);
   auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
   auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
   auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
-  auto a_thr = a_copy.get_slice(tid);
-  auto b_thr = b_copy.get_slice(tid);
-  auto bt_thr = bt_copy.get_slice(tid);
   Tensor rQ = thr_mma.partition_fragment_A(sQ);
   Tensor rdO = thr_mma.partition_fragment_A(sdO);
   Tensor rK = thr_mma.partition_fragment_B(sK);
   Tensor rV = thr_mma.partition_fragment_B(sV);
   Tensor rKt = thr_mma.partition_fragment_B(sKt);
-  Tensor sQ_part = a_thr.partition_S(sQ);
-  Tensor rQ_view = a_thr.retile_D(rQ);
-  Tensor sdO_part = a_thr.partition_S(sdO);
-  Tensor rdO_view = a_thr.retile_D(rdO);
-  Tensor rK_view = b_thr.retile_D(rK);
-  Tensor sV_part = b_thr.partition_S(sV);
-  Tensor rV_view = b_thr.retile_D(rV);
-  Tensor rKt_view = bt_thr.retile_D(rKt);
 
   Tensor acc_dq = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
   Tensor acc_s = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
@@ -132,28 +121,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
       load_stage<Major::K, BN, D, kThreads>(k_rows, sK_at(stage ^ 1), key_start - BN, 0, tid);
       cp_async_fence();
     }
-    Tensor sK_part = b_thr.partition_S(sK_at(stage));
-    Tensor sKt_part = bt_thr.partition_S(make_tensor(sK_at(stage).data(), typename Traits::SmemLayoutVt{}));
     clear(acc_s);
     clear(acc_dp);
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(rQ); ++kk) {
-      copy(a_copy, sQ_part(_, _, kk), rQ_view(_, _, kk));
-      copy(b_copy, sK_part(_, _, kk), rK_view(_, _, kk));
-      gemm(mma, rQ(_, _, kk), rK(_, _, kk), acc_s);
-    }
+    gemm_smem(mma, acc_s, rQ, sQ, a_copy, rK, sK_at(stage), b_copy, tid);
     if (more) {
       cp_async_wait<1>();  // all but K(n - 1)
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // V(n) has landed
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(rdO); ++kk) {
-      copy(a_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
-      copy(b_copy, sV_part(_, _, kk), rV_view(_, _, kk));
-      gemm(mma, rdO(_, _, kk), rV(_, _, kk), acc_dp);
-    }
+    gemm_smem(mma, acc_dp, rdO, sdO, a_copy, rV, sV, b_copy, tid);
     __syncthreads();  // every thread is done with V(n)
     if (more) {
       load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
@@ -182,11 +159,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
     Tensor ds = make_tensor<T>(acc_s.layout());
     round_into(ds, acc_s);
     Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(ds_a); ++kk) {
-      copy(bt_copy, sKt_part(_, _, kk), rKt_view(_, _, kk));
-      gemm(mma, ds_a(_, _, kk), rKt(_, _, kk), acc_dq);
-    }
+    gemm_registers_smem(mma, acc_dq, ds_a, rKt, Traits::transposed(sK_at(stage)), bt_copy, tid);
     stage ^= 1;
   }
 
@@ -265,31 +238,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   Tensor sQ = sQ_at(0);  // stage 0 gives the register fragments their shapes
   Tensor sdO = sdO_at(0);
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutVt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutVt{});
+  Tensor sQt = Traits::transposed(sQ);
+  Tensor sdOt = Traits::transposed(sdO);
 
   typename Traits::TiledMma mma;
   auto thr_mma = mma.get_slice(tid);
   auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
   auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
   auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
-  auto a_thr = a_copy.get_slice(tid);
-  auto b_thr = b_copy.get_slice(tid);
-  auto bt_thr = bt_copy.get_slice(tid);
   Tensor rK = thr_mma.partition_fragment_A(sK);
   Tensor rV = thr_mma.partition_fragment_A(sV);
   Tensor rQ = thr_mma.partition_fragment_B(sQ);
   Tensor rdO = thr_mma.partition_fragment_B(sdO);
   Tensor rQt = thr_mma.partition_fragment_B(sQt);
   Tensor rdOt = thr_mma.partition_fragment_B(sdOt);
-  Tensor sK_part = a_thr.partition_S(sK);
-  Tensor rK_view = a_thr.retile_D(rK);
-  Tensor sV_part = a_thr.partition_S(sV);
-  Tensor rV_view = a_thr.retile_D(rV);
-  Tensor rQ_view = b_thr.retile_D(rQ);
-  Tensor rdO_view = b_thr.retile_D(rdO);
-  Tensor rQt_view = bt_thr.retile_D(rQt);
-  Tensor rdOt_view = bt_thr.retile_D(rdOt);
 
   // A pass that does not accumulate a gradient leaves its accumulator untouched: no registers.
   Tensor acc_dk = partition_fragment_C(mma, Shape<Int<BK>, Int<D>>{});
@@ -356,26 +318,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int head_batch = batch * p.heads_q + head;
       const ScoreMasks<T> masks(p, batch, head);
       const int64_t row_base = int64_t(head_batch) * p.seq_len_q;
-      Tensor sQ_part = b_thr.partition_S(sQ_at(stage));
-      Tensor sdO_part = b_thr.partition_S(sdO_at(stage));
-      Tensor sQt_part = bt_thr.partition_S(make_tensor(sQ_at(stage).data(), typename Traits::SmemLayoutVt{}));
-      Tensor sdOt_part = bt_thr.partition_S(make_tensor(sdO_at(stage).data(), typename Traits::SmemLayoutVt{}));
       clear(acc_s);
       clear(acc_dp);
-      CUTE_UNROLL
-      for (int kk = 0; kk < size<2>(rK); ++kk) {
-        copy(a_copy, sK_part(_, _, kk), rK_view(_, _, kk));
-        copy(b_copy, sQ_part(_, _, kk), rQ_view(_, _, kk));
-        gemm(mma, rK(_, _, kk), rQ(_, _, kk), acc_s);
-      }
-      if constexpr (kKey) {
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(rV); ++kk) {
-          copy(a_copy, sV_part(_, _, kk), rV_view(_, _, kk));
-          copy(b_copy, sdO_part(_, _, kk), rdO_view(_, _, kk));
-          gemm(mma, rV(_, _, kk), rdO(_, _, kk), acc_dp);
-        }
-      }
+      gemm_smem(mma, acc_s, rK, sK, a_copy, rQ, sQ_at(stage), b_copy, tid);
+      if constexpr (kKey) gemm_smem(mma, acc_dp, rV, sV, a_copy, rdO, sdO_at(stage), b_copy, tid);
 
       // Per column (query): its lse and delta; rows past Lq have lse = +inf, hence P = 0.
       float lse_log2[kCols], delta[kCols];
@@ -416,21 +362,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       if constexpr (kValue) {
         Tensor probs_a = make_tensor(probs.data(), as_a_operand(probs.layout()));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(probs_a); ++kk) {
-          copy(bt_copy, sdOt_part(_, _, kk), rdOt_view(_, _, kk));
-          gemm(mma, probs_a(_, _, kk), rdOt(_, _, kk), acc_dv);
-        }
+        gemm_registers_smem(mma, acc_dv, probs_a, rdOt, Traits::transposed(sdO_at(stage)), bt_copy, tid);
       }
       if constexpr (kKey) {
         Tensor ds = make_tensor<T>(acc_s.layout());
         round_into(ds, acc_s);
         Tensor ds_a = make_tensor(ds.data(), as_a_operand(ds.layout()));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(ds_a); ++kk) {
-          copy(bt_copy, sQt_part(_, _, kk), rQt_view(_, _, kk));
-          gemm(mma, ds_a(_, _, kk), rQt(_, _, kk), acc_dk);
-        }
+        gemm_registers_smem(mma, acc_dk, ds_a, rQt, Traits::transposed(sQ_at(stage)), bt_copy, tid);
       }
       __syncthreads();  // every thread is done with this step's stage: the step after next loads into it
       step = next_query_step(step, BQ, p.seq_len_q, q_first);  // recomputed: not kept live across the step

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   Tensor sK = make_tensor(make_smem_ptr(smem + Traits::kSmemElementsQ), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem + Traits::kSmemElementsQ + Traits::kSmemElementsKV),
                           typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sVt = Traits::transposed(sV);
 
   typename Traits::TiledMma mma;
   auto thr_mma = mma.get_slice(tid);
@@ -58,15 +58,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   auto s2r_q_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
   auto s2r_k_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
   auto s2r_v_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
-  auto s2r_q = s2r_q_copy.get_slice(tid);
-  auto s2r_k = s2r_k_copy.get_slice(tid);
-  auto s2r_v = s2r_v_copy.get_slice(tid);
-  Tensor tSsQ = s2r_q.partition_S(sQ);
-  Tensor tSrQ_view = s2r_q.retile_D(tSrQ);
-  Tensor tSsK = s2r_k.partition_S(sK);
-  Tensor tSrK_view = s2r_k.retile_D(tSrK);
-  Tensor tOsVt = s2r_v.partition_S(sVt);
-  Tensor tOrVt_view = s2r_v.retile_D(tOrVt);
 
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
   Tensor acc_s = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
@@ -101,12 +92,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
     cp_async_fence();
 
     clear(acc_s);
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
-      copy(s2r_q_copy, tSsQ(_, _, kk), tSrQ_view(_, _, kk));
-      copy(s2r_k_copy, tSsK(_, _, kk), tSrK_view(_, _, kk));
-      gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), acc_s);
-    }
+    gemm_smem(mma, acc_s, tSrQ, sQ, s2r_q_copy, tSrK, sK, s2r_k_copy, tid);
 
     // Scores in base-2 units; excluded keys -inf.
     const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
@@ -175,11 +161,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
       load_stage<Major::K, BN, D, kThreads>(k_rows, sK, key_start - BN, 0, tid);
       cp_async_fence();
     }
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(tOrP); ++kk) {
-      copy(s2r_v_copy, tOsVt(_, _, kk), tOrVt_view(_, _, kk));
-      gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), acc_o);
-    }
+    gemm_registers_smem(mma, acc_o, tOrP, tOrVt, sVt, s2r_v_copy, tid);
   }
 
   // out = acc / l (0 on rows without a key), lse = (m + log2 l) ln 2 (+inf there).

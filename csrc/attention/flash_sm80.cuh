@@ -44,6 +44,12 @@ struct FlashTraits {
   using LdsmK = Copy_Atom<SM75_U32x4_LDSM_N, T>;
   using LdsmT = Copy_Atom<SM75_U16x8_LDSM_T, T>;
 
+  // A [block N rows, head dim] shared-memory tile read as (head dim, rows): a B operand.
+  template <class Tile>
+  static __device__ __forceinline__ auto transposed(const Tile& tile) {
+    return make_tensor(tile.data(), SmemLayoutVt{});
+  }
+
   static constexpr int kSmemElementsQ = cosize_v<SmemLayoutQ>;
   static constexpr int kSmemElementsKV = cosize_v<SmemLayoutKV>;
   static constexpr int kSmemBytes = (kSmemElementsQ + 2 * kSmemElementsKV) * int(sizeof(T));
@@ -69,6 +75,40 @@ template <class Dst, class Acc>
 __device__ __forceinline__ void round_into(Dst& dst, const Acc& acc) {
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) dst(i) = typename Dst::value_type(acc(i));
+}
+
+// acc += A B, one K slice at a time, each slice of both operands loaded from shared memory (sA, sB)
+// into its register fragment (rA, rB) by ldmatrix (the tiled copies copy_a, copy_b) just before its
+// MMA.
+template <class Mma, class Acc, class RA, class SA, class CopyA, class RB, class SB, class CopyB>
+__device__ __forceinline__ void gemm_smem(const Mma& mma, Acc& acc, RA& rA, const SA& sA, const CopyA& copy_a, RB& rB,
+                                          const SB& sB, const CopyB& copy_b, int tid) {
+  auto thr_a = copy_a.get_slice(tid);
+  auto thr_b = copy_b.get_slice(tid);
+  Tensor sA_part = thr_a.partition_S(sA);
+  Tensor sB_part = thr_b.partition_S(sB);
+  Tensor rA_view = thr_a.retile_D(rA);
+  Tensor rB_view = thr_b.retile_D(rB);
+  CUTE_UNROLL
+  for (int kk = 0; kk < size<2>(rA); ++kk) {
+    copy(copy_a, sA_part(_, _, kk), rA_view(_, _, kk));
+    copy(copy_b, sB_part(_, _, kk), rB_view(_, _, kk));
+    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+  }
+}
+
+// acc += A B with A in registers already (a previous product, as_a_operand), B as in gemm_smem.
+template <class Mma, class Acc, class RA, class RB, class SB, class CopyB>
+__device__ __forceinline__ void gemm_registers_smem(const Mma& mma, Acc& acc, const RA& rA, RB& rB, const SB& sB,
+                                                    const CopyB& copy_b, int tid) {
+  auto thr_b = copy_b.get_slice(tid);
+  Tensor sB_part = thr_b.partition_S(sB);
+  Tensor rB_view = thr_b.retile_D(rB);
+  CUTE_UNROLL
+  for (int kk = 0; kk < size<2>(rA); ++kk) {
+    copy(copy_b, sB_part(_, _, kk), rB_view(_, _, kk));
+    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+  }
 }
 
 // A row's values are spread over the 4 lanes of a quad: reduce over them.
