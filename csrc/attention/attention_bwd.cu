@@ -417,6 +417,8 @@ template <class T, int D, int kQueryBlock, int kKeyBlock, int kKvKeys, int kKvQu
 cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
   using QueryTraits = FlashTraits<T, D, kQueryBlock, kKeyBlock>;
   using KvTraits = FlashTraits<T, D, kKvKeys, kKvQueries>;
+  static_assert(grad_query_smem_bytes<QueryTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
+  static_assert(grad_key_value_smem_bytes<KvTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   const ForwardProblem& f = p.fwd;
   cudaError_t error = launch(grad_query_kernel<QueryTraits>, dim3(ceil_div(f.seq_len_q, kQueryBlock), f.batch * f.heads_q),
                              QueryTraits::kThreads, grad_query_smem_bytes<QueryTraits>(), p, stream);

@@ -190,6 +190,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
 
 template <class Traits>
 cudaError_t launch(const ForwardProblem& p, cudaStream_t stream) {
+  static_assert(Traits::kSmemBytes <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   auto kernel = forward_kernel<Traits>;
   if (Traits::kSmemBytes > 48 * 1024) {
     cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);

@@ -25,6 +25,10 @@ using HeadDimSmemAtom = std::conditional_t<
     kHeadDim % 64 == 0, decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{})),
     typename SmemOperand<Major::K>::Atom>;
 
+// The most dynamic shared memory a block may opt in to on sm_80 (sm_90 allows 227 KiB): every
+// kernel here is built for both.
+constexpr int kMaxSmemBytes = 163 * 1024;
+
 template <class T, int kHeadDim_, int kBlockM_, int kBlockN_>
 struct FlashTraits {
   using Element = T;
