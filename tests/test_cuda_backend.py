@@ -1,8 +1,9 @@
 """The cuda backend (the compiled extension): which calls it serves, auto's choice per architecture,
 agreement with Triton and eager on identical inputs, the decoding step, and the raw ops' errors.
 
-What needs no GPU runs everywhere: the reasons the backend gives for calls it does not serve.  The
-rest needs a CUDA device and the built extension; the op suites (test_qkv.py, test_glu_conv.py) run
+What needs no GPU runs everywhere: the reasons the backend gives for calls it does not serve, and
+its attention Python layer over a host stand-in of the raw ops.  The rest needs a CUDA device and
+the built extension; the op suites (test_qkv.py, test_glu_conv.py) run
 the cuda backend too, through ``backend_params``.
 """
 
@@ -15,7 +16,7 @@ from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, _auto_reaso
 from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
-from transformer_kernels.ops.attention import AttentionArgs, Causal
+from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
@@ -77,6 +78,128 @@ def test_attention_reasons():
     assert "B * Hq up to 65535, got 90000" in cuda_attention.unsupported_reason(many, kv, kv, args)
     # auto never picks it for attention (no GPU measurement), whatever the architecture.
     assert "prefers triton for attention" in _auto_reason("attention", torch.device("cuda", 0))
+
+
+class _HostAttentionOps:
+    """A host stand-in for the extension's raw attention ops, to the contract ``csrc/bindings.cpp``
+    states (shapes, layouts, what each writes), computed in float64.  It checks what the
+    backend's Python hands it (the padded head dims, the key bounds against the padding, the dO.O
+    pre-pass) and writes the results into the tensors it is given, as the kernels do."""
+
+    def _problem(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed):
+        batch, heads_q, lq, head_dim = q.shape
+        heads_k, lk, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+        assert head_dim % 8 == 0 and head_dim_v % 8 == 0 and heads_q % heads_k == 0
+        assert k.shape == (batch, heads_k, lk, head_dim) and v.shape[:3] == (batch, heads_k, lk)
+        assert all(t.stride(-1) == 1 for t in (q, k, v)), "the kernels read 16-byte chunks along the last dim"
+        assert dropout_seed is None, "the stand-in draws no dropout keep-mask"
+        excluded = torch.zeros(batch, heads_q, lq, lk, dtype=torch.bool)
+        if key_padding_mask is not None:
+            assert key_padding_mask.is_contiguous() and key_padding_mask.shape == (batch, lk)
+            assert key_bounds.dtype == torch.int32 and key_bounds.shape == (batch, 2)
+            assert torch.equal(key_bounds, key_padding_bounds(key_padding_mask))
+            excluded |= key_padding_mask[:, None, None, :]
+        else:
+            assert key_bounds is None
+        if causal != Causal.NONE:
+            shift = lk - lq if causal == Causal.BOTTOM_RIGHT else 0
+            excluded |= torch.ones(lq, lk, dtype=torch.bool).triu(1 + shift)
+        scores = torch.matmul(q.double(), k.double().repeat_interleave(heads_q // heads_k, 1).transpose(-1, -2)) * scale
+        if attn_mask is not None:
+            assert attn_mask.shape == (batch, heads_q, lq, lk)
+            if attn_mask.dtype == torch.bool:
+                excluded |= ~attn_mask
+            else:
+                assert attn_mask.dtype == q.dtype
+                scores = scores + attn_mask.double()
+        scores = scores.masked_fill(excluded, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        empty = torch.isneginf(lse)
+        probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+        return probs, lse.masked_fill(empty, float("inf"))
+
+    def attention_forward(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed,
+                          dropout_threshold, dropout_scale, out, lse):
+        probs, row_lse = self._problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed)
+        assert out.shape == (*q.shape[:3], v.shape[3]) and out.stride(-1) == 1
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == q.shape[:3]
+        group = q.shape[1] // k.shape[1]
+        out.copy_(torch.matmul(probs, v.double().repeat_interleave(group, 1)))
+        lse.copy_(row_lse)
+
+    def attention_backward(self, grad_out, q, k, v, lse, delta, key_padding_mask, key_bounds, attn_mask, causal, scale,
+                           dropout_seed, dropout_threshold, dropout_scale, dq, dk, dv, grad_scores):
+        probs, row_lse = self._problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed)
+        torch.testing.assert_close(lse.double(), row_lse.float().double(), msg="lse is the forward's")
+        batch, heads_q, lq, _ = q.shape
+        heads_k, lk = k.shape[1], k.shape[2]
+        group = heads_q // heads_k
+        d_out = grad_out.double()
+        out = torch.matmul(probs, v.double().repeat_interleave(group, 1))
+        assert delta.dtype == torch.float32 and delta.is_contiguous()
+        torch.testing.assert_close(delta.double(), (d_out * out).sum(-1), atol=2e-2, rtol=2e-2, msg="delta = dO . O")
+        d_probs = torch.matmul(d_out, v.double().repeat_interleave(group, 1).transpose(-1, -2))
+        d_scores = probs * (d_probs - delta.double()[..., None])
+
+        def per_kv_head(grad):  # [B, Hq, L, X] summed over each kv head's query heads
+            return grad.view(batch, heads_k, group, *grad.shape[2:]).sum(2)
+
+        dq.copy_(torch.matmul(d_scores, k.double().repeat_interleave(group, 1)) * scale)
+        dk.copy_(per_kv_head(torch.matmul(d_scores.transpose(-1, -2), q.double())) * scale)
+        dv.copy_(per_kv_head(torch.matmul(probs.transpose(-1, -2), d_out)))
+        if grad_scores is not None:
+            assert grad_scores.dtype == torch.float32 and grad_scores.shape == (batch, heads_q, lq, lk)
+            grad_scores.copy_(d_scores)
+
+
+GLUE_CASES = [
+    # query [B, Hq, Lq, E], key heads, Lk, Ev, causal kind, key padding, dense mask kind
+    ((2, 4, 9, 16), 2, 11, 16, Causal.NONE, True, None),
+    ((2, 2, 7, 12), 2, 7, 20, Causal.TOP_LEFT, False, "bool"),  # head dims padded to 16 and 24
+    ((1, 3, 12, 8), 1, 5, 8, Causal.BOTTOM_RIGHT, True, None),  # rows without keys
+    ((2, 2, 6, 24), 1, 10, 40, Causal.NONE, False, "float"),  # the float mask's gradient
+]
+
+
+@pytest.mark.parametrize("q_shape,heads_k,lk,dim_v,causal,padded,mask_kind", GLUE_CASES)
+def test_attention_python_layer_on_a_host_stand_in_of_the_raw_ops(
+    monkeypatch, q_shape, heads_k, lk, dim_v, causal, padded, mask_kind
+):
+    """The backend's Python (padding head dims, writing in place or copying out, key bounds, the
+    dO.O pre-pass, the float mask's gradient) against the eager backend, the kernels replaced by
+    :class:`_HostAttentionOps`: what the GPU agreement tests check, minus the kernels."""
+    from transformer_kernels.backends.eager import attention as eager_attention
+
+    monkeypatch.setattr(cuda_attention, "raw_ops", _HostAttentionOps)
+    generator = torch.Generator().manual_seed(0)
+    batch, heads_q, lq, dim = q_shape
+    # A strided query: [B, Lq, Hq, E] memory read as [B, Hq, Lq, E].
+    q = torch.randn(batch, lq, heads_q, dim, generator=generator).half().transpose(1, 2)
+    k = torch.randn(batch, heads_k, lk, dim, generator=generator).half()
+    v = torch.randn(batch, heads_k, lk, dim_v, generator=generator).half()
+    padding = None
+    if padded:  # a hole, a suffix, and (third row) nothing kept
+        keys = torch.arange(lk)
+        padding = torch.stack([(keys == 1) | (keys >= lk - 2), keys >= 2])[:batch].contiguous()
+    attn_mask = None
+    if mask_kind == "bool":
+        attn_mask = torch.rand(batch, 1, lq, lk, generator=generator).expand(-1, heads_q, -1, -1) > 0.3
+    elif mask_kind == "float":
+        attn_mask = torch.randn(batch, heads_q, lq, lk, generator=generator).half()
+    args = AttentionArgs(padding, attn_mask, causal, 0.3, 0.0, None)
+    grad_out = torch.randn(batch, heads_q, lq, dim_v, generator=generator).half()
+
+    out, lse = cuda_attention.forward(q, k, v, args, True)
+    grads = cuda_attention.backward(grad_out, q, k, v, out, lse, args, mask_kind == "float")
+    wide = [t.double() for t in (q, k, v, grad_out)]
+    wide_args = AttentionArgs(padding, None if attn_mask is None else attn_mask.double() if mask_kind == "float"
+                              else attn_mask, causal, 0.3, 0.0, None)
+    expected_out, saved = eager_attention.forward(*wide[:3], wide_args, True)
+    expected = eager_attention.backward(wide[3], *wide[:3], expected_out, saved, wide_args, mask_kind == "float")
+    assert out.shape == expected_out.shape and out.dtype == q.dtype
+    assert_close_to_reference([out, *grads[:3]], [expected_out, *expected[:3]], ["out", "dq", "dk", "dv"], tol=4e-3)
+    if mask_kind == "float":
+        assert_close_to_reference(grads[3], expected[3], "the float mask's gradient", tol=4e-3)
 
 
 # --------------------------------------------------------------------------- on a GPU
