@@ -41,16 +41,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   const KeyBlocks blocks =
       key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
 
-  const HeadRows<T> q_rows{static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h +
-                               row_start * p.q_stride.l,
-                           p.q_stride.l, p.seq_len_q - row_start, p.head_dim};
-  const HeadRows<T> do_rows{static_cast<const T*>(bp.grad_out) + batch * bp.grad_out_stride.b +
-                                head * bp.grad_out_stride.h + row_start * bp.grad_out_stride.l,
-                            bp.grad_out_stride.l, p.seq_len_q - row_start, p.head_dim_v};
-  const HeadRows<T> k_rows{static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h, p.k_stride.l,
-                           p.seq_len_k, p.head_dim};
-  const HeadRows<T> v_rows{static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h, p.v_stride.l,
-                           p.seq_len_k, p.head_dim_v};
+  const auto q_rows = HeadRows<T>::of(p.q, p.q_stride, batch, head, row_start, p.seq_len_q, p.head_dim);
+  const auto do_rows =
+      HeadRows<T>::of(bp.grad_out, bp.grad_out_stride, batch, head, row_start, p.seq_len_q, p.head_dim_v);
+  const auto k_rows = HeadRows<T>::of(p.k, p.k_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim);
+  const auto v_rows = HeadRows<T>::of(p.v, p.v_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim_v);
 
   // Shared memory (grad_query_smem_bytes): Q, dO, V and two buffers of K.  K(n) is read until dQ's
   // product, V(n) only by dP's: K(n - 1) lands while this block's products run, V(n - 1) while dS
@@ -268,10 +263,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kCols = size<1>(decltype(s_rc.layout()){});
   static_assert(kCols <= 32, "one keep bit per column in a word");
 
-  const HeadRows<T> k_rows{static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h, p.k_stride.l,
-                           p.seq_len_k, p.head_dim};
-  const HeadRows<T> v_rows{static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h, p.v_stride.l,
-                           p.seq_len_k, p.head_dim_v};
+  const auto k_rows = HeadRows<T>::of(p.k, p.k_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim);
+  const auto v_rows = HeadRows<T>::of(p.v, p.v_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim_v);
   const ScoreMasks<T> bounds(p, batch, 0);  // the key bounds and causal shift, shared by the heads
   const bool outside_bounds = key_start >= bounds.end_key || key_start + BK <= bounds.first_key;
   const bool keys_inside = key_start >= bounds.first_key && key_start + BK <= bounds.end_key;
@@ -286,14 +279,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // each query head of the GQA group in order.
     const int q_first = rows.row_begin / BQ * BQ;
     auto load_queries = [&](int head, int q_start, int stage) {
-      const HeadRows<T> q_rows{static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h +
-                                   q_start * p.q_stride.l,
-                               p.q_stride.l, p.seq_len_q - q_start, p.head_dim};
-      const HeadRows<T> do_rows{static_cast<const T*>(bp.grad_out) + batch * bp.grad_out_stride.b +
-                                    head * bp.grad_out_stride.h + q_start * bp.grad_out_stride.l,
-                                bp.grad_out_stride.l, p.seq_len_q - q_start, p.head_dim_v};
-      load_stage<Major::K, BQ, D, kThreads>(q_rows, sQ_at(stage), 0, 0, tid);
-      load_stage<Major::K, BQ, D, kThreads>(do_rows, sdO_at(stage), 0, 0, tid);
+      load_stage<Major::K, BQ, D, kThreads>(
+          HeadRows<T>::of(p.q, p.q_stride, batch, head, q_start, p.seq_len_q, p.head_dim), sQ_at(stage), 0, 0, tid);
+      load_stage<Major::K, BQ, D, kThreads>(
+          HeadRows<T>::of(bp.grad_out, bp.grad_out_stride, batch, head, q_start, p.seq_len_q, p.head_dim_v),
+          sdO_at(stage), 0, 0, tid);
     };
     load_stage<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
     if constexpr (kKey) load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);  // for dP^T

@@ -37,12 +37,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   const KeyBlocks blocks =
       key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
 
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.b + head * p.q_stride.h + row_start * p.q_stride.l;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.b + kv_head * p.k_stride.h;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride.b + kv_head * p.v_stride.h;
-  const HeadRows<T> q_rows{q, p.q_stride.l, p.seq_len_q - row_start, p.head_dim};
-  const HeadRows<T> k_rows{k, p.k_stride.l, p.seq_len_k, p.head_dim};
-  const HeadRows<T> v_rows{v, p.v_stride.l, p.seq_len_k, p.head_dim_v};
+  const auto q_rows = HeadRows<T>::of(p.q, p.q_stride, batch, head, row_start, p.seq_len_q, p.head_dim);
+  const auto k_rows = HeadRows<T>::of(p.k, p.k_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim);
+  const auto v_rows = HeadRows<T>::of(p.v, p.v_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim_v);
 
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem + Traits::kSmemElementsQ), typename Traits::SmemLayoutKV{});

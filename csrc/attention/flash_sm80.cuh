@@ -142,6 +142,14 @@ struct HeadRows {
   int64_t stride_l;
   int rows, cols;
 
+  // Rows [row_start, seq_len) and columns [0, cols) of (batch, head) of the [B, H, L, X] tensor at
+  // `tensor` with strides `stride`.
+  static __device__ __forceinline__ HeadRows of(const void* tensor, const HeadStrides& stride, int batch, int head,
+                                                int row_start, int seq_len, int cols) {
+    return HeadRows{static_cast<const T*>(tensor) + batch * stride.b + head * stride.h + row_start * stride.l, stride.l,
+                    seq_len - row_start, cols};
+  }
+
   __device__ __forceinline__ const T* chunk(int row, int col, bool& valid) const {
     valid = row < rows && col < cols;
     return valid ? base + row * stride_l + col : base;
