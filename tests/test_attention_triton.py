@@ -399,6 +399,25 @@ def test_grad_query_with_and_without_split_keys(splits, monkeypatch):
     _run_case(lq=70, lk=83, head_dim=64, causal="top_left", padding="left_and_right")
 
 
+@pytest.mark.parametrize("case", ["float_mask_grad_padding", "gqa_causal_padding", "bool_mask_rows"])
+def test_grad_key_value_in_a_pass_per_gradient(case, monkeypatch):
+    """dK and dV in passes of their own (``grad_key_value_passes``: triton 3.6's dense mask or
+    dropout at head dim 256), here at head dim 64 with masks and with causality and padding,
+    against the math."""
+    monkeypatch.setattr(triton_attention, "_GRAD_KEY_VALUE_APART", {(variant, 64) for variant in ("masked", "fast")})
+    passes = []
+    build = triton_attention._masked_kernel_launches
+
+    def counting(kernel_name, *args, **kwargs):
+        if kernel_name == "grad_key_value":
+            passes.append((kwargs["GRAD_KEY"], kwargs["GRAD_VALUE"]))
+        return build(kernel_name, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_masked_kernel_launches", counting)
+    _run_case(**CASES[case])
+    assert passes and passes[::2] == [(True, False)] * (len(passes) // 2) and passes[1::2] == [(False, True)] * (len(passes) // 2)
+
+
 @pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("capability", [80, 90])

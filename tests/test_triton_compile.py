@@ -84,11 +84,10 @@ FALLBACKS = {
     ("attention_grad_query_*@sm_80", "sync:k_t"): "k_t also feeds dQ transposed, from registers",
     ("attention_grad_query_fp16_d256_*@sm_90", "sync:k_t"): "as on sm_80: mma.sync (MASKED tile)",
 }
-if not attention._OLD_TRITON:  # triton 3.6 has no MASKED dK/dV tile at head dim 256 (refused instead)
-    FALLBACKS.update({
-        ("attention_grad_key_value_fp16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16 (MASKED tile)",
-        ("attention_grad_key_value_fp16_d256_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tile)",
-    })
+FALLBACKS.update({
+    ("attention_grad_key_value_fp16_d256_*@sm_90", "mma.sync"): "BLOCK_N 16 (MASKED tile)",
+    ("attention_grad_key_value_fp16_d256_*@sm_90", "sync:q_t"): "as on sm_80: mma.sync (MASKED tile)",
+})
 
 
 def fallbacks(case_id: str) -> dict:

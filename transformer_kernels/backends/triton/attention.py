@@ -179,7 +179,8 @@ MAX_FLOAT32_HEAD_DIM_ON_GPU = 64
 # Triton before 3.9 (checked with 3.6) allocates registers differently: no
 # single dK/dV tile serves head dim 256 under both without spilling, and with
 # a dense mask or dropout none does under 3.6 at all (every tile of 16 to 32
-# rows, 1 to 16 warps spills), so ``unsupported_reason`` refuses that case.
+# rows, 1 to 16 warps spills): there dK and dV take a pass each
+# (``_GRAD_KEY_VALUE_APART``).
 # Nor does one float32 dQ tile (with dropout's per-element Philox) serve both,
 # nor, once 3.6 got the alignment hints that make its loads 16 bytes wide and
 # pipelined (``_aligned_base``), the FAST dK/dV tile at head dim 64 and the
@@ -191,8 +192,11 @@ if _OLD_TRITON:
     _DENSE_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=1)
     _MASKED_CONFIGS[("forward", 256)] = KernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=1)
     _FLOAT32_CONFIGS[("grad_query", 64)] = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    del _MASKED_CONFIGS[("grad_key_value", 256)]
-MAX_MASKED_HEAD_DIM_ON_GPU = 128 if _OLD_TRITON else MAX_HEAD_DIM
+    _MASKED_CONFIGS[("grad_key_value", 256)] = KernelConfig(block_m=32, block_n=16, num_warps=8, num_stages=1)
+# (table variant, head dim bucket) whose dK/dV kernel accumulates dK and dV in passes of their own
+# (GRAD_KEY, GRAD_VALUE), each recomputing the scores: under triton 3.6 every tile holding both at
+# head dim 256 with a dense mask or dropout spills; one gradient a pass, (32, 16, 8, 1) does not.
+_GRAD_KEY_VALUE_APART = {("masked", 256)} if _OLD_TRITON else set()
 # Under TRITON_INTERPRET=1 small, unequal tiles exercise the multi-block and
 # diagonal paths at the short lengths the tests can afford.  Triton's jit chose
 # interpreted or compiled kernels when this module was imported (the setting is
@@ -260,12 +264,6 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return (
             f"the triton backend supports float32 on the GPU up to head dim {MAX_FLOAT32_HEAD_DIM_ON_GPU} "
             f"(its float32 kernels would spill registers), got {head_dim}; use float16/bfloat16 or backend='eager'"
-        )
-    if (args.attn_mask is not None or args.dropout_p > 0.0) and query.is_cuda and head_dim > MAX_MASKED_HEAD_DIM_ON_GPU:
-        return (
-            f"the triton backend supports a dense attn_mask or dropout on the GPU up to head dim "
-            f"{MAX_MASKED_HEAD_DIM_ON_GPU} with triton {triton.__version__} (its dK/dV kernel would spill "
-            f"registers; triton >= 3.9 serves up to {MAX_HEAD_DIM}), got {head_dim}; use backend='eager'"
         )
     return None
 
@@ -563,20 +561,33 @@ def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tens
     return _TEMPLATES.launches(layout, (grad_out, out, delta), build)
 
 
+def grad_key_value_passes(variant: str, head_dim_bucket: int) -> tuple[tuple[bool, bool], ...]:
+    """The dK/dV kernel's passes, each ``(GRAD_KEY, GRAD_VALUE)``: one for both, or one per gradient
+    (``_GRAD_KEY_VALUE_APART``)."""
+    if (variant, head_dim_bucket) in _GRAD_KEY_VALUE_APART:
+        return (True, False), (False, True)
+    return ((True, True),)
+
+
 def _grad_key_value_launches(
     query, key, value, grad_out, lse, delta, dk, dv, grad_scores: Optional[torch.Tensor], masks: _Masks
 ) -> list[KernelLaunch]:
     """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
     float32 receives dS when given (its strides are zeros otherwise)."""
     scores_strides = grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)
-    return _masked_kernel_launches(
-        "grad_key_value", query, key, value, masks,
-        [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
-        (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-         *scores_strides),
-        key.shape[1],
-        scale=masks.args.scale, STORE_GRAD_SCORES=grad_scores is not None,
-    )
+    bucket = max(64, next_power_of_2(query.shape[-1]), next_power_of_2(value.shape[-1]))
+    launches = []
+    for grad_key, grad_value in grad_key_value_passes(masks.variant, bucket):
+        launches += _masked_kernel_launches(
+            "grad_key_value", query, key, value, masks,
+            [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
+            (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+             *scores_strides),
+            key.shape[1],
+            scale=masks.args.scale, STORE_GRAD_SCORES=grad_scores is not None, GRAD_KEY=grad_key,
+            GRAD_VALUE=grad_value,
+        )
+    return launches
 
 
 def _grad_query_splits_keys(variant: str, capability: Optional[int]) -> bool:
@@ -705,11 +716,12 @@ _TARGET_VARIANTS = {
 
 
 def _target_launch(
-    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int, capability: Optional[int]
+    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int, capability: Optional[int],
+    index: int = 0,
 ) -> KernelLaunch:
-    """The launch the backend makes on a GPU of compute ``capability`` for the
-    representative problem with the switches of ``variant`` (a key of
-    ``_TARGET_VARIANTS``), sequences ``length`` long."""
+    """The launch (the ``index``-th of its kernel's, for dK/dV in passes) the backend makes on a GPU
+    of compute ``capability`` for the representative problem with the switches of ``variant`` (a
+    key of ``_TARGET_VARIANTS``), sequences ``length`` long."""
     causal, padded, all_masks = _TARGET_VARIANTS[variant]
     batch, heads, kv_heads = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS
     query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
@@ -742,7 +754,7 @@ def _target_launch(
         launches = _key_bounds_launches(masks)
     else:
         launches = _delta_launches(grad_out, out, delta)
-    return launches[0]
+    return launches[index]
 
 
 # Which problems the compile targets stand for, each with the heaviest
@@ -784,9 +796,14 @@ def compile_targets() -> list[CompileTarget]:
             splits = kernel_name == "grad_query" and _grad_query_splits_keys(variant, capability)
             by_config.setdefault((config, splits), []).append(capability)
         name = f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}"
+        passes = grad_key_value_passes(variant, bucket) if kernel_name == "grad_key_value" else ((True, True),)
         for capabilities in by_config.values():
-            launch = functools.partial(_target_launch, kernel_name, bucket, dtype, switches, length, capabilities[0])
-            targets.append(CompileTarget(name, launch, tuple(capabilities)))
+            for index, (grad_key, grad_value) in enumerate(passes):
+                pass_name = "" if len(passes) == 1 else ("_dk" if grad_key else "_dv")
+                launch = functools.partial(
+                    _target_launch, kernel_name, bucket, dtype, switches, length, capabilities[0], index
+                )
+                targets.append(CompileTarget(name + pass_name, launch, tuple(capabilities)))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",

@@ -552,7 +552,7 @@ def _grad_key_value_inner(
     key_start, row_start, row_end,
     APPLY_CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, GRAD_KEY: tl.constexpr, GRAD_VALUE: tl.constexpr,
 ):
     for start_m in range(row_start, row_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -574,25 +574,29 @@ def _grad_key_value_inner(
             mask=row_in[:, None] & (offs_dv[None, :] < head_dim_v),
             other=0.0,
         )
-        dp_t = tl.dot(v, tl.trans(grad_out), input_precision=INPUT_PRECISION)
+        if GRAD_KEY:
+            dp_t = tl.dot(v, tl.trans(grad_out), input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             kept_t = tl.trans(_dropout_keep(
                 offs_m, key_start, head_batch, dropout_seed, dropout_offset, dropout_threshold, BLOCK_M, BLOCK_N
             ))
-            dv += tl.dot(tl.where(kept_t, p_t * dropout_scale, 0.0).to(grad_out.dtype), grad_out,
-                         input_precision=INPUT_PRECISION)
-            dp_t = tl.where(kept_t, dp_t * dropout_scale, 0.0)
-        else:
+            if GRAD_VALUE:
+                dv += tl.dot(tl.where(kept_t, p_t * dropout_scale, 0.0).to(grad_out.dtype), grad_out,
+                             input_precision=INPUT_PRECISION)
+            if GRAD_KEY:
+                dp_t = tl.where(kept_t, dp_t * dropout_scale, 0.0)
+        elif GRAD_VALUE:
             dv += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=INPUT_PRECISION)
-        delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if STORE_GRAD_SCORES:
-            tl.store(
-                grad_scores_base + offs_m.to(tl.int64)[None, :] * stride_gsm + k_idx * stride_gsn,
-                ds_t,
-                mask=row_in[None, :] & (k_idx < seq_len_k),
-            )
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=INPUT_PRECISION)
+        if GRAD_KEY:
+            delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if STORE_GRAD_SCORES:
+                tl.store(
+                    grad_scores_base + offs_m.to(tl.int64)[None, :] * stride_gsm + k_idx * stride_gsn,
+                    ds_t,
+                    mask=row_in[None, :] & (k_idx < seq_len_k),
+                )
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=INPUT_PRECISION)
     return dk, dv
 
 
@@ -606,7 +610,9 @@ def _grad_key_value_inner(
 # The group's heads are summed inside the program rather than with atomics:
 # the result is deterministic, needs no fp32 scratch copy of dK/dV, and the
 # grid (key blocks x B*Hk) still fills the GPU at the lengths where it matters.
-# Key blocks outside the key bounds skip the loop and write zeros.
+# Key blocks outside the key bounds skip the loop and write zeros.  GRAD_KEY and
+# GRAD_VALUE (both by default) pick the gradients a launch accumulates and
+# stores: a pass each where both would not fit in registers.
 @_kernel
 def _attention_grad_key_value_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, grad_scores_ptr,
@@ -626,7 +632,7 @@ def _attention_grad_key_value_kernel(
     CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, GRAD_KEY: tl.constexpr = True, GRAD_VALUE: tl.constexpr = True,
 ):
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     kv_head_batch = tl.program_id(1) + head_batch_start
@@ -718,26 +724,28 @@ def _attention_grad_key_value_kernel(
                 head_batch, dropout_seed, dropout_offset, dropout_threshold, dropout_scale,
                 key_start, row_lo if stage == 0 else row_full, row_full if stage == 0 else seq_len_q,
                 stage == 0, HAS_DENSE_MASK, MASK_IS_BOOL, HAS_DROPOUT, STORE_GRAD_SCORES, BLOCK_M, BLOCK_N,
-                INPUT_PRECISION,
+                INPUT_PRECISION, GRAD_KEY, GRAD_VALUE,
             )
 
     if HAS_KEY_PADDING and not HAS_DENSE_MASK:
         # (A padding key's scores may even overflow: the select drops what they gave.)
         dk = tl.where(key_keep[:, None], dk, 0.0)
         dv = tl.where(key_keep[:, None], dv, 0.0)
-    dk *= scale
-    tl.store(
-        _aligned_base(dk_ptr, batch, stride_dkb, kv_head, stride_dkh)
-        + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=key_in[:, None] & (offs_d[None, :] < head_dim),
-    )
-    tl.store(
-        _aligned_base(dv_ptr, batch, stride_dvb, kv_head, stride_dvh)
-        + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
-    )
+    if GRAD_KEY:
+        dk *= scale
+        tl.store(
+            _aligned_base(dk_ptr, batch, stride_dkb, kv_head, stride_dkh)
+            + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+            dk.to(dk_ptr.dtype.element_ty),
+            mask=key_in[:, None] & (offs_d[None, :] < head_dim),
+        )
+    if GRAD_VALUE:
+        tl.store(
+            _aligned_base(dv_ptr, batch, stride_dvb, kv_head, stride_dvh)
+            + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+            dv.to(dv_ptr.dtype.element_ty),
+            mask=key_in[:, None] & (offs_dv[None, :] < head_dim_v),
+        )
 
 
 @triton.jit
