@@ -415,7 +415,8 @@ def test_grad_key_value_in_a_pass_per_gradient(case, monkeypatch):
 
     monkeypatch.setattr(triton_attention, "_masked_kernel_launches", counting)
     _run_case(**CASES[case])
-    assert passes and passes[::2] == [(True, False)] * (len(passes) // 2) and passes[1::2] == [(False, True)] * (len(passes) // 2)
+    half = len(passes) // 2
+    assert passes and passes[::2] == [(True, False)] * half and passes[1::2] == [(False, True)] * half
 
 
 @pytest.mark.parametrize("kernel", ["forward", "grad_key_value", "grad_query"])

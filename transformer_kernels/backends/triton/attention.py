@@ -227,8 +227,12 @@ def block_config(
     the interpreter."""
     if _INTERPRETED:
         return _INTERPRETER_CONFIGS[kernel]
-    bucket = max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
-    return _table_config(kernel, bucket, dtype, variant, max_length, capability)
+    return _table_config(kernel, head_dim_bucket(head_dim, head_dim_v), dtype, variant, max_length, capability)
+
+
+def head_dim_bucket(head_dim: int, head_dim_v: int) -> int:
+    """The tables' head dim key: max(head_dim, head_dim_v) rounded up to 64, 128 or 256."""
+    return max(64, next_power_of_2(head_dim), next_power_of_2(head_dim_v))
 
 
 # Bounded: decoding meets a new length on every step.
@@ -575,7 +579,7 @@ def _grad_key_value_launches(
     """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
     float32 receives dS when given (its strides are zeros otherwise)."""
     scores_strides = grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)
-    bucket = max(64, next_power_of_2(query.shape[-1]), next_power_of_2(value.shape[-1]))
+    bucket = head_dim_bucket(query.shape[-1], value.shape[-1])
     launches = []
     for grad_key, grad_value in grad_key_value_passes(masks.variant, bucket):
         launches += _masked_kernel_launches(
