@@ -87,6 +87,7 @@ class _HostAttentionOps:
     pre-pass) and writes the results into the tensors it is given, as the kernels do."""
 
     def _problem(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed):
+        """``(probs, lse, keys, values)``: keys and values float64, repeated to the query heads."""
         batch, heads_q, lq, head_dim = q.shape
         heads_k, lk, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
         assert head_dim % 8 == 0 and head_dim_v % 8 == 0 and heads_q % heads_k == 0
@@ -104,7 +105,8 @@ class _HostAttentionOps:
         if causal != Causal.NONE:
             shift = lk - lq if causal == Causal.BOTTOM_RIGHT else 0
             excluded |= torch.ones(lq, lk, dtype=torch.bool).triu(1 + shift)
-        scores = torch.matmul(q.double(), k.double().repeat_interleave(heads_q // heads_k, 1).transpose(-1, -2)) * scale
+        keys, values = (t.double().repeat_interleave(heads_q // heads_k, 1) for t in (k, v))
+        scores = torch.matmul(q.double(), keys.transpose(-1, -2)) * scale
         if attn_mask is not None:
             assert attn_mask.shape == (batch, heads_q, lq, lk)
             if attn_mask.dtype == torch.bool:
@@ -116,35 +118,38 @@ class _HostAttentionOps:
         lse = torch.logsumexp(scores, -1)
         empty = torch.isneginf(lse)
         probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
-        return probs, lse.masked_fill(empty, float("inf"))
+        return probs, lse.masked_fill(empty, float("inf")), keys, values
 
     def attention_forward(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed,
                           dropout_threshold, dropout_scale, out, lse):
-        probs, row_lse = self._problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed)
+        probs, row_lse, _, values = self._problem(
+            q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed
+        )
         assert out.shape == (*q.shape[:3], v.shape[3]) and out.stride(-1) == 1
         assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == q.shape[:3]
-        group = q.shape[1] // k.shape[1]
-        out.copy_(torch.matmul(probs, v.double().repeat_interleave(group, 1)))
+        out.copy_(torch.matmul(probs, values))
         lse.copy_(row_lse)
 
     def attention_backward(self, grad_out, q, k, v, lse, delta, key_padding_mask, key_bounds, attn_mask, causal, scale,
                            dropout_seed, dropout_threshold, dropout_scale, dq, dk, dv, grad_scores):
-        probs, row_lse = self._problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed)
+        probs, row_lse, keys, values = self._problem(
+            q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed
+        )
         torch.testing.assert_close(lse.double(), row_lse.float().double(), msg="lse is the forward's")
         batch, heads_q, lq, _ = q.shape
         heads_k, lk = k.shape[1], k.shape[2]
         group = heads_q // heads_k
         d_out = grad_out.double()
-        out = torch.matmul(probs, v.double().repeat_interleave(group, 1))
+        out = torch.matmul(probs, values)
         assert delta.dtype == torch.float32 and delta.is_contiguous()
         torch.testing.assert_close(delta.double(), (d_out * out).sum(-1), atol=2e-2, rtol=2e-2, msg="delta = dO . O")
-        d_probs = torch.matmul(d_out, v.double().repeat_interleave(group, 1).transpose(-1, -2))
+        d_probs = torch.matmul(d_out, values.transpose(-1, -2))
         d_scores = probs * (d_probs - delta.double()[..., None])
 
         def per_kv_head(grad):  # [B, Hq, L, X] summed over each kv head's query heads
             return grad.view(batch, heads_k, group, *grad.shape[2:]).sum(2)
 
-        dq.copy_(torch.matmul(d_scores, k.double().repeat_interleave(group, 1)) * scale)
+        dq.copy_(torch.matmul(d_scores, keys) * scale)
         dk.copy_(per_kv_head(torch.matmul(d_scores.transpose(-1, -2), q.double())) * scale)
         dv.copy_(per_kv_head(torch.matmul(probs.transpose(-1, -2), d_out)))
         if grad_scores is not None:
@@ -192,8 +197,8 @@ def test_attention_python_layer_on_a_host_stand_in_of_the_raw_ops(
     out, lse = cuda_attention.forward(q, k, v, args, True)
     grads = cuda_attention.backward(grad_out, q, k, v, out, lse, args, mask_kind == "float")
     wide = [t.double() for t in (q, k, v, grad_out)]
-    wide_args = AttentionArgs(padding, None if attn_mask is None else attn_mask.double() if mask_kind == "float"
-                              else attn_mask, causal, 0.3, 0.0, None)
+    wide_mask = attn_mask.double() if mask_kind == "float" else attn_mask
+    wide_args = AttentionArgs(padding, wide_mask, causal, 0.3, 0.0, None)
     expected_out, saved = eager_attention.forward(*wide[:3], wide_args, True)
     expected = eager_attention.backward(wide[3], *wide[:3], expected_out, saved, wide_args, mask_kind == "float")
     assert out.shape == expected_out.shape and out.dtype == q.dtype
