@@ -15,7 +15,7 @@
 # against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
 # await this; about 8 minutes).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
-# device tool), run "install,nvcc,tests,sanitizers" and then "install,check,graphs,benchmarks,pack" (the
+# device tool), run "install,nvcc,tests,sanitizers,cuda-sanitizers" and then "install,check,graphs,benchmarks,pack" (the
 # second install is a no-op rebuild check on a warm machine).
 # STEPS "budget-cuda": the CUDA extension alone within one such command: built for this GPU's
 # architecture only (TORCH_CUDA_ARCH_LIST, both dtypes), the tests of the cuda backend (-k cuda: its
@@ -28,6 +28,11 @@
 # the graphed step, and a --quick report of every suite (the groups with a target first; cut off, it
 # still writes what it measured), then pack.  The extension's build, tests and sanitizers need a
 # lease of their own.
+# STEPS "budget-both": both of the above within one command, for a lease with room for one: the
+# extension's build, tests and sanitizers (budget-cuda, into OUTDIR/cuda) beside the Triton tests and
+# sanitizer (budget-triton, into OUTDIR/triton), which run from a copy of the tree that never sees the
+# extension (so "auto" stays on Triton there); the GPU is shared, so neither times anything.  Then,
+# alone on the GPU, a --quick report (into OUTDIR) until about 9 minutes after the start.
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
 # wheel along in .whl/ (git-ignored; pass it with the tree):
 #   pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
@@ -37,7 +42,7 @@ cd "$(dirname "$0")/.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:upper:]' '[:lower:]' \
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
-steps=",${2:-install,nvcc,tests,sanitizers,check,graphs,benchmarks},"
+steps=",${2:-install,nvcc,tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks},"
 # Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
 declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 [cuda-racecheck]=180 [graphs]=120
                   [benchmarks]=360)
@@ -50,6 +55,33 @@ if [[ $steps == ",budget-cuda," ]]; then
     TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; major, minor = \
 torch.cuda.get_device_capability(); print(f'{major}.{minor}' + ('a' if major == 9 else ''))")}
     export TORCH_CUDA_ARCH_LIST
+fi
+if [[ $steps == ",budget-both," ]]; then
+    started=$SECONDS
+    copy=$(mktemp -d)
+    tar cf - --exclude=./.whl --exclude=./.git . | tar xf - -C "$copy"
+    (cd "$copy" && PYTHONPATH="$copy" bash benchmarks/gpu_check.sh "$out/triton" budget-triton) &
+    bash "$0" "$out/cuda" budget-cuda
+    cuda_status=$?
+    wait $!
+    triton_status=$?
+    left=$((520 - (SECONDS - started)))
+    if [ "$left" -gt 30 ]; then
+        (cd "$copy" && PYTHONPATH="$copy" bash benchmarks/gpu_check.sh "$out" benchmarks-quick "$left")
+    fi
+    exit $((cuda_status | triton_status))
+fi
+if [[ $steps == ",budget-triton," ]]; then
+    steps=",tests,sanitizers,"
+    limit=([tests]=240 [sanitizer]=80)
+    test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py
+                --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_host.py
+                -k "not cuda or (graphs and triton)")
+fi
+if [[ $steps == ",benchmarks-quick," ]]; then
+    steps=",benchmarks,pack,"
+    limit=([benchmarks]=${3:-130})
+    bench_size=--quick
 fi
 if [[ $steps == ",budget," ]]; then
     steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
@@ -102,7 +134,7 @@ wanted cuda-tests && step cuda-tests "${limit[tests]}" python3 -m pytest tests -
     $parallel -rf --junitxml="$out/tests.xml"
 wanted sanitizers && step sanitizer "${limit[sanitizer]}" compute-sanitizer --tool memcheck --error-exitcode 1 \
     python3 benchmarks/gpu_smoke.py
-if wanted sanitizers || wanted cuda-sanitizers; then
+if wanted cuda-sanitizers; then
     # The extension's kernels where it is built (a full run's install fails without it).
     if python3 -c "import sys; from transformer_kernels.backends.cuda import extension; sys.exit(extension() is None)"; then
         step cuda-memcheck "${limit[cuda-memcheck]}" compute-sanitizer --tool memcheck --error-exitcode 1 \
