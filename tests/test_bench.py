@@ -1,6 +1,7 @@
 """The benchmark command ``python -m transformer_kernels.bench``: a tiny run reports every case with
 a finite time and error and draws its plots, ``--check`` passes here and catches a wrong op,
-``--compare`` flags only changes beyond the measured spread, ``--readme`` writes its section."""
+``--compare`` flags only changes beyond the measured spread, ``--readme`` writes its section.  All on
+the CPU, also on a GPU machine (whose runs are benchmarks/gpu_check.sh's)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One ``--tiny`` run of every suite, shared by the tests that read its output."""
+    """One ``--tiny`` run of every suite on the CPU (where every case runs on eager), shared by the
+    tests that read its output."""
     out = tmp_path_factory.mktemp("tiny")
     threads = torch.get_num_threads()
     try:
-        code = cli.main(["--tiny", "--threads", "1", "--out", str(out)])
+        code = cli.main(["--tiny", "--device", "cpu", "--threads", "1", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     return code, out
@@ -101,7 +103,7 @@ def test_cpu_runs_keep_freed_memory_mapped(tiny_run):
 
 def test_unavailable_suite_shows_why(tmp_path, monkeypatch):
     monkeypatch.setitem(suites.SUITES, "ghost", "transformer_kernels.bench.suites.no_such_suite")
-    assert cli.main(["--tiny", "--threads", "1", "--only", "ghost", "--out", str(tmp_path)]) == 0
+    assert cli.main(["--tiny", "--device", "cpu", "--threads", "1", "--only", "ghost", "--out", str(tmp_path)]) == 0
     reason = "transformer_kernels.bench.suites.no_such_suite cannot be imported: No module named"
     [record] = json.loads((tmp_path / "results.json").read_text())["groups"]
     assert record["op"] == "ghost" and record["unavailable"]["ghost"].startswith(reason)
@@ -126,7 +128,7 @@ def test_tiny_run_draws_plots(tiny_run):
 
 
 def test_check_passes(one_thread, capsys):
-    assert cli.main(["--check", *one_thread]) == 0
+    assert cli.main(["--check", "--device", "cpu", *one_thread]) == 0
     printed = capsys.readouterr().out
     assert "| attention | eager | padded_causal_B2_H2_L17_D33 | float32 |" in printed
     assert " 0 failed" in printed
@@ -137,7 +139,7 @@ def test_check_fails_on_a_wrong_op(one_thread, monkeypatch, capsys):
     wrong = check.CheckCase(right.op, "off_by_one_percent", right.inputs,
                             lambda backend: lambda *args: right.ours(backend)(*args) * 1.01, right.reference, right.names)
     monkeypatch.setattr(check, "GRID", [right, wrong])
-    assert cli.main(["--check", "--dtype", "float64", *one_thread]) == 1
+    assert cli.main(["--check", "--device", "cpu", "--dtype", "float64", *one_thread]) == 1
     rows = [line for line in capsys.readouterr().out.splitlines() if "| eager |" in line]
     assert [row.rsplit("|", 2)[-2].strip() for row in rows] == ["pass", "FAIL"]
 
