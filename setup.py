@@ -70,7 +70,7 @@ def cuda_extension() -> dict:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", BUILD_CONFIG["DEFAULT_ARCH_LIST"])
     extension = CUDAExtension(
         "transformer_kernels._C",
-        ["csrc/bindings.cpp", *BUILD_CONFIG["KERNEL_SOURCES"]],
+        ["csrc/bindings.cpp", *BUILD_CONFIG["KERNEL_SOURCES"], *BUILD_CONFIG["HOST_SOURCES"]],
         include_dirs=[os.path.join(ROOT, "csrc"), BUILD_CONFIG["cutlass_include"]()],
         # --threads: each source compiles its architectures in parallel, besides MAX_JOBS sources at once.
         extra_compile_args={"cxx": ["-O3"], "nvcc": [*BUILD_CONFIG["NVCC_FLAGS"], "--threads=2"]},

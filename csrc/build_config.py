@@ -12,11 +12,15 @@ from typing import Optional
 DEFAULT_ARCH_LIST = "8.0;9.0a"
 # nvcc flags of every kernel source, in the extension build and in the compile tests.
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
-# The kernel sources, relative to the repository root.
+# The kernel sources, relative to the repository root.  Attention's take one per direction and dtype:
+# the longest to compile, they build in parallel.
 KERNEL_SOURCES = [
-    "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu", "csrc/attention/attention_fwd.cu",
-    "csrc/attention/attention_bwd.cu",
+    "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu",
+    "csrc/attention/attention_fwd_fp16.cu", "csrc/attention/attention_fwd_bf16.cu",
+    "csrc/attention/attention_bwd_fp16.cu", "csrc/attention/attention_bwd_bf16.cu",
 ]
+# Sources without kernels, built by nvcc too: the attention launchers' dispatch.
+HOST_SOURCES = ["csrc/attention/attention.cu"]
 
 
 def cutlass_include() -> Optional[str]:

@@ -1,4 +1,5 @@
-// Launchers of the flash-attention kernels (attention_fwd.cu).  Raw pointers, sizes and strides only;
+// Launchers of the flash-attention kernels (attention.cu; the kernels in attention_fwd.cuh and
+// attention_bwd.cuh).  Raw pointers, sizes and strides only;
 // bindings.cpp checks the tensors.  Semantics: transformer_kernels/ops/attention.py (AttentionArgs)
 // and the Triton backend.  Shapes: q [B, Hq, Lq, E], k [B, Hk, Lk, E], v [B, Hk, Lk, Ev] (Hk divides
 // Hq: query head h reads kv head h / (Hq / Hk)), out [B, Hq, Lq, Ev], each with unit stride along its
@@ -66,5 +67,13 @@ struct BackwardProblem {
 };
 
 cudaError_t backward(const BackwardProblem& p, cudaStream_t stream);
+
+// forward and backward for one element type (cutlass::half_t or cutlass::bfloat16_t) and a padded
+// head dim: specialized in a source file per direction and type (attention_{fwd,bwd}_{fp16,bf16}.cu),
+// so that the build compiles the four in parallel.
+template <class T>
+cudaError_t forward_for(const ForwardProblem& p, int padded_head_dim, cudaStream_t stream);
+template <class T>
+cudaError_t backward_for(const BackwardProblem& p, int padded_head_dim, cudaStream_t stream);
 
 }  // namespace tk::attention

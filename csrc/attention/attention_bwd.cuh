@@ -13,12 +13,13 @@
 // Every product keeps its result in registers as the next MMA's A operand; the transposed B
 // operands (K^T, Q^T, dO^T) are read from shared memory by ldmatrix.trans.  Rows without any key
 // have lse = +inf, hence P = 0 and zero gradients.
+#pragma once
+
 #include <cmath>
 
 #include "attention.h"
 #include "flash_sm80.cuh"
 
-#include "../common/dispatch.cuh"
 
 namespace tk::attention {
 namespace {
@@ -424,25 +425,21 @@ cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
   }
 }
 
-}  // namespace
-
-cudaError_t backward(const BackwardProblem& p, cudaStream_t stream) {
-  const int head_dim = padded_head_dim(p.fwd.head_dim > p.fwd.head_dim_v ? p.fwd.head_dim : p.fwd.head_dim_v);
-  return dispatch_dtype(p.fwd.dtype, [&](auto element) -> cudaError_t {
-    using T = decltype(element);
-    switch (head_dim) {
+template <class T>
+cudaError_t backward_typed(const BackwardProblem& p, int head_dim, cudaStream_t stream) {
+  switch (head_dim) {
 #ifndef TK_COMPILE_CHECK_ONE_DTYPE
-      case 32: return run<T, 32, 64, 64, 64, 32>(p, stream);
-      case 64: return run<T, 64, 64, 64, 64, 32>(p, stream);
-      case 96: return run<T, 96, 64, 64, 64, 32>(p, stream);
+    case 32: return run<T, 32, 64, 64, 64, 32>(p, stream);
+    case 64: return run<T, 64, 64, 64, 64, 32>(p, stream);
+    case 96: return run<T, 96, 64, 64, 64, 32>(p, stream);
 #endif
-      case 128: return run<T, 128, 64, 64, 64, 16>(p, stream);
-      // Head dim 192 too: its own dK pass spilled on sm_80.
-      case 192:
-      case 256: return run<T, 256, 64, 16, 64, 16, true>(p, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  });
+    case 128: return run<T, 128, 64, 64, 64, 16>(p, stream);
+    // Head dim 192 too: its own dK pass spilled on sm_80.
+    case 192:
+    case 256: return run<T, 256, 64, 16, 64, 16, true>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
+}  // namespace
 }  // namespace tk::attention

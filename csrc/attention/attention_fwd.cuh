@@ -5,13 +5,14 @@
 // during O += P V(n)).  Scores are in base-2 units (the scale folded with log2(e)), the softmax is
 // online in registers, and only blocks that are not interior (the causal diagonal, the key-bound
 // edges, any block with key padding holes or a dense mask) pay for per-element masks.
+#pragma once
+
 #include <cmath>
 
 #include "attention.h"
 #include "flash_sm80.cuh"
 
 #include "../common/attention_masks.h"
-#include "../common/dispatch.cuh"
 
 namespace tk::attention {
 namespace {
@@ -215,21 +216,10 @@ cudaError_t dispatch_head_dim(int head_dim, Fn&& fn) {
   }
 }
 
+template <class T>
+cudaError_t forward_typed(const ForwardProblem& p, int head_dim, cudaStream_t stream) {
+  return dispatch_head_dim<T>(head_dim, [&](auto traits) { return launch<decltype(traits)>(p, stream); });
+}
+
 }  // namespace
-
-int padded_head_dim(int head_dim) {
-  for (int padded : {32, 64, 96, 128, 192, 256}) {
-    if (head_dim <= padded) return padded;
-  }
-  return 0;
-}
-
-cudaError_t forward(const ForwardProblem& p, cudaStream_t stream) {
-  const int head_dim = padded_head_dim(p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v);
-  return dispatch_dtype(p.dtype, [&](auto element) {
-    using T = decltype(element);
-    return dispatch_head_dim<T>(head_dim, [&](auto traits) { return launch<decltype(traits)>(p, stream); });
-  });
-}
-
 }  // namespace tk::attention
