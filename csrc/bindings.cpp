@@ -175,8 +175,9 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, con
               window.size(1) * window.size(2));
   TORCH_CHECK(weight.numel() < (int64_t(1) << 31) && window.numel() < (int64_t(1) << 31), op,
               ": tensors must have fewer than 2**31 elements");
-  check_chunks(window, op, "window");
-  check_chunks(weight, op, "weight");
+  // The kernel reads rows of K = C_in * k elements (both are contiguous): the chunks run along K.
+  check_chunks(window.view({window.size(0), window.size(1) * window.size(2)}), op, "window");
+  check_chunks(weight.view({weight.size(0), weight.size(1) * weight.size(2)}), op, "weight");
   const c10::cuda::OptionalCUDAGuard guard(window.device());
   const int64_t batch = window.size(0), channels = weight.size(0) / 2;
 

@@ -63,7 +63,8 @@ def _one_step(rank: int, world_size: int, port: int, model: str, path: str) -> N
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_default_dtype(torch.float64)  # Adam's first step is sign-like: rounding noise must stay tiny
     torch.set_num_threads(1)
-    summary = train(TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0))
+    summary = train(TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0,
+                                device="cpu"))
     if rank == 0:
         torch.save(summary["model"].state_dict(), path)
 
@@ -85,7 +86,7 @@ def test_ddp_step_matches_one_process_on_the_whole_batch(model, tmp_path, monkey
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        config = TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0)
+        config = TrainConfig(model=model, preset="tiny", steps=1, batch_size=8, dropout=0.0, examples=0, device="cpu")
         torch.manual_seed(config.seed)  # as train() seeds before it builds the model
         initial = train_module.build_model(config, train_module.synthetic_corpus(seed=config.seed)).state_dict()
         single = train(config)["model"].state_dict()
@@ -96,3 +97,12 @@ def test_ddp_step_matches_one_process_on_the_whole_batch(model, tmp_path, monkey
         torch.testing.assert_close(ddp[name], value, rtol=1e-9, atol=1e-9, msg=name)
     # The step moved the weights, so the comparison is not of two untouched models.
     assert sum(not torch.equal(single[name], initial[name]) for name in single) > len(single) // 2
+
+
+def test_more_processes_than_gpus_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1, but only 1 CUDA device\(s\) are visible"):
+        train(TrainConfig(model="transformer", preset="tiny", steps=1))

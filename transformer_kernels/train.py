@@ -212,7 +212,11 @@ def train(config: TrainConfig) -> dict:
     if distributed:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if local_rank >= torch.cuda.device_count():
+                raise ValueError(f"LOCAL_RANK={local_rank}, but only {torch.cuda.device_count()} CUDA device(s) are "
+                                 "visible: run one process per GPU, or train on the CPU (--device cpu)")
+            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     else:
