@@ -101,8 +101,14 @@ def device_for(backend: str) -> torch.device:
 
 
 def precise_dtype(backend: str) -> torch.dtype:
-    """The most precise dtype ``backend`` runs: float64 on eager, float32 on the kernels."""
-    return torch.float64 if backend == "eager" else torch.float32
+    """The most precise dtype ``backend`` runs: float64 on eager, float32 on Triton, float16 on the
+    CUDA extension (which serves the half types only)."""
+    return {"eager": torch.float64, "cuda": torch.float16}.get(backend, torch.float32)
+
+
+def working_dtype(backend: str) -> torch.dtype:
+    """The dtype of a test that needs no precision: float32, float16 on the CUDA extension."""
+    return torch.float16 if backend == "cuda" else torch.float32
 
 
 # ----------------------------------------------------------------------------

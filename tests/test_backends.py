@@ -16,7 +16,7 @@ from typing import Callable
 import pytest
 import torch
 from _helpers import OPS, ForwardSpy, assert_close_to_reference, backend_params, device_for
-from _helpers import skip_unless_backend
+from _helpers import skip_unless_backend, working_dtype
 from conftest import requires_cuda
 
 import transformer_kernels as tk
@@ -39,17 +39,18 @@ def _attention_inputs(dtype, device):
     return tuple(torch.randn(1, 2, 4, 8, dtype=dtype, device=device) for _ in range(3))
 
 
+# Shapes every backend serves (the CUDA extension's kernels need channel and head dims in multiples of 8).
 def _glu_inputs(dtype, device):
-    return torch.randn(2, 6, 5, dtype=dtype, device=device), torch.randn(8, 6, 3, dtype=dtype, device=device) / 4
+    return torch.randn(2, 8, 5, dtype=dtype, device=device), torch.randn(8, 8, 3, dtype=dtype, device=device) / 4
 
 
 def _glu_step_inputs(dtype, device):
-    return torch.randn(2, 6, dtype=dtype, device=device), torch.randn(8, 6, 3, dtype=dtype, device=device) / 4
+    return torch.randn(2, 8, dtype=dtype, device=device), torch.randn(8, 8, 3, dtype=dtype, device=device) / 4
 
 
 def _qkv_inputs(dtype, device):
-    x = torch.randn(2, 5, 12, dtype=dtype, device=device)
-    return x, torch.randn(36, 12, dtype=dtype, device=device) / 4, torch.randn(36, dtype=dtype, device=device)
+    x = torch.randn(2, 5, 32, dtype=dtype, device=device)
+    return x, torch.randn(96, 32, dtype=dtype, device=device) / 8, torch.randn(96, dtype=dtype, device=device)
 
 
 FUNCTIONS = {
@@ -171,7 +172,7 @@ def test_auto_on_cpu_runs_eager_and_matches_the_reference(forward_calls, public)
 @pytest.mark.parametrize("backend", backend_params())
 def test_explicit_backend_runs_it(forward_calls, public, backend):
     _, function = public
-    _call(function, backend, device=device_for(backend))
+    _call(function, backend, dtype=working_dtype(backend), device=device_for(backend))
     assert forward_calls.calls == [(function.op, backend)]
 
 
