@@ -342,3 +342,17 @@ def json_of_compiled_script(script_name: str, timeout: float) -> Any:
     interprets the kernels, and only compiled ones can be compiled for a GPU or bound by Triton."""
     script = pathlib.Path(__file__).with_name(script_name)
     return json.loads(script_output(script, env={"TRITON_INTERPRET": "0"}, timeout=timeout))
+
+
+def cuda_include_dir() -> Optional[pathlib.Path]:
+    """The CUDA toolkit's include directory (``cuda_runtime.h``), as nvcc names it (nvcc may be a
+    wrapper script away from its toolkit), or None without nvcc."""
+    import re
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    dryrun = subprocess.run([nvcc, "--dryrun", "-c", "x.cu"], capture_output=True, text=True).stderr
+    match = re.search(r'INCLUDES="-I([^"\s]+)', dryrun)
+    return pathlib.Path(match.group(1)) if match else None

@@ -301,7 +301,7 @@ def test_raw_ops_name_what_is_wrong(backend):
     weight = torch.randn(96, 32, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="qkv_forward: x must be float16 or bfloat16, got Float"):
         raw.qkv_forward(x.float(), weight.float(), None, 4)
-    with pytest.raises(RuntimeError, match="qkv_forward: weight must be a CUDA tensor"):
+    with pytest.raises(RuntimeError, match="qkv_forward: weight must be on cuda:0, got device cpu"):
         raw.qkv_forward(x, weight.cpu(), None, 4)
     with pytest.raises(RuntimeError, match="qkv_forward: x must have unit stride along its last dim"):
         raw.qkv_forward(torch.randn_like(x).transpose(1, 2).contiguous().transpose(1, 2), weight, None, 4)

@@ -24,6 +24,7 @@ import subprocess
 import sysconfig
 
 import pytest
+from _helpers import cuda_include_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILD_CONFIG = runpy.run_path(str(ROOT / "csrc" / "build_config.py"))
@@ -114,14 +115,13 @@ def test_bindings_compile_against_torch_headers(tmp_path):
     stand_in = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stand_in.parent.mkdir(parents=True)
     stand_in.write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    cuda_include = pathlib.Path(NVCC).resolve().parents[1] / "include"
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler")
     command = [
         compiler, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-Wno-c++20-extensions",
-        f"-I{tmp_path}", *(f"-I{path}" for path in include_paths()), f"-I{cuda_include}",
-        "-I/usr/local/cuda/include", f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}",
+        f"-I{tmp_path}", *(f"-I{path}" for path in include_paths()), f"-I{cuda_include_dir()}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}",
         str(ROOT / "csrc" / "bindings.cpp"),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
