@@ -95,11 +95,11 @@ int main() {
     std::istringstream in(line);
     try {
       const std::string fields = call(in);
-      std::cout << "ok " << fields << '\n';
+      std::cout << "ok " << fields << std::endl;  // flushed: a crash leaves the answers before it
     } catch (const c10::Error& error) {
       std::string message = error.what_without_backtrace();
       std::replace(message.begin(), message.end(), '\n', ' ');
-      std::cout << "error " << message << '\n';
+      std::cout << "error " << message << std::endl;
     }
   }
   return 0;
