@@ -40,16 +40,10 @@ std::vector<at::Tensor> qkv_forward(const at::Tensor& x, const at::Tensor& weigh
     outputs.push_back(at::empty({x.size(0), num_heads, x.size(1), x.size(2) / num_heads}, x.options()));
   }
   tk::qkv::Problem p = qkv_problem(x, weight, outputs, op);
-  const void* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    check_like(*bias, x, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(), op,
-                ": bias must be a contiguous [n*E] tensor, got shape ", bias->sizes());
-    bias_ptr = bias->data_ptr();
-  }
+  check_bias(bias, x, weight.size(0), "[n*E]", op, "bias");
   void* out_ptrs[3] = {outputs[0].data_ptr(), outputs[0].data_ptr(), outputs[0].data_ptr()};
   for (int64_t i = 0; i < num_proj; ++i) out_ptrs[i] = outputs[i].data_ptr();
-  check_launch(tk::qkv::forward(p, x.data_ptr(), weight.data_ptr(), bias_ptr, out_ptrs,
+  check_launch(tk::qkv::forward(p, x.data_ptr(), weight.data_ptr(), optional_ptr(bias), out_ptrs,
                                 c10::cuda::getCurrentCUDAStream()),
                op);
   return outputs;

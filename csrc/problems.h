@@ -49,6 +49,15 @@ inline void check_chunks(const at::Tensor& t, const char* op, const char* name) 
 
 inline const void* optional_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
+// An optional bias: contiguous, `length` elements (`shape` names them), like `reference`.
+inline void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& reference, int64_t length,
+                       const char* shape, const char* op, const char* name) {
+  if (!bias.has_value()) return;
+  check_like(*bias, reference, op, name);
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == length && bias->is_contiguous(), op, ": ", name,
+              " must be a contiguous ", shape, " tensor, got shape ", bias->sizes());
+}
+
 // ------------------------------------------------------------------------------------------------ qkv
 
 // grads: the n head-split tensors [B, H, L, Dh], sharing strides.
@@ -118,11 +127,7 @@ inline tk::glu_conv::StepProblem step_problem(const at::Tensor& window, const at
   p.channels_out = int(channels);
   p.kernel_size = int(window.size(2));
   p.residual_scale = float(residual_scale);
-  if (bias.has_value()) {
-    check_like(*bias, window, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(), op,
-                ": bias must be a contiguous [2*C] tensor, got shape ", bias->sizes());
-  }
+  check_bias(bias, window, weight.size(0), "[2*C]", op, "bias");
   p.residual_stride_b = p.residual_stride_c = 0;
   if (residual.has_value()) {
     check_like(*residual, window, op, "residual");
@@ -178,12 +183,8 @@ inline tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::
 
 inline const void* packed_bias_ptr(const std::optional<at::Tensor>& packed_bias, const at::Tensor& packed_weight,
                                    const char* op) {
-  if (!packed_bias.has_value()) return nullptr;
-  check_like(*packed_bias, packed_weight, op, "packed_bias");
-  TORCH_CHECK(packed_bias->dim() == 1 && packed_bias->size(0) == packed_weight.size(0) &&
-                  packed_bias->is_contiguous(),
-              op, ": packed_bias must be a contiguous [2*C] tensor, got shape ", packed_bias->sizes());
-  return packed_bias->data_ptr();
+  check_bias(packed_bias, packed_weight, packed_weight.size(0), "[2*C]", op, "packed_bias");
+  return optional_ptr(packed_bias);
 }
 
 inline void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t channels, int64_t length,

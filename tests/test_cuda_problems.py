@@ -73,6 +73,8 @@ CASES = {
                              r"step: weight must be a contiguous \[2\*C, C_in, k\] tensor matching window"),
     "step_residual_shape": (f"step {_contiguous('f16', 3, 8, 3)} {_contiguous('f16', 8, 8, 3)} - "
                             f"{_contiguous('f16', 3, 4, 2)}", r"step: residual must be \[B, C, 1\] = \[3, 4, 1\]"),
+    "step_bias_length": (f"step {_contiguous('f16', 2, 8, 3)} {_contiguous('f16', 8, 8, 3)} {_contiguous('f16', 6)} -",
+                         r"step: bias must be a contiguous \[2\*C\] tensor, got shape \[6\]"),
     "step_float32": (f"step {_contiguous('f32', 2, 8, 3)} {_contiguous('f32', 8, 8, 3)} - -",
                      "step: window must be float16 or bfloat16, got Float"),
     "qkv": (f"qkv {X} {WEIGHT} {HEAD} 3", "ok 3 2 9 32 8"),
