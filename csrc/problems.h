@@ -120,7 +120,7 @@ inline tk::glu_conv::StepProblem step_problem(const at::Tensor& window, const at
   check_chunks(window.view({window.size(0), window.size(1) * window.size(2)}), op, "window");
   check_chunks(weight.view({weight.size(0), weight.size(1) * weight.size(2)}), op, "weight");
   const int64_t batch = window.size(0), channels = weight.size(0) / 2;
-  tk::glu_conv::StepProblem p;
+  tk::glu_conv::StepProblem p{};  // the output strides stay 0 until the caller sets them
   p.dtype = dtype_of(window, op, "window");
   p.batch = int(batch);
   p.channels_in = int(window.size(1));
