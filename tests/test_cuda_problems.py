@@ -26,8 +26,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    """``build(lines) -> list of ("ok", fields) or ("error", message)``, one per driver line."""
+def driver(tmp_path_factory):
+    """``driver(lines) -> list of ("ok", fields) or ("error", message)``, one per driver line."""
     binary = tmp_path_factory.mktemp("problems") / "problems_driver"
     libraries = library_paths()[0]
     compiled = subprocess.run(
@@ -106,8 +106,8 @@ CASES = {
 }
 
 
-def test_each_problem_is_accepted_or_refused_by_name(build):
-    results = dict(zip(CASES, build([call for call, _ in CASES.values()])))
+def test_each_problem_is_accepted_or_refused_by_name(driver):
+    results = dict(zip(CASES, driver([call for call, _ in CASES.values()])))
     for name, (_, expected) in CASES.items():
         outcome, detail = results[name]
         if expected.startswith("ok "):
