@@ -33,14 +33,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   T* smem = reinterpret_cast<T*>(smem_bytes);
   const int tid = threadIdx.x;
 
-  const int block_m = p.causal != int(Causal::kNone) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head_batch = blockIdx.y;
-  const int batch = head_batch / p.heads_q, head = head_batch % p.heads_q;
-  const int kv_head = head / (p.heads_q / p.heads_k);
-  const int row_start = block_m * BM;
-  const ScoreMasks<T> masks(p, batch, head);
-  const KeyBlocks blocks =
-      key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
+  const auto& [head_batch, batch, head, kv_head, row_start, masks, blocks] = QueryBlock<T, BM, BN>(p);
 
   const auto q_rows = HeadRows<T>::of(p.q, p.q_stride, batch, head, row_start, p.seq_len_q, p.head_dim);
   const auto do_rows =

@@ -27,16 +27,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   T* smem = reinterpret_cast<T*>(smem_bytes);
   const int tid = threadIdx.x;
 
-  // Causal rows near the end see the most keys: their blocks go first.
-  const int num_blocks_m = gridDim.x;
-  const int block_m = p.causal != int(Causal::kNone) ? num_blocks_m - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head_batch = blockIdx.y;
-  const int batch = head_batch / p.heads_q, head = head_batch % p.heads_q;
-  const int kv_head = head / (p.heads_q / p.heads_k);
-  const int row_start = block_m * BM;
-  const ScoreMasks<T> masks(p, batch, head);
-  const KeyBlocks blocks =
-      key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key, masks.end_key);
+  const auto& [head_batch, batch, head, kv_head, row_start, masks, blocks] = QueryBlock<T, BM, BN>(p);
 
   const auto q_rows = HeadRows<T>::of(p.q, p.q_stride, batch, head, row_start, p.seq_len_q, p.head_dim);
   const auto k_rows = HeadRows<T>::of(p.k, p.k_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim);

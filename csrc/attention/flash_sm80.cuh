@@ -201,6 +201,27 @@ struct ScoreMasks {
   }
 };
 
+// What a CTA of the forward or of the dQ pass owns, from its grid position (query block, batch *
+// query head): its rows, its (batch, head) and the key-value head that head reads, their masks and
+// the key blocks its rows see.  Causal grids run their last query blocks first: those rows see the
+// most keys.
+template <class T, int BM, int BN>
+struct QueryBlock {
+  int head_batch, batch, head, kv_head, row_start;
+  ScoreMasks<T> masks;
+  KeyBlocks blocks;
+
+  __device__ __forceinline__ explicit QueryBlock(const ForwardProblem& p)
+      : head_batch(blockIdx.y),
+        batch(head_batch / p.heads_q),
+        head(head_batch % p.heads_q),
+        kv_head(head / (p.heads_q / p.heads_k)),
+        row_start((p.causal != int(Causal::kNone) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x)) * BM),
+        masks(p, batch, head),
+        blocks(key_blocks(row_start, BM, BN, p.seq_len_q, masks.causal, masks.shift, masks.first_key,
+                          masks.end_key)) {}
+};
+
 // Dropout keep bits of `count` scores (bit i: score i is kept), `at(i)` giving score i's (query,
 // key).  A rolled loop: unrolled Philox rounds beside the accumulators would spill.
 template <class At>
