@@ -19,9 +19,12 @@ at its parameter list: those signatures change with the kernels.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
@@ -344,12 +347,10 @@ def json_of_compiled_script(script_name: str, timeout: float) -> Any:
     return json.loads(script_output(script, env={"TRITON_INTERPRET": "0"}, timeout=timeout))
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_include_dir() -> Optional[pathlib.Path]:
     """The CUDA toolkit's include directory (``cuda_runtime.h``), as nvcc names it (nvcc may be a
-    wrapper script away from its toolkit), or None without nvcc."""
-    import re
-    import shutil
-
+    wrapper script away from its toolkit), or None without nvcc.  Asked once per session."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None

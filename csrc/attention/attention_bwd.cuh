@@ -20,7 +20,6 @@
 #include "attention.h"
 #include "flash_sm80.cuh"
 
-
 namespace tk::attention {
 namespace {
 
