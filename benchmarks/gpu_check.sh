@@ -32,7 +32,9 @@
 # extension's build, tests and sanitizers (budget-cuda, into OUTDIR/cuda) beside the Triton tests and
 # sanitizer (budget-triton, into OUTDIR/triton), which run from a copy of the tree that never sees the
 # extension (so "auto" stays on Triton there); the GPU is shared, so neither times anything.  Then,
-# alone on the GPU, a --quick report (into OUTDIR) until about 9 minutes after the start.
+# alone on the GPU, a --quick report (into OUTDIR) until about 9 minutes after the start, from this
+# tree, so that it times the extension's kernels beside Triton's where the build succeeded (each op's
+# targeted groups first, taking turns between the ops).
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
 # wheel along in .whl/ (git-ignored; pass it with the tree):
 #   pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
@@ -74,7 +76,7 @@ if [[ $steps == ",budget-both," ]]; then
     if [ "$left" -gt 30 ]; then
         # Test processes that a time limit stopped can linger on the GPU: none may share it with timings.
         nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
-        (cd "$copy" && PYTHONPATH="$copy" bash benchmarks/gpu_check.sh "$out" benchmarks-quick "$left")
+        bash "$0" "$out" benchmarks-quick "$left"
     fi
     exit $((cuda_status | triton_status))
 fi

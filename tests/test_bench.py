@@ -80,16 +80,20 @@ def test_tiny_run_reports_every_case_with_finite_time_and_error(tiny_run):
         assert f"| {key[0]} | {key[1]} | {key[2]} | eager | {median:.3f} |" in report_md
 
 
-def test_groups_picked_first_run_first_each_kind_in_suite_order(monkeypatch):
-    # The CLI picks the groups with a target here, so that a run cut off by a time limit measured them.
+def test_groups_picked_first_run_first_taking_turns_between_suites(monkeypatch):
+    # The CLI picks the groups with a target here, so that a run cut off by a time limit measured
+    # some of every op's: the first picked group of each suite, then the second of each, ...
     monkeypatch.setattr(run, "measure_group", lambda group, device, schedule: (group.op, group.case, group.direction))
     setting = suites.Setting(CPU, torch.float32, "tiny")
     measured = []
     run.run_suites(["attention", "glu"], setting, timing.Schedule.for_device(CPU, "tiny"), measured.append,
-                   first=lambda group: group.op == "glu_conv1d")
+                   first=lambda group: group.direction == "fwd+bwd")
     in_order = [key for key in _expected_groups() if key[0] in ("attention", "glu_conv1d", "glu_conv1d_step")]
-    picked = [key for key in in_order if key[0] == "glu_conv1d"]
-    assert picked and measured == picked + [key for key in in_order if key not in picked]
+    attention = [key for key in in_order if key[0] == "attention" and key[2] == "fwd+bwd"]
+    glu = [key for key in in_order if key[0] != "attention" and key[2] == "fwd+bwd"]
+    assert len(attention) > len(glu) >= 2
+    turns = [key for pair in zip(attention, glu) for key in pair] + attention[len(glu):]
+    assert measured == turns + [key for key in in_order if key[2] != "fwd+bwd"]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")

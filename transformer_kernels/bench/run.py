@@ -14,6 +14,7 @@ not comparable), ``unavailable`` (implementation -> why it did not run: "n/a") a
 from __future__ import annotations
 
 import gc
+import itertools
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -69,16 +70,22 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
     """Measures every group of the suites ``names`` on ``setting``, passing each record to ``on_record``
     as soon as it is measured; a suite that cannot load gives its one "n/a" record.  The groups
     ``first`` picks run before the others (the CLI's: those with a target, so that a run cut short
-    by a time limit has measured them), each kind in suite order."""
-    planned: list[suites.Group] = []
+    by a time limit has measured them), taking turns between the suites: the first picked group of
+    each suite, then the second of each, and so on (a GPU lease's report stopped after a few minutes
+    has then measured some targets of every op, where the attention suite's long cases alone would
+    fill them).  The other groups follow in suite order."""
+    picked: list[list[suites.Group]] = []
+    rest: list[suites.Group] = []
     for name in names:
         try:
             module = suites.load(name)
         except suites.SuiteUnavailable as error:
             on_record(unavailable_suite_record(name, str(error), setting.device))
             continue
-        planned += module.groups(setting)
-    planned.sort(key=lambda group: not first(group))
+        groups = module.groups(setting)
+        picked.append([group for group in groups if first(group)])
+        rest += [group for group in groups if not first(group)]
+    planned = [group for turn in itertools.zip_longest(*picked) for group in turn if group is not None] + rest
     # Everything alive now lives through the run: keep it out of the collections timing.measure starts with.
     gc.collect()
     gc.freeze()
