@@ -43,7 +43,8 @@ set -u
 cd "$(dirname "$0")/.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:upper:]' '[:lower:]' \
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
-out=${1:-benchmarks/results/$gpu-$(date -u +%F)}
+# Absolute: the budget-both halves run from other folders.
+out=$(realpath -m "${1:-benchmarks/results/$gpu-$(date -u +%F)}")
 steps=",${2:-install,nvcc,tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks},"
 # Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
 declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 [cuda-racecheck]=180 [graphs]=120
