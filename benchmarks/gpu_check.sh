@@ -10,17 +10,18 @@
 #   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
 #   (tune/: with the tune step)
 # STEPS: a comma-separated subset of install,nvcc,tests,cuda-tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks
-# (default: all), and tune and pack (only when named; pack: the plots as one plots.tar, for the device
-# tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
+# (default: all), and toolchain, tune and pack (only when named; toolchain: the compilers, the C++
+# runtime the process loads and a raw op's refusal under cuda-gdb, see toolchain() below; pack: the
+# plots as one plots.tar, for the device tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
 # against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
 # await this; about 8 minutes).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
 # device tool), run "install,nvcc,tests,sanitizers,cuda-sanitizers" and then "install,check,graphs,benchmarks,pack" (the
 # second install is a no-op rebuild check on a warm machine).
 # STEPS "budget-cuda": the CUDA extension alone within one such command: built for this GPU's
-# architecture only (TORCH_CUDA_ARCH_LIST, both dtypes), the tests of the cuda backend (-k cuda: its
-# own suite and its cases in the op suites), and one small case per kernel under compute-sanitizer
-# memcheck and racecheck.
+# architecture only (TORCH_CUDA_ARCH_LIST, both dtypes), the toolchain step, the tests of the cuda
+# backend (-k cuda: its own suite and its cases in the op suites), and one small case per kernel under
+# compute-sanitizer memcheck and racecheck.
 # STEPS "budget": what fits one command of at most 10 minutes when a whole GPU lease is 15 minutes,
 # its start included (the device tool's present limit), about 9 minutes at most, each step cut off at
 # its own limit: the package without the CUDA extension (building it alone takes minutes), the GPU
@@ -52,7 +53,7 @@ declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 
 bench_size=--full
 test_paths=(tests)
 if [[ $steps == ",budget-cuda," ]]; then
-    steps=",install,cuda-tests,cuda-sanitizers,"
+    steps=",install,toolchain,cuda-tests,cuda-sanitizers,"
     # Measured on an H100 beside the Triton tests: the build 90 s, the tests 47 s.
     limit=([install]=150 [tests]=100 [cuda-memcheck]=60 [cuda-racecheck]=100)
     # sm_90a on Hopper (its arch-specific instructions), else the plain compute capability.
@@ -120,6 +121,34 @@ step() {  # step NAME SECONDS COMMAND...
 }
 wanted() { [[ $steps == *",$1,"* ]]; }
 
+# What built the extension, which C++ runtime the process loads, and a raw op refusing its input under
+# cuda-gdb.  On the H100 (2026-11-26) every refusal whose message the extension formats with an integer
+# killed the process (one formatted by torch's own library raised): a compiler whose headers do not
+# match the libstdc++ that the process loads would explain it.
+toolchain() {
+    for cxx in "${CXX:-}" c++ g++ /opt/gcc/bin/g++; do
+        [ -n "$cxx" ] && command -v "$cxx" >/dev/null && echo "$cxx -> $(readlink -f "$(command -v "$cxx")"): $("$cxx" --version | head -n 1)"
+    done
+    python3 - <<'PYTHON'
+import torch
+from torch.utils.cpp_extension import get_cxx_compiler
+from transformer_kernels.backends.cuda import extension
+print("torch", torch.__version__, "cxx11 abi", torch._C._GLIBCXX_USE_CXX11_ABI, "extension compiler", get_cxx_compiler())
+print("extension", getattr(extension(), "__file__", None))
+print("loaded:", *sorted({line.split()[-1] for line in open("/proc/self/maps") if "libstdc++" in line or "libgcc_s" in line}))
+PYTHON
+    local so
+    so=$(python3 -c "from transformer_kernels.backends.cuda import extension; print(getattr(extension(), '__file__', ''))")
+    [ -n "$so" ] && ldd "$so" | grep -E "stdc|gcc_s" && strings "$so" | grep -oE "GLIBCXX_[0-9.]+" | sort -uV | tail -n 1
+    cuda-gdb -batch -ex run -ex bt --args python3 -c "
+import torch, transformer_kernels
+x = torch.randn(2, 32, 9, device='cuda', dtype=torch.float16).transpose(1, 2)
+try:
+    torch.ops.transformer_kernels_C.qkv_forward(x, torch.randn(96, 32, device='cuda', dtype=torch.float16), None, 4)
+except RuntimeError as error:
+    print('raised:', str(error).splitlines()[0])"
+}
+
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
 if wanted install; then
     if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
@@ -131,6 +160,8 @@ if wanted install; then
 fi
 wanted install-python && TRANSFORMER_KERNELS_BUILD_CUDA=0 step install "${limit[install]}" \
     python3 -m pip install --no-build-isolation --no-deps -v -e .
+export -f toolchain  # for step's timeout, which runs commands, not shell functions
+wanted toolchain && step toolchain 60 bash -c toolchain
 # Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n $workers")
 # Every kernel source with both dtypes for sm_80 and sm_90a: ptxas spills or local memory fail it.
