@@ -53,11 +53,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   Tensor sK = sK_at(0);  // stage 0 gives the register fragments their shapes
   Tensor sKt = Traits::transposed(sK);
 
-  typename Traits::TiledMma mma;
-  auto thr_mma = mma.get_slice(tid);
-  auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
-  auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
-  auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  auto [mma, thr_mma, a_copy, b_copy, bt_copy] = mma_and_copies<Traits>(tid);
   Tensor rQ = thr_mma.partition_fragment_A(sQ);
   Tensor rdO = thr_mma.partition_fragment_A(sdO);
   Tensor rK = thr_mma.partition_fragment_B(sK);
@@ -229,11 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQt = Traits::transposed(sQ);
   Tensor sdOt = Traits::transposed(sdO);
 
-  typename Traits::TiledMma mma;
-  auto thr_mma = mma.get_slice(tid);
-  auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
-  auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
-  auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  auto [mma, thr_mma, a_copy, b_copy, bt_copy] = mma_and_copies<Traits>(tid);
   Tensor rK = thr_mma.partition_fragment_A(sK);
   Tensor rV = thr_mma.partition_fragment_A(sV);
   Tensor rQ = thr_mma.partition_fragment_B(sQ);

@@ -39,14 +39,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
                           typename Traits::SmemLayoutKV{});
   Tensor sVt = Traits::transposed(sV);
 
-  typename Traits::TiledMma mma;
-  auto thr_mma = mma.get_slice(tid);
+  auto [mma, thr_mma, s2r_q_copy, s2r_k_copy, s2r_v_copy] = mma_and_copies<Traits>(tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
-  auto s2r_q_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
-  auto s2r_k_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
-  auto s2r_v_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
 
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<BM>, Int<D>>{});
   Tensor acc_s = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});

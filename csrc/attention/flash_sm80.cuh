@@ -60,6 +60,29 @@ struct FlashTraits {
   static_assert(kBlockM % (16 * kWarps) == 0, "whole MMA rows per warp");
 };
 
+// A CTA's tiled MMA, this thread's slice of it, and the copies that load its operand fragments from
+// shared memory: A and B as stored (ldmatrix) and B transposed (ldmatrix.trans).  Every kernel starts
+// with them: `auto [mma, thr_mma, a_copy, b_copy, bt_copy] = mma_and_copies<Traits>(tid);`.
+template <class Mma, class ThrMma, class CopyA, class CopyB, class CopyBt>
+struct MmaAndCopies {
+  Mma mma;
+  ThrMma thr_mma;
+  CopyA a_copy;
+  CopyB b_copy;
+  CopyBt bt_copy;
+};
+
+template <class Traits>
+__device__ __forceinline__ auto mma_and_copies(int tid) {
+  typename Traits::TiledMma mma;
+  auto thr_mma = mma.get_slice(tid);
+  auto a_copy = make_tiled_copy_A(typename Traits::LdsmK{}, mma);
+  auto b_copy = make_tiled_copy_B(typename Traits::LdsmK{}, mma);
+  auto bt_copy = make_tiled_copy_B(typename Traits::LdsmT{}, mma);
+  return MmaAndCopies<decltype(mma), decltype(thr_mma), decltype(a_copy), decltype(b_copy), decltype(bt_copy)>{
+      mma, thr_mma, a_copy, b_copy, bt_copy};
+}
+
 // An m16n8 accumulator (MMA=(2,2), MMA_M, MMA_N) viewed as (rows=(2, MMA_M), cols=(2, MMA_N)).
 template <class Layout>
 __device__ __forceinline__ auto rowcol(Layout acc) {
