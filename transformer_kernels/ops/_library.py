@@ -8,15 +8,18 @@ flat schemas, so :class:`RegisteredOp` builds the schema from the dataclass's
 field types and converts between the flat form and the typed one in one
 place: the op layer, the fakes and the backends see only the typed one.
 
-Calls take one of two routes to the same implementation, fake and autograd
+Calls take one of three routes to the same implementation, fake and autograd
 functions.  Under ``torch.compile``, a dispatch mode (fake tensors, op
-counters), a functorch transform or tensor subclasses they go through the
-registered op, so torch sees one op with its fake and autograd.  Plain eager
-calls on plain tensors skip the dispatcher: they run the implementation
-directly, inside an ``autograd.Function`` built from the same
-``setup_context``/``backward`` when a gradient is needed.  At the seeds' short
-sequences the dispatcher and torch.library's autograd wrapper cost more host
-time than the kernels take on a GPU.
+counters) or tensor subclasses they go through the registered op, so torch
+sees one op with its fake and autograd.  Plain eager calls on plain tensors
+skip the dispatcher: they run the implementation directly, inside an
+``autograd.Function`` built from the same ``setup_context``/``backward`` when a
+gradient is needed.  At the seeds' short sequences the dispatcher and
+torch.library's autograd wrapper cost more host time than the kernels take on
+a GPU.  Inside a torch.func transform (``grad``, ``vmap``, ...), which
+torch.library's autograd wrapper does not support, an op with autograd runs
+through an ``autograd.Function`` made for transforms, and every op has a vmap
+rule (:mod:`._transforms`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from ._transforms import TypedCall, transform_function, under_transform, vmap_by_loop
 
 __all__ = ["RegisteredOp"]
 
@@ -90,6 +95,14 @@ class RegisteredOp:
         torch.library.define(self.qualname, f"({', '.join((*inputs, *fields, *flags, 'str backend'))}) -> {returns}")
         self._implementation: Optional[Callable] = None
         self._function: Optional[type] = None
+        self._transform_function: Optional[type] = None  # under torch.func transforms (_transforms.py)
+        torch.library.register_vmap(self.qualname, self._vmap)
+
+    def _vmap(self, info, in_dims, *flat):
+        """The op under ``torch.vmap``: once per index of the vmapped dimension (_transforms.py), each
+        call routed again, so that a transform below this vmap that needs a gradient (an outer
+        ``grad``) takes the op's transform function."""
+        return vmap_by_loop(lambda *args: self(*self.unpack(args)), info.batch_size, in_dims, flat)
 
     def unpack(self, flat: Sequence[Any]) -> tuple:
         """The flat schema arguments as ``(*inputs, args, *flags, backend)``."""
@@ -126,6 +139,11 @@ class RegisteredOp:
     def __call__(self, *typed: Any) -> Any:
         tensors = self._tensors(typed)
         if not _runs_directly(tensors):
+            if self._transform_function is not None and under_transform():
+                args = typed[len(self.inputs)]
+                fields = [getattr(args, field) for field in self._tensor_fields]
+                outputs = self._transform_function.apply(*typed[: len(self.inputs)], *fields, TypedCall(typed))
+                return list(outputs) if self.returns == "Tensor[]" else outputs
             return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))
         if self._function is not None and torch.is_grad_enabled():
             for tensor in tensors:
@@ -196,6 +214,10 @@ class RegisteredOp:
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         self._function = Function
+        self._transform_function = transform_function(
+            self.name, num_inputs, tensor_fields, self._function_field_index, implementation, typed_setup_context,
+            backward, returns_list,
+        )
 
     def needs_grad(self, ctx, field: str) -> bool:
         """Whether the ``args`` field ``field`` (a tensor) needs a gradient in this backward."""
