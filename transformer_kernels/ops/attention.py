@@ -24,6 +24,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from .._backend import backend_module, select_backend
 from .._checks import check_same_device, check_same_dtype_device, check_tensor
 from . import _attention_inputs as inputs
+from ._autocast import autocast
 from ._library import RegisteredOp
 
 __all__ = ["scaled_dot_product_attention", "AttentionArgs", "Causal", "MAX_HEAD_DIM"]
@@ -180,7 +181,9 @@ def scaled_dot_product_attention(
       ``[..., Lq, Hq, Ev]`` memory on every backend, like torch's SDPA, so
       ``out.transpose(-3, -2).reshape(..., Lq, Hq * Ev)`` is free.
 
-    ``query``, ``key`` and ``value`` have one floating dtype and one device,
+    ``query``, ``key`` and ``value`` have one floating dtype and one device
+    (under ``torch.autocast``, as torch's SDPA: float16/bfloat16/float32
+    inputs and a float ``attn_mask`` are cast to the autocast dtype first),
     and their batch dimensions ``...`` (heads included) broadcast against each
     other exactly as torch broadcasts them: a dimension may be 1 or missing
     (query ``[4, 3, 8]`` with key/value ``[4, 4, 6, 8]`` gives
@@ -321,6 +324,10 @@ def scaled_dot_product_attention(
         >>> out.shape
         torch.Size([2, 8, 128, 64])
     """
+    if isinstance(attn_mask, CausalBias):  # a tensor subclass that stands for the causal mask: no values
+        query, key, value = autocast(query, query, key, value)
+    else:
+        query, key, value, attn_mask = autocast(query, query, key, value, attn_mask)
     q, k, v, args, output_shape = _normalize(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )

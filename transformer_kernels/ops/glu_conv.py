@@ -19,6 +19,7 @@ import torch
 
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
+from ._autocast import autocast
 from ._library import RegisteredOp
 
 __all__ = ["glu_conv1d", "glu_conv1d_step", "GluConvArgs"]
@@ -132,8 +133,10 @@ def glu_conv1d(
         copy here and another in the next layer's convolution).
 
     Dtypes: float16, bfloat16, float32 (and float64 on the eager backend); all
-    tensors share ``x``'s dtype and device.  The Triton kernels accumulate in
-    float32 and round once, at the output.
+    tensors share ``x``'s dtype and device.  Under ``torch.autocast`` the op
+    runs in the autocast dtype the way ``nn.Conv1d`` does: float16/bfloat16/
+    float32 tensors (``residual`` too) are cast to it, float64 ones are not.
+    The Triton kernels accumulate in float32 and round once, at the output.
 
     Autograd: gradients for ``x``, ``weight``, ``bias`` and ``residual``
     (``grad_residual = grad_out * residual_scale``), deterministic (no atomics);
@@ -147,6 +150,7 @@ def glu_conv1d(
     ``[B, L, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on a CPU
     recomputing the convolution would cost more than the memory saves.
     """
+    x, weight, bias, residual = autocast(x, x, weight, bias, residual)
     check_tensor("x", x, ndim=3, dtypes=_DTYPES)
     channels_out, kernel_size = _check_weight_and_bias(x, weight, bias, "x")
     if padding not in _PADDINGS:
@@ -203,6 +207,7 @@ def glu_conv1d_step(
 
     Differentiable like :func:`glu_conv1d`.
     """
+    x_t, state, weight, bias, residual = autocast(x_t, x_t, state, weight, bias, residual)
     check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
     channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
     pad_value = _check_number("pad_value", pad_value)

@@ -24,16 +24,12 @@ import torch
 
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
+from ._autocast import autocast
 from ._library import RegisteredOp
 
 __all__ = ["qkv_projection", "QkvProjectionArgs"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# torch.autocast casts these to its dtype and leaves float64 alone.
-_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
-# Device types with an autocast mode (torch.amp.is_autocast_available, which torch 2.11's
-# torch.compile cannot trace); asking torch.is_autocast_enabled about any other raises.
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
 
 
 # --------------------------------------------------------------------------- the op's contract
@@ -149,7 +145,7 @@ def qkv_projection(
         out = transformer_kernels.scaled_dot_product_attention(q, k, v, is_causal=True)
     """
     check_tensor("x", x, min_ndim=2)
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast(x, x, weight, bias)
     check_tensor("x", x, dtypes=_DTYPES)
     _check_arguments(x, weight, bias, num_heads)
     args = QkvProjectionArgs(num_heads)
@@ -159,22 +155,6 @@ def qkv_projection(
 
 
 # --------------------------------------------------------------------------- argument checks
-
-
-def _autocast(x: torch.Tensor, weight: object, bias: object) -> tuple[torch.Tensor, object, object]:
-    """Cast like ``nn.Linear`` under ``torch.autocast``: float16/bfloat16/float32 tensors go to the
-    autocast dtype, float64 stays (and then fails the dtype check, as ``F.linear`` would)."""
-    device_type = x.device.type
-    if not (device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-
-    def cast(t: object) -> object:
-        if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE and t.device.type == device_type:
-            return t.to(dtype)
-        return t
-
-    return cast(x), cast(weight), cast(bias)
 
 
 def _check_arguments(x: torch.Tensor, weight: object, bias: object, num_heads: object) -> None:
