@@ -2,7 +2,7 @@
 compositions), as torch's own ops work there.
 
 torch.library's autograd wrapper is an ``autograd.Function`` without ``setup_context``, which
-functorch refuses (torch 2.11 to 2.13), and an op returning ``Tensor[]`` gets no vmap fallback.
+functorch refuses (seen with torch 2.13), and an op returning ``Tensor[]`` gets no vmap fallback.
 So, while a transform is active:
 
 * an op with autograd runs through :func:`transform_function`'s ``autograd.Function``, which has
@@ -10,8 +10,8 @@ So, while a transform is active:
   the op's other routes;
 * every op, the backward ops included (which run batched under ``vmap(grad(f))``), has a vmap rule
   (:func:`vmap_by_loop`): the op once per index of the vmapped dimension, the results stacked, as
-  torch's fallback for ops without a batching rule does.  The backends' kernels take their batch
-  as it is, so a loop costs what a loop costs, and nothing is copied to fold the vmapped dimension.
+  torch's fallback for ops without a batching rule does (correct for every op and argument; a rule
+  folding the vmapped dimension into each op's batch would be faster, and is not written).
 """
 
 from __future__ import annotations
