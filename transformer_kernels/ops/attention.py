@@ -24,6 +24,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from .._backend import backend_module, select_backend
 from .._checks import check_same_device, check_same_dtype_device, check_tensor
 from . import _attention_inputs as inputs
+from ._attention_jagged import attend_jagged, is_nested
 from ._autocast import autocast
 from ._library import RegisteredOp
 
@@ -196,6 +197,13 @@ def scaled_dot_product_attention(
     key: rows of 0).  What torch refuses is refused with a ``ValueError`` or
     ``TypeError`` that names the argument.
 
+    Jagged nested tensors (``layout=torch.jagged``, ``[B, H, j, E]`` with the
+    sequence dimension ragged, as torch's SDPA takes them) run padded to the
+    longest sequence, the keys' lengths as the key padding mask; the result
+    is a jagged ``[B, H, j, Ev]`` sharing the query's offsets.  ``is_causal``
+    is then top-left within each sequence; ``attn_mask`` and
+    ``key_padding_mask`` must be None.
+
     Inputs may have any strides (e.g. ``x.view(B, L, H, D).transpose(1, 2)``)
     and are read in place, broadcast ones as stride-0 (``expand``-ed) views.
     The backends take ``[B, H, L, X]``; inputs of more than 4 dimensions
@@ -324,6 +332,9 @@ def scaled_dot_product_attention(
         >>> out.shape
         torch.Size([2, 8, 128, 64])
     """
+    if is_nested(query, key, value):
+        return attend_jagged(scaled_dot_product_attention, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa, key_padding_mask, backend)
     if isinstance(attn_mask, CausalBias):  # a tensor subclass that stands for the causal mask: no values
         query, key, value = autocast(query, query, key, value)
     else:
