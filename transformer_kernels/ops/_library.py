@@ -219,6 +219,17 @@ class RegisteredOp:
             backward, returns_list,
         )
 
+    def count_flops(self, formula: Callable[..., int]) -> Callable[..., int]:
+        """Register ``formula(*inputs, args, *flags, backend)`` (the typed call with each tensor
+        given as its shape, and a ``Tensor[]`` as a list of shapes) as the op's count for
+        ``torch.utils.flop_counter.FlopCounterMode``, in the convention torch counts its own ops by."""
+        from torch.utils.flop_counter import register_flop_formula
+
+        register_flop_formula(getattr(torch.ops.transformer_kernels, self.name))(
+            lambda *flat, out_shape=None, **kwargs: formula(*self.unpack(flat))
+        )
+        return formula
+
     def needs_grad(self, ctx, field: str) -> bool:
         """Whether the ``args`` field ``field`` (a tensor) needs a gradient in this backward."""
         return ctx.needs_input_grad[ctx.field_index[field]]

@@ -617,3 +617,17 @@ def _mask_gradient(dmask: Tensor, attn_mask: Tensor) -> Tensor:
 
 
 attention_forward.register_autograd(_backward, _setup_context)
+
+
+@attention_forward.count_flops
+def _attention_forward_flops(query, key, value, args, needs_backward, backend) -> int:
+    """torch's count for its SDPA: ``Q K^T`` and ``P V``, whatever the masks let the kernels skip."""
+    batch, heads, length_q, head_dim = query
+    return 2 * batch * heads * length_q * key[2] * (head_dim + value[3])
+
+
+@attention_backward.count_flops
+def _attention_backward_flops(grad_out, query, key, value, out, saved, args, attn_mask_needs_grad, backend) -> int:
+    """torch's count for its SDPA's backward: the scores again, then ``dP``, ``dV``, ``dQ`` and ``dK``."""
+    batch, heads, length_q, head_dim = query
+    return 2 * batch * heads * length_q * key[2] * (3 * head_dim + 2 * value[3])

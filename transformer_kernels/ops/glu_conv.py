@@ -365,3 +365,22 @@ def _backward(ctx, grad_out, _grad_saved):
 
 
 glu_conv1d_forward.register_autograd(_backward, _setup_context)
+
+
+def _convolution_flops(x, weight, args: GluConvArgs) -> int:
+    """torch's count for the convolution (``F.conv1d``; neither the bias nor the GLU counts)."""
+    batch, channels_in, length = x
+    channels_z, _, kernel_size = weight
+    return 2 * batch * args.output_length(length, kernel_size) * channels_z * channels_in * kernel_size
+
+
+@glu_conv1d_forward.count_flops
+def _forward_flops(x, weight, bias, residual, args, backend) -> int:
+    return _convolution_flops(x, weight, args)
+
+
+@glu_conv1d_backward.count_flops
+def _backward_flops(grad_out, x, weight, bias, saved, args, needs_grad_x, needs_grad_weight, needs_grad_bias,
+                    backend) -> int:
+    """As torch counts ``F.conv1d``'s backward: a convolution's worth per gradient of ``x`` and ``weight``."""
+    return (int(needs_grad_x) + int(needs_grad_weight)) * _convolution_flops(x, weight, args)

@@ -18,6 +18,7 @@ would make autograd re-pack their gradients into that buffer first).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -255,3 +256,19 @@ def _backward(ctx, grads):
 
 
 qkv_projection_forward.register_autograd(_backward, _setup_context)
+
+
+def _projection_flops(x, weight) -> int:
+    """torch's count for ``F.linear(x, weight)``: ``2 * tokens * E * n*E``."""
+    return 2 * math.prod(x[:-1]) * x[-1] * weight[0]
+
+
+@qkv_projection_forward.count_flops
+def _forward_flops(x, weight, bias, args, backend) -> int:
+    return _projection_flops(x, weight)
+
+
+@qkv_projection_backward.count_flops
+def _backward_flops(grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias, backend) -> int:
+    """As torch counts ``F.linear``'s backward: a GEMM per gradient of ``x`` and ``weight`` asked for."""
+    return (int(needs_grad_x) + int(needs_grad_weight)) * _projection_flops(x, weight)
