@@ -33,12 +33,15 @@ def _check(name: str, tensor: object) -> None:
         )
 
 
-def _padded(tokens: Tensor) -> Tensor:
-    """``[B, j, H, E]`` jagged tokens as a dense ``[B, L, H, E]``, ``L`` the longest sequence, zero-padded
-    (``to_padded_tensor`` is told ``L``: left to itself it pads a tensor made by
-    ``nested_tensor_from_jagged`` to the total length)."""
-    longest = int(tokens.offsets().diff().max()) if tokens.shape[0] > 0 else 0
+def _padded(tokens: Tensor, longest: int) -> Tensor:
+    """``[B, j, H, E]`` jagged tokens as a dense ``[B, longest, H, E]``, zero-padded (``to_padded_tensor``
+    is told the length: left to itself it pads a tensor made by ``nested_tensor_from_jagged`` to the
+    total length)."""
     return torch.nested.to_padded_tensor(tokens, 0.0, output_size=(tokens.shape[0], longest, *tokens.shape[2:]))
+
+
+def _longest(lengths: Tensor) -> int:
+    return int(lengths.max()) if lengths.numel() > 0 else 0
 
 
 def attend_jagged(attend: Callable[..., Tensor], query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p,
@@ -50,14 +53,16 @@ def attend_jagged(attend: Callable[..., Tensor], query: Tensor, key: Tensor, val
         _check(name, tensor)
     if attn_mask is not None or key_padding_mask is not None:
         raise ValueError("attn_mask and key_padding_mask must be None with nested inputs: their lengths are the mask")
-    tokens_query, tokens_key = query.transpose(1, 2), key.transpose(1, 2)  # [B, j, H, E]: ragged dim 1
-    if not torch.equal(tokens_key.offsets(), value.transpose(1, 2).offsets()):
+    tokens_query, tokens_key, tokens_value = (t.transpose(1, 2) for t in (query, key, value))  # ragged dim 1
+    if not torch.equal(tokens_key.offsets(), tokens_value.offsets()):
         raise ValueError("key and value must have the same sequence lengths (offsets)")
-    dense_query, dense_key, dense_value = (_padded(t.transpose(1, 2)).transpose(1, 2) for t in (query, key, value))
-    key_lengths = tokens_key.offsets().diff()
-    padding = torch.arange(dense_key.shape[2], device=key.device) >= key_lengths[:, None]
+    query_lengths, key_lengths = tokens_query.offsets().diff(), tokens_key.offsets().diff()
+    length_q, length_k = _longest(query_lengths), _longest(key_lengths)
+    dense_query = _padded(tokens_query, length_q).transpose(1, 2)
+    dense_key, dense_value = (_padded(t, length_k).transpose(1, 2) for t in (tokens_key, tokens_value))
+    padding = torch.arange(length_k, device=key.device) >= key_lengths[:, None]
     out = attend(dense_query, dense_key, dense_value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                  enable_gqa=enable_gqa, key_padding_mask=padding, backend=backend)
-    offsets = tokens_query.offsets()
-    real_rows = torch.arange(out.shape[2], device=out.device) < offsets.diff()[:, None]
-    return torch.nested.nested_tensor_from_jagged(out.transpose(1, 2)[real_rows], offsets).transpose(1, 2)
+    real_rows = torch.arange(length_q, device=out.device) < query_lengths[:, None]
+    rows = out.transpose(1, 2)[real_rows]  # [T, H, Ev]: the real queries' rows, packed
+    return torch.nested.nested_tensor_from_jagged(rows, tokens_query.offsets()).transpose(1, 2)

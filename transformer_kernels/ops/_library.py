@@ -140,21 +140,21 @@ class RegisteredOp:
         tensors = self._tensors(typed)
         if not _runs_directly(tensors):
             if self._transform_function is not None and under_transform():
-                args = typed[len(self.inputs)]
-                fields = [getattr(args, field) for field in self._tensor_fields]
-                outputs = self._transform_function.apply(*typed[: len(self.inputs)], *fields, TypedCall(typed))
-                return list(outputs) if self.returns == "Tensor[]" else outputs
+                return self._apply(self._transform_function, typed, TypedCall(typed))
             return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))
         if self._function is not None and torch.is_grad_enabled():
             for tensor in tensors:
                 if tensor.requires_grad:
-                    # Autograd tracks the inputs and the tensor fields; the typed call travels last,
-                    # so the function's forward does not rebuild it.
-                    args = typed[len(self.inputs)]
-                    fields = [getattr(args, field) for field in self._tensor_fields]
-                    outputs = self._function.apply(*typed[: len(self.inputs)], *fields, typed)
-                    return list(outputs) if self.returns == "Tensor[]" else outputs
+                    # The typed call travels last, so the function's forward does not rebuild it.
+                    return self._apply(self._function, typed, typed)
         return self._implementation(*typed)
+
+    def _apply(self, function: type, typed: tuple, call: Any) -> Any:
+        """``function.apply`` on what autograd tracks, the inputs and the tensor fields, then ``call``."""
+        args = typed[len(self.inputs)]
+        fields = [getattr(args, field) for field in self._tensor_fields]
+        outputs = function.apply(*typed[: len(self.inputs)], *fields, call)
+        return list(outputs) if self.returns == "Tensor[]" else outputs
 
     def implement(self, function: Callable) -> Callable:
         """Register ``function(*inputs, args, *flags, backend)`` for every device."""
@@ -194,6 +194,11 @@ class RegisteredOp:
 
         returns_list = self.returns == "Tensor[]"
 
+        def function_backward(ctx, *grad_outputs):
+            """Both autograd.Functions' backward: a gradient per input and tensor field, none for the call."""
+            input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
+            return (*input_grads, *(args_grads.get(name) for name in tensor_fields), None)
+
         class Function(torch.autograd.Function):
             # forward(ctx, ...) rather than a separate setup_context: Function.apply binds the
             # arguments of that style with inspect.signature, tens of microseconds per call.
@@ -207,16 +212,13 @@ class RegisteredOp:
                 typed_setup_context(ctx, typed, outputs)
                 return tuple(outputs) if returns_list else outputs
 
-            @staticmethod
-            def backward(ctx, *grad_outputs):
-                input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
-                return (*input_grads, *(args_grads.get(name) for name in tensor_fields), None)
+            backward = staticmethod(function_backward)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
         self._function = Function
         self._transform_function = transform_function(
             self.name, num_inputs, tensor_fields, self._function_field_index, implementation, typed_setup_context,
-            backward, returns_list,
+            function_backward, returns_list,
         )
 
     def count_flops(self, formula: Callable[..., int]) -> Callable[..., int]:

@@ -80,14 +80,14 @@ def transform_function(
     field_index: dict[str, int],
     implementation: Callable,
     typed_setup_context: Callable,
-    backward: Callable,
+    function_backward: Callable,
     returns_list: bool,
 ) -> type:
     """The ``autograd.Function`` of an op under torch.func transforms.  ``apply`` takes the op's
     inputs, the tensors of its argument object's ``tensor_fields`` (what autograd tracks), then the
     typed call (a :class:`TypedCall`), of which only the values that are not those tensors are read:
     a transform hands ``forward``, ``setup_context`` and ``vmap`` its own (unwrapped) tensors in
-    their places."""
+    their places.  ``function_backward`` is the op's other autograd.Function's backward."""
 
     def typed_call(tensors_and_typed: Sequence[Any]) -> tuple:
         typed = tensors_and_typed[-1].typed
@@ -107,10 +107,7 @@ def transform_function(
             ctx.field_index = field_index
             typed_setup_context(ctx, typed_call(inputs), output)
 
-        @staticmethod
-        def backward(ctx, *grad_outputs):
-            input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
-            return (*input_grads, *(args_grads.get(field) for field in tensor_fields), None)
+        backward = staticmethod(function_backward)
 
         @staticmethod
         def vmap(info, in_dims: tuple[Optional[int], ...], *tensors_and_typed):
