@@ -121,14 +121,18 @@ step() {  # step NAME SECONDS COMMAND...
 }
 wanted() { [[ $steps == *",$1,"* ]]; }
 
-# What built the extension, which C++ runtime the process loads, and a raw op refusing its input under
-# cuda-gdb.  On the H100 (2026-11-26) every refusal whose message the extension formats with an integer
-# killed the process (one formatted by torch's own library raised): a compiler whose headers do not
-# match the libstdc++ that the process loads would explain it.
+# What built the extension, which C++ runtime the process loads, a raw op refusing its input under
+# cuda-gdb, and benchmarks/cxx_probe.py: the smallest refusing extension built by each compiler.  On
+# the H100 (2026-11-26) every refusal formatted by the extension killed the process (one formatted by
+# torch's own library raised); its host code was built by $CXX (/opt/gcc/bin/g++), and the same
+# sources built by Debian's g++ 12 against the same torch raise as they should.
 toolchain() {
     for cxx in "${CXX:-}" c++ g++ /opt/gcc/bin/g++; do
-        [ -n "$cxx" ] && command -v "$cxx" >/dev/null && echo "$cxx -> $(readlink -f "$(command -v "$cxx")"): $("$cxx" --version | head -n 1)"
+        [ -n "$cxx" ] && command -v "$cxx" >/dev/null && echo "$cxx -> $(readlink -f "$(command -v "$cxx")"): $("$cxx" --version | head -n 1)" \
+            && "$cxx" -v 2>&1 | grep -E "^Configured with" | tr ' ' '\n' | grep -E "libstdcxx|enable-shared|static|--prefix"
     done
+    echo "CC=${CC:-} CXX=${CXX:-} LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    python3 benchmarks/cxx_probe.py "${CXX:-c++}" /usr/bin/g++
     python3 - <<'PYTHON'
 import torch
 from torch.utils.cpp_extension import get_cxx_compiler
@@ -161,7 +165,7 @@ fi
 wanted install-python && TRANSFORMER_KERNELS_BUILD_CUDA=0 step install "${limit[install]}" \
     python3 -m pip install --no-build-isolation --no-deps -v -e .
 export -f toolchain  # for step's timeout, which runs commands, not shell functions
-wanted toolchain && step toolchain 60 bash -c toolchain
+wanted toolchain && step toolchain 120 bash -c toolchain
 # Compiling the kernels dominates the tests: spread them over processes when pytest-xdist is there.
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n $workers")
 # Every kernel source with both dtypes for sm_80 and sm_90a: ptxas spills or local memory fail it.

@@ -7,6 +7,7 @@ forces a build that cannot happen.
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -64,3 +65,16 @@ def test_without_the_extension_the_cuda_backend_explains(monkeypatch):
     assert cuda_backend._device_reason(torch.device("cuda"), torch.float16) == (
         "the CUDA extension transformer_kernels._C is not built"
     )
+
+
+def test_cxx_probe_builds_an_extension_that_raises_with_the_host_compiler():
+    """benchmarks/cxx_probe.py, which gpu_check.sh's toolchain step runs on the GPU machine (its
+    compiler killed the process where the extension refused an input): here it must build its probe
+    and report the refusal raised, or the probe itself is broken."""
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cxx_probe.py"), compiler],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("raised: refuse: x must be 99-d, got n = 4, shape [2, 3], dtype Float")
