@@ -23,6 +23,12 @@ if importlib.util.find_spec("triton") is not None:
     LaunchTemplates.verify = True
 
 
+from transformer_kernels.ops._call_plans import CallPlans  # noqa: E402
+
+# Every call that finds a plan also takes the checked route and checks it decides the same.
+CallPlans.verify = True
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -100,6 +100,12 @@ def register_backend(
     _registry = {backend.name: backend for backend in sorted(backends, key=lambda backend: backend.rank)}
 
 
+def registry_version() -> object:
+    """What identifies the registry's present contents: a new object whenever a backend is
+    registered (a decision cached from the registry holds it, to compare)."""
+    return _registry
+
+
 def backend_names() -> tuple[str, ...]:
     """``"auto"`` and the registered backends in ``"auto"``'s order."""
     return ("auto", *_registry)

@@ -26,6 +26,7 @@ from .._checks import check_same_device, check_same_dtype_device, check_tensor
 from . import _attention_inputs as inputs
 from ._attention_jagged import attend_jagged, is_nested
 from ._autocast import autocast
+from ._call_plans import CallPlans, layout_key
 from ._library import RegisteredOp
 
 __all__ = ["scaled_dot_product_attention", "AttentionArgs", "Causal", "MAX_HEAD_DIM"]
@@ -87,13 +88,14 @@ def empty_output(query: Tensor, value: Tensor, dtype: Optional[torch.dtype] = No
     batch, heads, lq, _ = query.shape
     value_head_dim = value.shape[-1]
     strides = (lq * heads * value_head_dim, value_head_dim, heads * value_head_dim, 1)
-    return query.new_empty_strided((batch, heads, lq, value_head_dim), strides, dtype=dtype)
+    return torch.empty_strided((batch, heads, lq, value_head_dim), strides, dtype=dtype or query.dtype,
+                               device=query.device)
 
 
 def empty_lse(query: Tensor) -> Tensor:
     """``lse [B, Hq, Lq]``, contiguous, :func:`lse_dtype`: natural-log row log-sum-exps of the
     scaled, masked scores; +inf on rows that see no key."""
-    return query.new_empty(query.shape[:3], dtype=lse_dtype(query.dtype))
+    return torch.empty(query.shape[:3], dtype=lse_dtype(query.dtype), device=query.device)
 
 
 def empty_grads(query: Tensor, key: Tensor, value: Tensor, contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -332,28 +334,93 @@ def scaled_dot_product_attention(
         >>> out.shape
         torch.Size([2, 8, 128, 64])
     """
-    if is_nested(query, key, value):
+    if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor) and is_nested(query, key, value):
         return attend_jagged(scaled_dot_product_attention, query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa, key_padding_mask, backend)
     if isinstance(attn_mask, CausalBias):  # a tensor subclass that stands for the causal mask: no values
         query, key, value = autocast(query, query, key, value)
     else:
         query, key, value, attn_mask = autocast(query, query, key, value, attn_mask)
-    q, k, v, args, output_shape = _normalize(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
-    )
-    if output_shape.numel() == 0 or k.shape[2] == 0:
-        return _without_scores(q, k, v, args.attn_mask).view(output_shape)
-    if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
-        mask = None if args.attn_mask is None else args.attn_mask[..., :0]
-        return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
-    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
+    call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, backend)
+    plan_key = _plan_key(*call)
+    plan = None if plan_key is None else _PLANS.get(plan_key, lambda kept: _check_plan(kept, *call))
+    if plan is not None:
+        q, k, v, chosen = query, key, value, plan.backend
+        args = plan.args
+        if key_padding_mask is not None or args.dropout_p != 0.0:
+            args = AttentionArgs(key_padding_mask, None, args.causal, args.scale, args.dropout_p,
+                                 _dropout_seed(args.dropout_p, query.device))
+    else:
+        q, k, v, args, output_shape = _normalize(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+        )
+        if output_shape.numel() == 0 or k.shape[2] == 0:
+            return _without_scores(q, k, v, args.attn_mask).view(output_shape)
+        if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
+            mask = None if args.attn_mask is None else args.attn_mask[..., :0]
+            return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
+        chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
+        if plan_key is not None and _passes_through(q, k, v, args, output_shape, *call):
+            _PLANS.put(plan_key, _Plan(chosen, dataclasses.replace(args, key_padding_mask=None, dropout_seed=None)))
     needs_backward = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
         or (args.attn_mask is not None and args.attn_mask.requires_grad)
     )
     out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
-    return out if out.shape == output_shape else out.view(output_shape)
+    return out if plan is not None or out.shape == output_shape else out.view(output_shape)
+
+
+# ----------------------------------------------------------------------------
+# Call plans (_call_plans.py): the checked decisions of a call layout, kept
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The backend chosen for a layout, and its :class:`AttentionArgs` without the call's own
+    tensors (``key_padding_mask`` and ``dropout_seed`` are None)."""
+
+    backend: str
+    args: AttentionArgs
+
+
+_PLANS = CallPlans()
+
+
+def _plan_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, backend):
+    """The layout of a call that may have a plan, or None: no ``attn_mask``, and scalars of the types
+    the checks pass as they are.  Everything ``_normalize`` and ``select_backend`` read is in it."""
+    if not (
+        attn_mask is None and type(dropout_p) is float and type(is_causal) is bool and type(enable_gqa) is bool
+        and (scale is None or (type(scale) is float and scale == scale))
+    ):
+        return None
+    tensors = layout_key(backend, query, key, value, key_padding_mask)
+    return None if tensors is None else (*tensors, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _passes_through(q, k, v, args, output_shape, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                    key_padding_mask, backend) -> bool:
+    """Whether the checked route ran the call on its own tensors, as a plan would: no view, copy or
+    expansion of any input, and a result of the kernels' shape."""
+    return (
+        q is query and k is key and v is value and args.key_padding_mask is key_padding_mask
+        and output_shape == (*q.shape[:3], v.shape[3])
+    )
+
+
+def _check_plan(plan: _Plan, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+                backend) -> None:
+    """Takes the checked route (with no dropout, whose seed would draw from the generator) and fails
+    unless it decides what ``plan`` holds."""
+    call = (query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, key_padding_mask)
+    q, k, v, args, output_shape = _normalize(*call)
+    args = dataclasses.replace(args, dropout_p=_check_scalars(dropout_p, scale, query.shape[-1])[0])
+    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
+    decided = (chosen, args.attn_mask, args.causal, args.scale, args.dropout_p)
+    kept = (plan.backend, plan.args.attn_mask, plan.args.causal, plan.args.scale, plan.args.dropout_p)
+    if decided != kept or not _passes_through(q, k, v, args, output_shape, *call, backend):
+        raise AssertionError(f"the attention plan kept for this call's layout decides {kept}, the checks {decided}")
 
 
 def _without_scores(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
@@ -471,6 +538,14 @@ def _check_key_padding_mask(query: Tensor, key_padding_mask: object, sequence_sh
         )
 
 
+def _dropout_seed(dropout_p: float, device: torch.device) -> Optional[Tensor]:
+    """The keep-mask's ``(seed, offset)`` from ``device``'s generator (``torch.manual_seed``
+    reproduces it), on ``device``; None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
+
+
 def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask):
     """The checked call as the backends take it: ``q [B, Hq, Lq, E]``, ``k [B, Hk, Lk, E]``,
     ``v [B, Hk, Lk, Ev]``, its :class:`AttentionArgs`, and the shape of the result."""
@@ -510,11 +585,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             padding = padding.reshape(-1, lk)
         padding = padding.contiguous()
 
-    dropout_seed = None
-    if dropout_p > 0.0:
-        # (seed, offset) from the device's generator: torch.manual_seed reproduces the keep-mask.
-        dropout_seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=query.device)
-    args = AttentionArgs(padding, mask, causal, scale, dropout_p, dropout_seed)
+    args = AttentionArgs(padding, mask, causal, scale, dropout_p, _dropout_seed(dropout_p, query.device))
     return q, k, v, args, torch.Size((*batch_shape, lq, value_head_dim))
 
 

@@ -12,6 +12,7 @@ checks and the registered ops.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Optional
 
@@ -20,6 +21,7 @@ import torch
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 from ._autocast import autocast
+from ._call_plans import CallPlans, layout_key
 from ._library import RegisteredOp
 
 __all__ = ["glu_conv1d", "glu_conv1d_step", "GluConvArgs"]
@@ -151,20 +153,20 @@ def glu_conv1d(
     recomputing the convolution would cost more than the memory saves.
     """
     x, weight, bias, residual = autocast(x, x, weight, bias, residual)
-    check_tensor("x", x, ndim=3, dtypes=_DTYPES)
-    channels_out, kernel_size = _check_weight_and_bias(x, weight, bias, "x")
-    if padding not in _PADDINGS:
-        raise ValueError(f"padding must be one of {_PADDINGS}, got {padding!r}")
-    if x.shape[2] < 1:
-        raise ValueError(f"x must have at least one position (L >= 1), got shape {tuple(x.shape)}")
-    pad_value = _check_number("pad_value", pad_value)
-    residual_scale = _check_number("residual_scale", residual_scale)
-    _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
-    if padding == "same":
-        args = GluConvArgs((kernel_size - 1) // 2, kernel_size // 2, pad_value, residual_scale)
-    else:
-        args = GluConvArgs(kernel_size - 1, 0, pad_value, residual_scale)
-    name = select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
+
+    def checked() -> tuple[GluConvArgs, str]:
+        check_tensor("x", x, ndim=3, dtypes=_DTYPES)
+        channels_out, kernel_size = _check_weight_and_bias(x, weight, bias, "x")
+        if padding not in _PADDINGS:
+            raise ValueError(f"padding must be one of {_PADDINGS}, got {padding!r}")
+        if x.shape[2] < 1:
+            raise ValueError(f"x must have at least one position (L >= 1), got shape {tuple(x.shape)}")
+        _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
+        pads = ((kernel_size - 1) // 2, kernel_size // 2) if padding == "same" else (kernel_size - 1, 0)
+        args = GluConvArgs(*pads, _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale))
+        return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
+
+    args, name = _PLANS.decide(_plan_key(x, weight, bias, residual, padding, pad_value, residual_scale, backend), checked)
     out, _ = glu_conv1d_forward(x, weight, bias, residual, args, name)
     return out
 
@@ -230,6 +232,25 @@ def glu_conv1d_step(
     name = select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias, residual, args)
     out, _ = glu_conv1d_forward(window, weight, bias, residual, args, name)
     return out.squeeze(2), window[:, :, 1:]
+
+
+# --------------------------------------------------------------------------- call plans
+
+# glu_conv1d's checked decisions (its GluConvArgs and backend) per call layout (_call_plans.py).
+_PLANS = CallPlans()
+
+
+def _plan_key(x, weight, bias, residual, padding, pad_value, residual_scale, backend) -> Optional[tuple]:
+    """The layout of a :func:`glu_conv1d` call that may have a plan (float scalars that are not NaN),
+    holding all that its checks read; else None."""
+    if not (type(pad_value) is float and type(residual_scale) is float and pad_value == pad_value
+            and residual_scale == residual_scale and type(padding) is str):
+        return None
+    tensors = layout_key(backend, x, weight, bias, residual)
+    # The signs tell 0.0 from -0.0, which compare equal.
+    return None if tensors is None else (
+        *tensors, padding, pad_value, math.copysign(1.0, pad_value), residual_scale, math.copysign(1.0, residual_scale)
+    )
 
 
 # --------------------------------------------------------------------------- argument checks

@@ -26,6 +26,7 @@ import torch
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 from ._autocast import autocast
+from ._call_plans import CallPlans, layout_key
 from ._library import RegisteredOp
 
 __all__ = ["qkv_projection", "QkvProjectionArgs"]
@@ -147,12 +148,22 @@ def qkv_projection(
     """
     check_tensor("x", x, min_ndim=2)
     x, weight, bias = autocast(x, x, weight, bias)
-    check_tensor("x", x, dtypes=_DTYPES)
-    _check_arguments(x, weight, bias, num_heads)
-    args = QkvProjectionArgs(num_heads)
-    # No tokens: nothing for a kernel to do; eager's GEMMs give the empty results and zero gradients.
-    name = "eager" if x.numel() == 0 else select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, args)
+
+    def checked() -> tuple[QkvProjectionArgs, str]:
+        check_tensor("x", x, dtypes=_DTYPES)
+        _check_arguments(x, weight, bias, num_heads)
+        args = QkvProjectionArgs(num_heads)
+        # No tokens: nothing for a kernel to do; eager's GEMMs give the empty results and zero gradients.
+        return args, "eager" if x.numel() == 0 else select_backend("qkv", "qkv_projection", backend, x, x, weight,
+                                                                   bias, args)
+
+    tensors = layout_key(backend, x, weight, bias) if type(num_heads) is int else None
+    args, name = _PLANS.decide(None if tensors is None else (*tensors, num_heads), checked)
     return tuple(qkv_projection_forward(x, weight, bias, args, name))
+
+
+# qkv_projection's checked decisions (its QkvProjectionArgs and backend) per call layout (_call_plans.py).
+_PLANS = CallPlans()
 
 
 # --------------------------------------------------------------------------- argument checks

@@ -266,6 +266,10 @@ class KernelConfig:
 def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None:
     """Runs ``launches`` in order with ``tensor``'s CUDA device current (the
     current device may be another one)."""
+    if not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device():
+        for launch in launches:  # the usual call: no device switch, whose guard costs microseconds
+            launch()
+        return
     with torch.cuda.device_of(tensor):
         for launch in launches:
             launch()
@@ -333,7 +337,13 @@ def compute_capability(device: torch.device) -> Optional[int]:
     interpreter)."""
     if device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> int:
+    """Asked once per GPU: torch's query costs microseconds on every call."""
+    major, minor = torch.cuda.get_device_capability(index)
     return 10 * major + minor
 
 
