@@ -135,3 +135,38 @@ def test_verify_fails_a_plan_that_decides_otherwise(monkeypatch):
     attention_op._PLANS._plans[key] = (version, stale)
     with pytest.raises(AssertionError, match="the attention plan kept for this call's layout"):
         tk.scaled_dot_product_attention(q, k, v, backend="eager")
+
+
+@pytest.mark.parametrize("op", ["glu_conv1d", "glu_conv1d_step", "qkv_projection"])
+def test_the_other_ops_check_a_layout_once(monkeypatch, op):
+    """glu_conv1d, its decoding step (the first step, without a state, is a layout of its own) and
+    qkv_projection: one check per layout, each call on its own tensors."""
+    from transformer_kernels.ops import glu_conv as glu_op, qkv as qkv_op
+    from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu
+    from transformer_kernels.reference.qkv import qkv_projection as reference_qkv
+
+    monkeypatch.setattr(CallPlans, "verify", False)
+    module = qkv_op if op == "qkv_projection" else glu_op
+    monkeypatch.setattr(module, "_PLANS", CallPlans())
+    checks = []
+    name = "_check_arguments" if op == "qkv_projection" else "_check_weight_and_bias"
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: checks.append(1) or real(*args))
+    for _ in range(3):
+        if op == "qkv_projection":
+            x, weight, bias = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(24, 8, dtype=torch.float64), None
+            outs = tk.qkv_projection(x, weight, bias, num_heads=2, backend="eager")
+            assert_close_to_reference(outs, reference_qkv(x, weight, bias, 2), tol=1e-12)
+            continue
+        x, weight = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(8, 4, 3, dtype=torch.float64)
+        expected = reference_glu(x, weight, None, padding="causal")
+        if op == "glu_conv1d":
+            out = tk.glu_conv1d(x, weight, padding="causal", backend="eager")
+        else:
+            state, outs = None, []
+            for t in range(x.shape[2]):
+                out_t, state = tk.glu_conv1d_step(x[:, :, t], state, weight, backend="eager")
+                outs.append(out_t)
+            out = torch.stack(outs, dim=2)
+        assert_close_to_reference(out, expected, tol=1e-12)
+    assert len(checks) == (2 if op == "glu_conv1d_step" else 1)

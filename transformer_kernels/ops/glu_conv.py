@@ -166,7 +166,8 @@ def glu_conv1d(
         args = GluConvArgs(*pads, _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale))
         return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
 
-    args, name = _PLANS.decide(_plan_key(x, weight, bias, residual, padding, pad_value, residual_scale, backend), checked)
+    args, name = _PLANS.decide(_plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend),
+                               checked)
     out, _ = glu_conv1d_forward(x, weight, bias, residual, args, name)
     return out
 
@@ -210,43 +211,51 @@ def glu_conv1d_step(
     Differentiable like :func:`glu_conv1d`.
     """
     x_t, state, weight, bias, residual = autocast(x_t, x_t, state, weight, bias, residual)
-    check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
-    channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
-    pad_value = _check_number("pad_value", pad_value)
-    residual_scale = _check_number("residual_scale", residual_scale)
-    batch, channels_in = x_t.shape
-    state_shape = (batch, channels_in, kernel_size - 1)
+
+    def checked() -> tuple[GluConvArgs, str]:
+        check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
+        channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
+        batch, channels_in = x_t.shape
+        state_shape = (batch, channels_in, kernel_size - 1)
+        if state is not None:
+            check_tensor("state", state, ndim=3)
+            if tuple(state.shape) != state_shape:
+                raise ValueError(
+                    f"state must have shape [B, C_in, k - 1] = {list(state_shape)}, got {tuple(state.shape)}"
+                )
+            check_same_dtype_device("x_t", x_t, state=state)
+        _check_residual(residual, (batch, channels_out), "x_t", x_t)
+        args = GluConvArgs(0, 0, _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale))
+        # The backend sees the window that torch.cat makes, contiguous: from x_t's and state's shapes,
+        # dtype and device alone.
+        window = x_t.new_empty(*state_shape[:2], kernel_size)
+        return args, select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias,
+                                    None if residual is None else residual.unsqueeze(2), args)
+
+    args, name = _PLANS.decide(_plan_key((x_t, state, weight, bias, residual), "step", pad_value, residual_scale,
+                                         backend), checked)
     if state is None:
-        state = x_t.new_full(state_shape, pad_value)
-    else:
-        check_tensor("state", state, ndim=3)
-        if tuple(state.shape) != state_shape:
-            raise ValueError(
-                f"state must have shape [B, C_in, k - 1] = {list(state_shape)}, got {tuple(state.shape)}"
-            )
-        check_same_dtype_device("x_t", x_t, state=state)
-    _check_residual(residual, (batch, channels_out), "x_t", x_t)
+        state = x_t.new_full((*x_t.shape, weight.shape[2] - 1), args.pad_value)
     window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
     residual = None if residual is None else residual.unsqueeze(2)
-    args = GluConvArgs(0, 0, pad_value, residual_scale)
-    name = select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias, residual, args)
     out, _ = glu_conv1d_forward(window, weight, bias, residual, args, name)
     return out.squeeze(2), window[:, :, 1:]
 
 
 # --------------------------------------------------------------------------- call plans
 
-# glu_conv1d's checked decisions (its GluConvArgs and backend) per call layout (_call_plans.py).
+# glu_conv1d's and glu_conv1d_step's checked decisions (GluConvArgs and backend) per call layout
+# (_call_plans.py); the padding ("step" for a step) is in every key.
 _PLANS = CallPlans()
 
 
-def _plan_key(x, weight, bias, residual, padding, pad_value, residual_scale, backend) -> Optional[tuple]:
-    """The layout of a :func:`glu_conv1d` call that may have a plan (float scalars that are not NaN),
-    holding all that its checks read; else None."""
+def _plan_key(tensors: tuple, padding, pad_value, residual_scale, backend) -> Optional[tuple]:
+    """The layout of a :func:`glu_conv1d` or :func:`glu_conv1d_step` call (its ``tensors``) that may
+    have a plan (float scalars that are not NaN), holding all that its checks read; else None."""
     if not (type(pad_value) is float and type(residual_scale) is float and pad_value == pad_value
             and residual_scale == residual_scale and type(padding) is str):
         return None
-    tensors = layout_key(backend, x, weight, bias, residual)
+    tensors = layout_key(backend, *tensors)
     # The signs tell 0.0 from -0.0, which compare equal.
     return None if tensors is None else (
         *tensors, padding, pad_value, math.copysign(1.0, pad_value), residual_scale, math.copysign(1.0, residual_scale)
