@@ -161,9 +161,10 @@ def glu_conv1d(
             raise ValueError(f"padding must be one of {_PADDINGS}, got {padding!r}")
         if x.shape[2] < 1:
             raise ValueError(f"x must have at least one position (L >= 1), got shape {tuple(x.shape)}")
+        scalars = _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale)
         _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
         pads = ((kernel_size - 1) // 2, kernel_size // 2) if padding == "same" else (kernel_size - 1, 0)
-        args = GluConvArgs(*pads, _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale))
+        args = GluConvArgs(*pads, *scalars)
         return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
 
     args, name = _PLANS.decide(_plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend),
@@ -215,6 +216,7 @@ def glu_conv1d_step(
     def checked() -> tuple[GluConvArgs, str]:
         check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
         channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
+        scalars = _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale)
         batch, channels_in = x_t.shape
         state_shape = (batch, channels_in, kernel_size - 1)
         if state is not None:
@@ -225,7 +227,7 @@ def glu_conv1d_step(
                 )
             check_same_dtype_device("x_t", x_t, state=state)
         _check_residual(residual, (batch, channels_out), "x_t", x_t)
-        args = GluConvArgs(0, 0, _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale))
+        args = GluConvArgs(0, 0, *scalars)
         # The backend sees the window that torch.cat makes, contiguous: from x_t's and state's shapes,
         # dtype and device alone.
         window = x_t.new_empty(*state_shape[:2], kernel_size)
