@@ -1086,6 +1086,10 @@ def _bad_inputs():
         ("dropout_negative", dict(dropout_p=-0.1), ValueError, "dropout_p"),
         ("backend_name", dict(backend="fast"), ValueError, "backend must be one of"),
         ("not_a_tensor", dict(value=[1.0]), TypeError, "value must be a torch.Tensor"),
+        ("sparse", dict(key=torch.randn(2, 4, 10, 16).to_sparse()), TypeError,
+         "key must be a dense \\(torch.strided\\) tensor, got layout torch.sparse_coo"),
+        ("sparse_padding", dict(key_padding_mask=pad.to_sparse()), TypeError,
+         "key_padding_mask must be a dense"),
     ]
 
 

@@ -170,3 +170,14 @@ def test_the_other_ops_check_a_layout_once(monkeypatch, op):
             out = torch.stack(outs, dim=2)
         assert_close_to_reference(out, expected, tol=1e-12)
     assert len(checks) == (2 if op == "glu_conv1d_step" else 1)
+
+
+def test_a_sparse_tensor_never_takes_the_plan_of_a_dense_one(normalized):
+    """A sparse tensor reports strides of 0, as an expanded dense one does: its layout must not
+    find that one's plan, but the checks, which refuse it."""
+    q, k, v = (torch.randn(1, 1, 1, 1, dtype=torch.float64).expand(2, 2, 8, 16) for _ in range(3))
+    tk.scaled_dot_product_attention(q, k, v, backend="eager")
+    sparse = torch.randn(2, 2, 8, 16, dtype=torch.float64).to_sparse()
+    assert sparse.stride() == q.stride()
+    with pytest.raises(TypeError, match="query must be a dense"):
+        tk.scaled_dot_product_attention(sparse, k, v, backend="eager")

@@ -617,6 +617,8 @@ def test_errors_name_the_argument():
         tk.glu_conv1d(x.long(), weight.long())
     with pytest.raises(TypeError, match="residual_scale must be a Python float"):
         tk.glu_conv1d(x, weight, residual_scale=torch.tensor(0.5))
+    with pytest.raises(TypeError, match=r"weight must be a dense \(torch.strided\) tensor, got layout torch.sparse_coo"):
+        tk.glu_conv1d(x, weight.to_sparse())
 
 
 # --------------------------------------------------------------------------- GPU tolerances

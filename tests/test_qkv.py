@@ -431,6 +431,8 @@ def test_errors_name_the_argument():
         tk.qkv_projection(x, w, num_heads=0)
     with pytest.raises(ValueError, match="non-empty last dimension"):
         tk.qkv_projection(torch.randn(2, 5, 0), torch.randn(0, 0), num_heads=1)
+    with pytest.raises(TypeError, match=r"x must be a dense \(torch.strided\) tensor, got layout torch.sparse_coo"):
+        tk.qkv_projection(x.to_sparse(), w, num_heads=3)
 
 
 @requires_triton

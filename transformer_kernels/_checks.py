@@ -16,9 +16,11 @@ def check_tensor(
     dtypes: Optional[Sequence[torch.dtype]] = None,
     floating: bool = False,
 ) -> torch.Tensor:
-    """Check that ``tensor`` is a Tensor with the given rank and dtype."""
+    """Check that ``tensor`` is a dense Tensor with the given rank and dtype."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {tensor.layout}")
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
     if min_ndim is not None and tensor.dim() < min_ndim:

@@ -27,10 +27,11 @@ Decision = TypeVar("Decision")
 
 
 def plain_eager_call(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call may use plans: plain tensors (or None) in eager mode, with no dispatch mode or
-    functorch transform active, so that their metadata are what the checked route would read."""
+    """Whether a call may use plans: plain dense tensors (or None) in eager mode, with no dispatch
+    mode or functorch transform active, so that their metadata are what the checked route would read
+    (a sparse tensor reports strides of 0, as an expanded dense one does)."""
     for tensor in tensors:
-        if tensor is not None and type(tensor) not in _PLAIN_TENSOR_TYPES:
+        if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided):
             return False
     return not (
         torch.compiler.is_compiling()

@@ -446,7 +446,7 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[torch.Size, t
     """The checked inputs' shapes (each read once: every attribute read is host time)."""
     named = (("query", query), ("key", key), ("value", value))
     for name, tensor in named:
-        if not (isinstance(tensor, Tensor) and tensor.is_floating_point()):
+        if not (isinstance(tensor, Tensor) and tensor.is_floating_point() and tensor.layout == torch.strided):
             check_tensor(name, tensor, floating=True)  # words the error
     query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
     shapes = (query_shape, key_shape, value_shape)
