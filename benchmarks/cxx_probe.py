@@ -15,6 +15,7 @@ Each line: the compiler, its version, and ``raised: <message>`` or ``died: signa
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -75,10 +76,12 @@ def main() -> None:
         path = shutil.which(candidate) if candidate else None
         if path and os.path.realpath(path) not in {os.path.realpath(c) for c in compilers}:
             compilers.append(path)
-    with tempfile.TemporaryDirectory() as directory:
-        for index, compiler in enumerate(compilers):
+    with tempfile.TemporaryDirectory() as directory, concurrent.futures.ThreadPoolExecutor() as pool:
+        # The builds side by side: each is one compiler process, and gpu_check gives the step 2 minutes.
+        results = [pool.submit(probe, compiler, index, directory) for index, compiler in enumerate(compilers)]
+        for compiler, result in zip(compilers, results):
             version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-            print(f"{compiler} ({version}): {probe(compiler, index, directory)}", flush=True)
+            print(f"{compiler} ({version}): {result.result()}", flush=True)
 
 
 if __name__ == "__main__":

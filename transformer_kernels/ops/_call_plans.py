@@ -19,25 +19,11 @@ from typing import Any, Callable, Hashable, Optional, TypeVar
 import torch
 
 from .. import _backend
+from ._library import plain_eager_call
 
-__all__ = ["CallPlans", "layout_key", "plain_eager_call"]
+__all__ = ["CallPlans", "layout_key"]
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 Decision = TypeVar("Decision")
-
-
-def plain_eager_call(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call may use plans: plain dense tensors (or None) in eager mode, with no dispatch
-    mode or functorch transform active, so that their metadata are what the checked route would read
-    (a sparse tensor reports strides of 0, as an expanded dense one does)."""
-    for tensor in tensors:
-        if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided):
-            return False
-    return not (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack() != 0
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    )
 
 
 def layout_key(backend: Optional[str], *tensors: Optional[torch.Tensor]) -> Optional[tuple]:

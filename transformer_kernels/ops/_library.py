@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ._transforms import TypedCall, transform_function, under_transform, vmap_by_loop
 
-__all__ = ["RegisteredOp"]
+__all__ = ["RegisteredOp", "plain_eager_call"]
 
 NAMESPACE = "transformer_kernels"
 
@@ -49,9 +49,11 @@ def _schema_type(annotation: Any) -> str:
     raise TypeError(f"no schema type for {annotation!r}")
 
 
-def _runs_directly(tensors: list[Tensor]) -> bool:
-    """Whether a call may skip the dispatcher: eager, no dispatch mode or functorch transform
-    active, plain tensors only."""
+def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call may skip the dispatcher (and use call plans, ``_call_plans.py``): eager, no
+    dispatch mode or functorch transform active, plain dense tensors (or None) only, so that what
+    their metadata say is what the checks and the kernels see (a sparse tensor reports strides of
+    0, as an expanded dense one does)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() != 0
@@ -59,7 +61,7 @@ def _runs_directly(tensors: list[Tensor]) -> bool:
     ):
         return False
     for tensor in tensors:
-        if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided):
             return False
     return True
 
@@ -138,7 +140,7 @@ class RegisteredOp:
 
     def __call__(self, *typed: Any) -> Any:
         tensors = self._tensors(typed)
-        if not _runs_directly(tensors):
+        if not plain_eager_call(*tensors):
             if self._transform_function is not None and under_transform():
                 return self._apply(self._transform_function, typed, TypedCall(typed))
             return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))

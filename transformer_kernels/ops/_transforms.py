@@ -26,7 +26,7 @@ __all__ = ["under_transform", "vmap_by_loop", "TypedCall", "transform_function"]
 
 
 def under_transform() -> bool:
-    """Whether a call that did not run directly (``_library._runs_directly``) is inside a torch.func
+    """Whether a call that did not run directly (``_library.plain_eager_call``) is inside a torch.func
     transform, outside compilation and dispatch modes.  (An op with autograd takes its transform
     function there whether or not a gradient is asked for: inside ``grad(vmap(f))`` the vmapped
     tensors do not say that the outer grad tracks them.)"""
