@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from types import ModuleType
@@ -98,6 +99,17 @@ def register_backend(
         raise ValueError(f"backend name {name!r} is taken")
     backends = [*_registry.values(), Backend(name, rank, auto_device_types, device_reason, tuple(ops), load, auto_reason)]
     _registry = {backend.name: backend for backend in sorted(backends, key=lambda backend: backend.rank)}
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA ``device`` (the current one where it names no index), asked once
+    per GPU: torch's query costs microseconds, and backends ask on every call."""
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def registry_version() -> object:

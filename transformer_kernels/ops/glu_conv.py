@@ -230,7 +230,7 @@ def glu_conv1d_step(
         args = GluConvArgs(0, 0, *scalars)
         # The backend sees the window that torch.cat makes, contiguous: from x_t's and state's shapes,
         # dtype and device alone.
-        window = x_t.new_empty(*state_shape[:2], kernel_size)
+        window = x_t.new_empty(batch, channels_in, kernel_size)
         return args, select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias,
                                     None if residual is None else residual.unsqueeze(2), args)
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..._backend import register_backend
+from ..._backend import cuda_capability, register_backend
 
 # The compute capabilities (major) on which "auto" prefers this backend to Triton.
 AUTO_PREFERRED_MAJORS = (8,)
@@ -37,11 +37,6 @@ def extension() -> Optional[ModuleType]:
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if device.type != "cuda":
         return f"the cuda backend needs CUDA tensors, got device {device}"
@@ -53,7 +48,7 @@ def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
 def _auto_reason(op: str, device: torch.device) -> Optional[str]:
     if op == "attention":
         return "auto prefers triton for attention until a GPU measurement shows the CUDA kernels faster"
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    major, minor = cuda_capability(device)
     if major not in AUTO_PREFERRED_MAJORS:
         return f"auto prefers triton on sm_{major}{minor} until a GPU measurement shows the CUDA kernels faster"
     return None

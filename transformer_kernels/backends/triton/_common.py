@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Hashable, Iterable, Optional
@@ -29,6 +30,8 @@ import triton
 # Unused by name, but Triton's interpreter runs a @triton.jit function (here
 # multiple_of_16) only if its module's globals hold triton.language.
 import triton.language as tl  # noqa: F401
+
+from ..._backend import cuda_capability
 
 TORCH_TO_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INT32_MAX = 2**31 - 1
@@ -266,11 +269,9 @@ class KernelConfig:
 def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None:
     """Runs ``launches`` in order with ``tensor``'s CUDA device current (the
     current device may be another one)."""
-    if not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device():
-        for launch in launches:  # the usual call: no device switch, whose guard costs microseconds
-            launch()
-        return
-    with torch.cuda.device_of(tensor):
+    # The usual call needs no device switch, whose guard costs microseconds.
+    on_current_device = not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device()
+    with contextlib.nullcontext() if on_current_device else torch.cuda.device_of(tensor):
         for launch in launches:
             launch()
 
@@ -337,13 +338,7 @@ def compute_capability(device: torch.device) -> Optional[int]:
     interpreter)."""
     if device.type != "cuda":
         return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> int:
-    """Asked once per GPU: torch's query costs microseconds on every call."""
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = cuda_capability(device)
     return 10 * major + minor
 
 
