@@ -290,6 +290,100 @@ def test_launch_templates_verify_that_the_layout_determines_the_launches():
         templates.launches("layout", (tensor,), lambda: [KernelLaunch(None, (1,), (tensor, 8), {"BLOCK": 16})])
 
 
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Call plans from none, each call checked against the checked route (the suite's default)."""
+    from transformer_kernels.ops import attention as attention_op
+    from transformer_kernels.ops._call_plans import CallPlans
+
+    monkeypatch.setattr(attention_op, "_PLANS", CallPlans())
+    return attention_op._PLANS
+
+
+def _kept_forward(plans: "CallPlans"):
+    ((_, (_, plan)),) = plans._plans.items()
+    return plan.forward
+
+
+@pytest.mark.parametrize("masks", [dict(), dict(is_causal=True), dict(padding=True), dict(padding=True, dropout=0.3)],
+                         ids=["none", "causal", "padding", "padding_dropout"])
+def test_a_plan_runs_the_prepared_forward_on_each_calls_tensors(fresh_plans, masks):
+    """The call plan of a layout the kernels take as it is keeps a forward prepared for it, which
+    later calls run with their own tensors, padding and dropout seed: the first call's values on
+    its tensors (the checked route ran it), the reference's on the others
+    (LaunchTemplates.verify, set for the suite, also compares its launches with forward's)."""
+    batch, heads, length, head_dim = 3, 2, 40, 32
+    padding_rows = [torch.tensor([[40], [17], [1]]), torch.tensor([[5], [40], [23]])]
+    for call in range(3):
+        q, k, v = (torch.randn(batch, length, heads, head_dim, device=DEVICE, requires_grad=True).transpose(1, 2)
+                   for _ in range(3))
+        padding = None
+        if masks.get("padding"):
+            padding = torch.arange(length, device=DEVICE) >= padding_rows[call % 2].to(DEVICE)
+        kwargs = dict(is_causal=masks.get("is_causal", False), key_padding_mask=padding,
+                      dropout_p=masks.get("dropout", 0.0))
+        results = []
+        for _ in range(2):  # on the first call of all, the checked route, then the plan
+            torch.manual_seed(call)
+            out = tk.scaled_dot_product_attention(q, k, v, backend="triton", **kwargs)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+            assert isinstance(_kept_forward(fresh_plans), triton_attention._PreparedForward)
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+        if not kwargs["dropout_p"]:
+            exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            expected = reference_attention(*exact, is_causal=kwargs["is_causal"], key_padding_mask=padding,
+                                           masked_value=float("-inf"))
+            expected_grads = torch.autograd.grad(expected, exact, torch.ones_like(expected))
+            assert_close_to_reference(results[1], (expected, *expected_grads), tol=TOLERANCE[torch.float32])
+
+
+def test_the_prepared_forward_takes_forward_where_the_call_differs(fresh_plans, monkeypatch):
+    """An address off 16 bytes (a layout the plan cannot tell from an aligned one) or a swapped tile
+    table (the tile sweep's) sends a call to forward, which copies or retiles it."""
+    shape, flat = (2, 2, 24, 32), 2 * 2 * 24 * 32
+    q, k, v = (torch.randn(shape, device=DEVICE) for _ in range(3))
+    tk.scaled_dot_product_attention(q, k, v, backend="triton")
+    assert isinstance(_kept_forward(fresh_plans), triton_attention._PreparedForward)
+    general = []
+    real_forward = triton_attention.forward
+    monkeypatch.setattr(triton_attention, "forward", lambda *args: general.append(1) or real_forward(*args))
+    unaligned = torch.randn(flat + 1, device=DEVICE)[1:].view(shape)
+    assert unaligned.stride() == q.stride() and unaligned.data_ptr() % 16 != 0
+    out = tk.scaled_dot_product_attention(unaligned, k, v, backend="triton")
+    assert len(general) == 1
+    assert_close_to_reference(out, reference_attention(unaligned.double(), k.double(), v.double()), tol=TOLERANCE[
+        torch.float32])
+    table = triton_attention.block_config
+    monkeypatch.setattr(triton_attention, "block_config", lambda *args: table(*args))
+    tk.scaled_dot_product_attention(q, k, v, backend="triton")
+    assert len(general) == 2
+
+
+def test_the_prepared_forward_fails_where_its_launches_differ_from_forwards(fresh_plans):
+    """What the suite relies on: under LaunchTemplates.verify, a prepared forward whose templates are
+    not what forward would launch fails the call."""
+    q, k, v = (torch.randn(2, 2, 24, 32, device=DEVICE) for _ in range(3))
+    tk.scaled_dot_product_attention(q, k, v, backend="triton")
+    prepared = _kept_forward(fresh_plans)
+    prepared.forward = prepared.forward + prepared.forward
+    with pytest.raises(AssertionError, match="prepared attention forward's launches differ"):
+        tk.scaled_dot_product_attention(q, k, v, backend="triton")
+
+
+def test_layouts_the_kernels_take_only_copied_keep_forward_in_their_plan(fresh_plans):
+    """An odd head dim (copied, zero-padded to 16 columns) or a scale <= 0 prepares nothing: the plan
+    keeps the registered op's implementation."""
+    from transformer_kernels.ops import attention as attention_op
+
+    for head_dim, scale in ((24, None), (32, -0.5)):
+        fresh_plans._plans.clear()
+        q, k, v = (torch.randn(2, 2, 24, head_dim, device=DEVICE) for _ in range(3))
+        out = tk.scaled_dot_product_attention(q, k, v, scale=scale, backend="triton")
+        assert _kept_forward(fresh_plans) is attention_op._attention_forward
+        expected = reference_attention(q.double(), k.double(), v.double(), scale=scale)
+        assert_close_to_reference(out, expected, tol=TOLERANCE[torch.float32])
+
+
 def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
     # The kernels' key bounds: the first kept key and the last + 1 as
     # key_padding_bounds gives them to the other backends, then the count of

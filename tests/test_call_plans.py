@@ -8,6 +8,8 @@ decision (the layout, the backend asked for, the registry) changes the plan.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,7 +132,7 @@ def test_verify_fails_a_plan_that_decides_otherwise(monkeypatch):
     q, k, v = _inputs()
     tk.scaled_dot_product_attention(q, k, v, backend="eager")
     ((key, (version, plan)),) = attention_op._PLANS._plans.items()
-    stale = attention_op._Plan(plan.backend, attention_op.AttentionArgs(None, None, attention_op.Causal.TOP_LEFT,
+    stale = dataclasses.replace(plan, args=attention_op.AttentionArgs(None, None, attention_op.Causal.TOP_LEFT,
                                                                        plan.args.scale, 0.0, None))
     attention_op._PLANS._plans[key] = (version, stale)
     with pytest.raises(AssertionError, match="the attention plan kept for this call's layout"):

@@ -6,7 +6,9 @@ order, why it cannot run tensors of a device and dtype, and the ops it serves
 with a loader for each op's module.  An op module provides
 ``forward(...)``, ``backward(...)`` and ``unsupported_reason(...)``, which takes
 ``forward``'s arguments and says why the backend cannot serve them (head dim
-too large, ...) or returns None.  Adding a backend is adding a package.
+too large, ...) or returns None; it may provide ``prepare_forward(...)``, which takes
+``forward``'s arguments and returns a forward for the calls of their layout (or None), for the
+public function's call plans to keep.  Adding a backend is adding a package.
 
 Precedence: the ``backend=`` argument, then the innermost :func:`use_backend`
 context, then the ``TRANSFORMER_KERNELS_BACKEND`` environment variable, then

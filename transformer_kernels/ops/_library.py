@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from torch._C._functorch import unwrap_if_dead
+
 from ._transforms import TypedCall, transform_function, under_transform, vmap_by_loop
 
 __all__ = ["RegisteredOp", "plain_eager_call"]
@@ -96,7 +98,7 @@ class RegisteredOp:
         fields = [f"{_schema_type(hints[field])} {field}" for field in self.field_names]
         torch.library.define(self.qualname, f"({', '.join((*inputs, *fields, *flags, 'str backend'))}) -> {returns}")
         self._implementation: Optional[Callable] = None
-        self._function: Optional[type] = None
+        self._function_apply: Optional[Callable] = None  # the autograd.Function's (register_autograd)
         self._transform_function: Optional[type] = None  # under torch.func transforms (_transforms.py)
         torch.library.register_vmap(self.qualname, self._vmap)
 
@@ -142,20 +144,30 @@ class RegisteredOp:
         tensors = self._tensors(typed)
         if not plain_eager_call(*tensors):
             if self._transform_function is not None and under_transform():
-                return self._apply(self._transform_function, typed, TypedCall(typed))
+                return self._apply(self._transform_function.apply, typed, TypedCall(typed))
             return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))
-        if self._function is not None and torch.is_grad_enabled():
-            for tensor in tensors:
-                if tensor.requires_grad:
-                    # The typed call travels last, so the function's forward does not rebuild it.
-                    return self._apply(self._function, typed, typed)
-        return self._implementation(*typed)
+        needs_autograd = self._function_apply is not None and torch.is_grad_enabled() and any(
+            tensor.requires_grad for tensor in tensors
+        )
+        return self.call_plain(self._implementation, typed, needs_autograd)
 
-    def _apply(self, function: type, typed: tuple, call: Any) -> Any:
-        """``function.apply`` on what autograd tracks, the inputs and the tensor fields, then ``call``."""
+    def call_plain(self, runner: Callable, typed: tuple, needs_autograd: bool) -> Any:
+        """The typed call run by ``runner`` (the implementation, or one that a call plan prepared for
+        the call's layout and that computes the same, ``_call_plans.py``), for a caller that has
+        established that the call is :func:`plain_eager_call` and whether autograd must record it
+        (``needs_autograd``: grad mode on, a tensor among the inputs and tensor fields requires grad,
+        and the op registered its autograd)."""
+        if not needs_autograd:
+            return runner(*typed)
+        # The runner and the typed call travel last, so the function's forward does not rebuild it.
+        return self._apply(self._function_apply, typed, (runner, typed))
+
+    def _apply(self, apply: Callable, typed: tuple, call: Any) -> Any:
+        """An autograd.Function's ``apply`` on what autograd tracks, the inputs and the tensor fields,
+        then ``call``."""
         args = typed[len(self.inputs)]
         fields = [getattr(args, field) for field in self._tensor_fields]
-        outputs = function.apply(*typed[: len(self.inputs)], *fields, call)
+        outputs = apply(*typed[: len(self.inputs)], *fields, call)
         return list(outputs) if self.returns == "Tensor[]" else outputs
 
     def implement(self, function: Callable) -> Callable:
@@ -205,19 +217,29 @@ class RegisteredOp:
             # forward(ctx, ...) rather than a separate setup_context: Function.apply binds the
             # arguments of that style with inspect.signature, tens of microseconds per call.
             # Its arguments are the inputs and the tensor fields (what autograd tracks), then the
-            # same call typed, which it runs: those tensors are the typed call's.
+            # runner and the same call typed, which it runs: those tensors are the typed call's.
             @staticmethod
-            def forward(ctx, *tensors_and_typed):
-                typed = tensors_and_typed[-1]
+            def forward(ctx, *tensors_and_call):
+                runner, typed = tensors_and_call[-1]
                 ctx.field_index = self._function_field_index
-                outputs = implementation(*typed)
+                outputs = runner(*typed)
                 typed_setup_context(ctx, typed, outputs)
                 return tuple(outputs) if returns_list else outputs
 
             backward = staticmethod(function_backward)
 
         Function.__name__ = Function.__qualname__ = f"{self.name}_function"
-        self._function = Function
+        base_apply = super(torch.autograd.Function, Function).apply
+
+        def function_apply(*tensors_and_call):
+            # torch's Function.apply, less what a plain eager call does not need (its binding of
+            # arguments for a setup_context, which Function has none of, and its functorch
+            # dispatch): 2 of the 9 us it takes per call.  It unwraps the tensors of a functorch
+            # transform that has ended (dead wrappers) the same way.
+            return base_apply(*[unwrap_if_dead(value) if isinstance(value, Tensor) else value
+                                for value in tensors_and_call])
+
+        self._function_apply = function_apply
         self._transform_function = transform_function(
             self.name, num_inputs, tensor_fields, self._function_field_index, implementation, typed_setup_context,
             function_backward, returns_list,

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import math
 import numbers
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -345,29 +345,32 @@ def scaled_dot_product_attention(
     plan_key = _plan_key(*call)
     plan = None if plan_key is None else _PLANS.get(plan_key, lambda kept: _check_plan(kept, *call))
     if plan is not None:
-        q, k, v, chosen = query, key, value, plan.backend
         args = plan.args
         if key_padding_mask is not None or args.dropout_p != 0.0:
             args = AttentionArgs(key_padding_mask, None, args.causal, args.scale, args.dropout_p,
                                  _dropout_seed(args.dropout_p, query.device))
-    else:
-        q, k, v, args, output_shape = _normalize(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
-        )
-        if output_shape.numel() == 0 or k.shape[2] == 0:
-            return _without_scores(q, k, v, args.attn_mask).view(output_shape)
-        if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
-            mask = None if args.attn_mask is None else args.attn_mask[..., :0]
-            return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
-        chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
-        if plan_key is not None and _passes_through(q, k, v, args, output_shape, *call):
-            _PLANS.put(plan_key, _Plan(chosen, dataclasses.replace(args, key_padding_mask=None, dropout_seed=None)))
+        # The masks a plan takes never require grad (bool, or no mask).
+        needs_backward = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        typed = (query, key, value, args, needs_backward, plan.backend)
+        return attention_forward.call_plain(plan.forward, typed, needs_backward)[0]
+    q, k, v, args, output_shape = _normalize(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
+    if output_shape.numel() == 0 or k.shape[2] == 0:
+        return _without_scores(q, k, v, args.attn_mask).view(output_shape)
+    if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
+        mask = None if args.attn_mask is None else args.attn_mask[..., :0]
+        return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
+    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
     needs_backward = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
         or (args.attn_mask is not None and args.attn_mask.requires_grad)
     )
+    if plan_key is not None and _passes_through(q, k, v, args, output_shape, *call):
+        plan_args = dataclasses.replace(args, key_padding_mask=None, dropout_seed=None)
+        _PLANS.put(plan_key, _Plan(chosen, plan_args, _prepared_forward(q, k, v, args, needs_backward, chosen)))
     out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
-    return out if plan is not None or out.shape == output_shape else out.view(output_shape)
+    return out if out.shape == output_shape else out.view(output_shape)
 
 
 # ----------------------------------------------------------------------------
@@ -377,11 +380,21 @@ def scaled_dot_product_attention(
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The backend chosen for a layout, and its :class:`AttentionArgs` without the call's own
-    tensors (``key_padding_mask`` and ``dropout_seed`` are None)."""
+    """The backend chosen for a layout, its :class:`AttentionArgs` without the call's own tensors
+    (``key_padding_mask`` and ``dropout_seed`` are None), and the registered forward's
+    implementation for the layout (:func:`_prepared_forward`)."""
 
     backend: str
     args: AttentionArgs
+    forward: Callable
+
+
+def _prepared_forward(query, key, value, args: AttentionArgs, needs_backward: bool, backend: str) -> Callable:
+    """The backend's forward prepared for this call's layout (its ``prepare_forward``, which may
+    decline), else the registered op's implementation."""
+    prepare = getattr(backend_module("attention", backend), "prepare_forward", None)
+    prepared = None if prepare is None else prepare(query, key, value, args, needs_backward)
+    return _attention_forward if prepared is None else prepared
 
 
 _PLANS = CallPlans()

@@ -169,11 +169,12 @@ class LaunchTemplates:
         self._templates: dict[Hashable, tuple[KernelLaunch, ...]] = {}
         self._max_layouts = max_layouts
 
-    def launches(
-        self, layout: Hashable, pointers: tuple, build: Callable[[], list[KernelLaunch]], **call_kwargs: Any
-    ) -> list[KernelLaunch]:
-        """The launches of a call whose launches all begin with the arguments ``pointers`` and take
-        ``call_kwargs``; ``build()`` makes them, for this call, the first time ``layout`` is met."""
+    def template(
+        self, layout: Hashable, pointers: tuple, build: Callable[[], list[KernelLaunch]], call_kwargs: dict
+    ) -> tuple[KernelLaunch, ...]:
+        """The template of the launches of a call whose launches all begin with the arguments
+        ``pointers`` and take ``call_kwargs``; ``build()`` makes them, for this call, the first time
+        ``layout`` is met.  :func:`filled` gives a call's launches from it."""
         template = self._templates.get(layout)
         if template is None:
             template = _template(build(), pointers, call_kwargs)
@@ -182,11 +183,13 @@ class LaunchTemplates:
             self._templates[layout] = template
         elif self.verify:
             _check_template(template, build(), pointers, call_kwargs, layout)
-        return [
-            KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args),
-                         {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
-            for launch in template
-        ]
+        return template
+
+    def launches(
+        self, layout: Hashable, pointers: tuple, build: Callable[[], list[KernelLaunch]], **call_kwargs: Any
+    ) -> list[KernelLaunch]:
+        """The launches of a call (see :meth:`template`)."""
+        return filled(self.template(layout, pointers, build, call_kwargs), pointers, call_kwargs)
 
     def launch(
         self, layout: Hashable, pointers: tuple, build: Callable[[], KernelLaunch], **call_kwargs: Any
@@ -194,6 +197,16 @@ class LaunchTemplates:
         """:meth:`launches` for a call of one launch, which ``build()`` makes."""
         (launch,) = self.launches(layout, pointers, lambda: [build()], **call_kwargs)
         return launch
+
+
+def filled(template: tuple[KernelLaunch, ...], pointers: tuple, call_kwargs: dict) -> list[KernelLaunch]:
+    """The launches of ``template`` (:meth:`LaunchTemplates.template`) for a call's ``pointers`` and
+    ``call_kwargs``."""
+    return [
+        KernelLaunch(launch.kernel, launch.grid, (*pointers, *launch.args),
+                     {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
+        for launch in template
+    ]
 
 
 def _check_template(template: tuple, launches: list, pointers: tuple, call_kwargs: dict, layout: Hashable) -> None:

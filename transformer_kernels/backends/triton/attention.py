@@ -36,6 +36,7 @@ from ._common import (
     LaunchTemplates,
     cdiv,
     compute_capability,
+    filled,
     input_precision,
     next_power_of_2,
     run_launches,
@@ -48,7 +49,9 @@ from .attention_kernels import (
     _attention_key_bounds_kernel,
 )
 
-__all__ = ["unsupported_reason", "empty_saved", "grads_contiguous", "forward", "backward", "compile_targets"]
+__all__ = [
+    "unsupported_reason", "empty_saved", "grads_contiguous", "forward", "prepare_forward", "backward", "compile_targets",
+]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # CUDA caps the second grid dimension; larger batch*heads are launched in chunks.
@@ -422,7 +425,7 @@ class _Masks:
             None if attn_mask is None else (attn_mask.stride(), attn_mask.dtype),
             args.causal, args.scale, args.dropout_p, capability,
         )
-        self.call_kwargs = {} if args.dropout_p == 0.0 else {"dropout_seed_ptr": args.dropout_seed}
+        self.call_kwargs = _call_kwargs(args)
 
     @classmethod
     def of(cls, args: AttentionArgs, device: torch.device) -> "_Masks":
@@ -451,6 +454,12 @@ class _Masks:
         return "dense"
 
 
+def _call_kwargs(args: AttentionArgs) -> dict:
+    """The keyword arguments of the masked kernels that change from call to call: dropout's
+    (seed, offset) tensor."""
+    return {} if args.dropout_p == 0.0 else {"dropout_seed_ptr": args.dropout_seed}
+
+
 _KERNELS = {
     "forward": _attention_forward_kernel,
     "grad_key_value": _attention_grad_key_value_kernel,
@@ -467,7 +476,17 @@ def _masked_kernel_launches(
     kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
     pointers: tuple, strides: tuple[int, ...], *extra_args, **extra_kwargs,
 ) -> list[KernelLaunch]:
-    """Launches of the forward, dK/dV or dQ kernel, whose arguments run:
+    """Launches of the forward, dK/dV or dQ kernel (see :func:`_masked_kernel_template`)."""
+    template = _masked_kernel_template(kernel_name, query, key, value, masks, pointers, strides, *extra_args,
+                                       **extra_kwargs)
+    return filled(template, (*pointers, *masks.pointers), masks.call_kwargs)
+
+
+def _masked_kernel_template(
+    kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
+    pointers: tuple, strides: tuple[int, ...], *extra_args, **extra_kwargs,
+) -> tuple[KernelLaunch, ...]:
+    """The template of the forward, dK/dV or dQ kernel's launches, whose arguments run:
     ``pointers``, the masks' pointers, ``strides`` (every stride of each tensor
     in turn), the masks' strides, the problem's sizes, ``extra_args``;
     then the shared scalars and switches (``EVEN_HEAD_DIM`` for the kernels of
@@ -508,7 +527,7 @@ def _masked_kernel_launches(
             {**kwargs, **extra_kwargs},
         )
 
-    return _TEMPLATES.launches(layout, (*pointers, *masks.pointers), build, **masks.call_kwargs)
+    return _TEMPLATES.template(layout, (*pointers, *masks.pointers), build, masks.call_kwargs)
 
 
 def _forward_launches(
@@ -516,7 +535,14 @@ def _forward_launches(
 ) -> list[KernelLaunch]:
     """Launches of the forward kernel; ``out`` as ``_aligned`` returns it,
     ``lse`` ``[B, Hq, Lq]`` float32."""
-    return _masked_kernel_launches(
+    return filled(_forward_template(query, key, value, out, lse, masks), (query, key, value, out, lse,
+                                                                          *masks.pointers), masks.call_kwargs)
+
+
+def _forward_template(query, key, value, out, lse, masks: _Masks) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_forward_launches`, whose pointers are ``query, key, value, out, lse``
+    and ``masks.pointers``."""
+    return _masked_kernel_template(
         "forward", query, key, value, masks,
         [query, key, value, out, lse],
         (*query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride()),
@@ -526,8 +552,13 @@ def _forward_launches(
 def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
     """The launch filling ``masks.key_bounds``; none without key padding."""
     padding, bounds, _ = masks.pointers
-    if padding is None:
-        return []
+    return [] if padding is None else filled(_key_bounds_template(masks), (padding, bounds), {})
+
+
+def _key_bounds_template(masks: _Masks) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_key_bounds_launches` with key padding, whose pointers are the padding
+    mask and the bounds."""
+    padding, bounds, _ = masks.pointers
 
     def build() -> list[KernelLaunch]:
         return [KernelLaunch(
@@ -538,7 +569,7 @@ def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
         )]
 
     layout = ("key_bounds", padding.shape, padding.stride(), bounds.stride())
-    return _TEMPLATES.launches(layout, (padding, bounds), build)
+    return _TEMPLATES.template(layout, (padding, bounds), build, {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -658,6 +689,74 @@ def forward(
     masks = _Masks.of(args, query.device)
     run_launches([*_key_bounds_launches(masks), *_forward_launches(query, key, value, padded_out, lse, masks)], query)
     return _into(out, padded_out), lse
+
+
+def prepare_forward(query, key, value, args: AttentionArgs, needs_backward: bool) -> Optional["_PreparedForward"]:
+    """:func:`forward` prepared for the calls of this one's layout (see :class:`_PreparedForward`), or
+    None where a call of it would copy an input: an unaligned layout, a mask without unit stride, a
+    scale <= 0."""
+    padding = args.key_padding_mask
+    if (
+        args.scale <= 0.0 or args.attn_mask is not None or (padding is not None and padding.stride(-1) != 1)
+        or not all(_is_aligned(t) for t in (query, key, value, empty_output(query, value)))
+    ):
+        return None
+    return _PreparedForward(query, key, value, args)
+
+
+class _PreparedForward:
+    """:func:`forward` for the calls of one layout: its tensors' shapes, strides, dtypes and device,
+    the masks' layout and the scalars, which the caller's call plan holds fixed
+    (``ops/_call_plans.py``); the inputs and the key padding mask have the layouts the kernels take
+    as they are.
+
+    The first call works out the launch templates; a later call allocates its outputs and puts its
+    tensors into them, or, if an address is not 16-byte aligned or the tile table was swapped (as
+    the tile sweep does), runs :func:`forward`.  What :func:`forward` does besides, each tensor's
+    layout checked, the masks' arguments and the tile configuration worked out and the templates
+    looked up by layout, is host time on every call at the seeds' short sequences.  With
+    ``LaunchTemplates.verify`` set (the test suite sets it), every call also builds its launches
+    as :func:`forward` would, and fails unless they are the same."""
+
+    __slots__ = ("key_bounds", "forward", "capability", "block_config", "out_layout", "lse_layout")
+
+    def __init__(self, query, key, value, args: AttentionArgs) -> None:
+        masks = _Masks.of(args, query.device)
+        out, lse = empty_output(query, value), empty_lse(query)
+        self.key_bounds = () if args.key_padding_mask is None else _key_bounds_template(masks)
+        self.forward = _forward_template(query, key, value, out, lse, masks)
+        self.capability, self.block_config = masks.capability, block_config
+        # empty_output's and empty_lse's results, made again from their layouts: 2 of the 5 us
+        # those take per call go to working the layouts out.
+        self.out_layout, self.lse_layout = (
+            ((t.shape, t.stride()), dict(dtype=t.dtype, device=t.device)) for t in (out, lse)
+        )
+
+    def __call__(self, query, key, value, args: AttentionArgs, needs_backward: bool, backend: str):
+        """The registered op's implementation for this layout (same signature)."""
+        (out_sizes, out_options), (lse_sizes, lse_options) = self.out_layout, self.lse_layout
+        out, lse = torch.empty_strided(*out_sizes, **out_options), torch.empty_strided(*lse_sizes, **lse_options)
+        if (query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()) % 16 or (
+            block_config is not self.block_config
+        ):
+            return forward(query, key, value, args, needs_backward)
+        padding = args.key_padding_mask
+        bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
+        launches = filled(self.forward, (query, key, value, out, lse, padding, bounds, None), _call_kwargs(args))
+        if padding is not None:
+            launches = filled(self.key_bounds, (padding, bounds), {}) + launches
+        if LaunchTemplates.verify:
+            masks = _Masks(args, bounds, self.capability)
+            expected = [*_key_bounds_launches(masks), *_forward_launches(query, key, value, out, lse, masks)]
+            if [_launched(launch) for launch in launches] != [_launched(launch) for launch in expected]:
+                raise AssertionError("the prepared attention forward's launches differ from forward's")
+        run_launches(launches, query)
+        return out, lse
+
+
+def _launched(launch: KernelLaunch) -> tuple:
+    """What a launch runs (its direct launcher aside, which a template made again may replace)."""
+    return launch.kernel, launch.grid, launch.args, launch.kwargs
 
 
 def backward(
