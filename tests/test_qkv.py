@@ -238,6 +238,47 @@ def test_triton_forward_takes_128x128_tiles_where_128x256_ones_leave_sms_idle(mo
     _check_against_references("triton", (2, 520, 96), 2, 3, torch.float16, True, dict(rtol=1e-2, atol=1e-2))
 
 
+@requires_triton
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_triton_plan_runs_the_prepared_forward_on_each_calls_tensors(monkeypatch, bias):
+    """The call plan of a [B, L, E] float16 call keeps the Triton forward prepared for its layout:
+    later calls run it with their own tensors (the first call's values on its tensors, which the
+    checked route ran; the reference's on the others), or forward where the SM count picks other
+    tiles.  LaunchTemplates.verify, set for the suite, also compares its launches with forward's."""
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+    from transformer_kernels.ops import qkv as qkv_op
+    from transformer_kernels.ops._call_plans import CallPlans
+
+    monkeypatch.setattr(qkv_op, "_PLANS", CallPlans())
+    device = device_for("triton")
+
+    def project(x, weight, b):
+        return tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+
+    for call in range(3):
+        inputs = _inputs((2, 9, 32), 3, torch.float16, bias, device)
+        first = outputs_and_grads(project, inputs)
+        again = outputs_and_grads(project, inputs, first.grad_outputs)
+        ((_, (_, (_, prepared))),) = qkv_op._PLANS._plans.items()
+        assert isinstance(prepared, triton_qkv._PreparedForward)
+        torch.testing.assert_close((first.outputs, first.grads), (again.outputs, again.grads), rtol=0, atol=0)
+        expected = outputs_and_grads(lambda x, weight, b: reference_qkv(x, weight, b, 2), inputs, first.grad_outputs)
+        assert_close_to_reference(again.outputs + again.grads, expected.outputs + expected.grads, rtol=1e-2,
+                                  atol=1e-2, same_dtype=True)
+    x, weight, b = inputs
+    general = []
+    real_forward = triton_qkv.forward
+    monkeypatch.setattr(triton_qkv, "forward", lambda *args: general.append(1) or real_forward(*args))
+    real_count = triton_qkv.multiprocessor_count
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", lambda device: 1)  # every grid full: large tiles
+    tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+    assert general == [1]
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", real_count)
+    prepared.template = prepared.template * 2
+    with pytest.raises(AssertionError, match="the prepared QKV forward's launches differ"):
+        tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+
+
 @pytest.mark.parametrize("backend", backend_params("qkv"))
 def test_strided_inputs_and_unusual_gradients(backend):
     device, dtype = device_for(backend), working_dtype(backend)

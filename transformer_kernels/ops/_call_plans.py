@@ -21,7 +21,7 @@ import torch
 from .. import _backend
 from ._library import plain_eager_call
 
-__all__ = ["CallPlans", "layout_key"]
+__all__ = ["CallPlans", "layout_key", "prepared_forward"]
 
 Decision = TypeVar("Decision")
 
@@ -41,6 +41,15 @@ def layout_key(backend: Optional[str], *tensors: Optional[torch.Tensor]) -> Opti
     for t in tensors:
         key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device))
     return tuple(key)
+
+
+def prepared_forward(op: str, backend: str, implementation: Callable, *arguments: Any) -> Callable:
+    """What a plan runs for the registered forward of ``op``: the backend's forward prepared for the
+    layout of the call of ``arguments`` (``forward``'s), where its module has a ``prepare_forward``
+    that takes it, else ``implementation``, the registered op's."""
+    prepare = getattr(_backend.backend_module(op, backend), "prepare_forward", None)
+    prepared = None if prepare is None else prepare(*arguments)
+    return implementation if prepared is None else prepared
 
 
 class CallPlans:
@@ -71,16 +80,25 @@ class CallPlans:
     def decide(self, key: Optional[Hashable], checked: Callable[[], Decision]) -> Decision:
         """``checked()`` (the checked route's decision, compared with ``==``), once per ``key``; every
         time where ``key`` is None (a call that may have no plan)."""
-        if key is None:
-            return checked()
+        return self.decide_and_prepare(key, checked, lambda decision: None)[0]
 
-        def check(kept: Decision) -> None:
+    def decide_and_prepare(
+        self, key: Optional[Hashable], checked: Callable[[], Decision], prepare: Callable[[Decision], Any]
+    ) -> tuple[Decision, Any]:
+        """:meth:`decide`, and ``prepare(decision)`` made once per ``key`` with it (a forward prepared
+        for the layout, which the checks do not compare: the backend verifies its own); None where
+        ``key`` is None."""
+        if key is None:
+            return checked(), None
+
+        def check(kept: tuple[Decision, Any]) -> None:
             decided = checked()
-            if decided != kept:
-                raise AssertionError(f"the plan kept for this call's layout decides {kept}, the checks {decided}")
+            if decided != kept[0]:
+                raise AssertionError(f"the plan kept for this call's layout decides {kept[0]}, the checks {decided}")
 
         plan = self.get(key, check)
         if plan is None:
-            plan = checked()
+            decision = checked()
+            plan = decision, prepare(decision)
             self.put(key, plan)
         return plan

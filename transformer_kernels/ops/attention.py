@@ -26,7 +26,7 @@ from .._checks import check_same_device, check_same_dtype_device, check_tensor
 from . import _attention_inputs as inputs
 from ._attention_jagged import attend_jagged, is_nested
 from ._autocast import autocast
-from ._call_plans import CallPlans, layout_key
+from ._call_plans import CallPlans, layout_key, prepared_forward
 from ._library import RegisteredOp
 
 __all__ = ["scaled_dot_product_attention", "AttentionArgs", "Causal", "MAX_HEAD_DIM"]
@@ -368,7 +368,8 @@ def scaled_dot_product_attention(
     )
     if plan_key is not None and _passes_through(q, k, v, args, output_shape, *call):
         plan_args = dataclasses.replace(args, key_padding_mask=None, dropout_seed=None)
-        _PLANS.put(plan_key, _Plan(chosen, plan_args, _prepared_forward(q, k, v, args, needs_backward, chosen)))
+        forward = prepared_forward("attention", chosen, _attention_forward, q, k, v, args, needs_backward)
+        _PLANS.put(plan_key, _Plan(chosen, plan_args, forward))
     out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
     return out if out.shape == output_shape else out.view(output_shape)
 
@@ -382,19 +383,11 @@ def scaled_dot_product_attention(
 class _Plan:
     """The backend chosen for a layout, its :class:`AttentionArgs` without the call's own tensors
     (``key_padding_mask`` and ``dropout_seed`` are None), and the registered forward's
-    implementation for the layout (:func:`_prepared_forward`)."""
+    implementation for the layout (``prepared_forward``)."""
 
     backend: str
     args: AttentionArgs
     forward: Callable
-
-
-def _prepared_forward(query, key, value, args: AttentionArgs, needs_backward: bool, backend: str) -> Callable:
-    """The backend's forward prepared for this call's layout (its ``prepare_forward``, which may
-    decline), else the registered op's implementation."""
-    prepare = getattr(backend_module("attention", backend), "prepare_forward", None)
-    prepared = None if prepare is None else prepare(query, key, value, args, needs_backward)
-    return _attention_forward if prepared is None else prepared
 
 
 _PLANS = CallPlans()

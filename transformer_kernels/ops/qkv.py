@@ -26,7 +26,7 @@ import torch
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 from ._autocast import autocast
-from ._call_plans import CallPlans, layout_key
+from ._call_plans import CallPlans, layout_key, prepared_forward
 from ._library import RegisteredOp
 
 __all__ = ["qkv_projection", "QkvProjectionArgs"]
@@ -158,11 +158,20 @@ def qkv_projection(
                                                                    bias, args)
 
     tensors = layout_key(backend, x, weight, bias) if type(num_heads) is int else None
-    args, name = _PLANS.decide(None if tensors is None else (*tensors, num_heads), checked)
-    return tuple(qkv_projection_forward(x, weight, bias, args, name))
+    if tensors is None:
+        return tuple(qkv_projection_forward(x, weight, bias, *checked()))
+    (args, name), forward = _PLANS.decide_and_prepare(
+        (*tensors, num_heads), checked,
+        lambda decision: prepared_forward("qkv", decision[1], _qkv_projection_forward, x, weight, bias, decision[0]),
+    )
+    needs_autograd = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return tuple(qkv_projection_forward.call_plain(forward, (x, weight, bias, args, name), needs_autograd))
 
 
-# qkv_projection's checked decisions (its QkvProjectionArgs and backend) per call layout (_call_plans.py).
+# qkv_projection's checked decisions (its QkvProjectionArgs and backend), and the forward prepared for
+# them, per call layout (_call_plans.py).
 _PLANS = CallPlans()
 
 

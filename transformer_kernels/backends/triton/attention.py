@@ -35,6 +35,7 @@ from ._common import (
     KernelLaunch,
     LaunchTemplates,
     cdiv,
+    check_prepared_launches,
     compute_capability,
     filled,
     input_precision,
@@ -748,15 +749,9 @@ class _PreparedForward:
         if LaunchTemplates.verify:
             masks = _Masks(args, bounds, self.capability)
             expected = [*_key_bounds_launches(masks), *_forward_launches(query, key, value, out, lse, masks)]
-            if [_launched(launch) for launch in launches] != [_launched(launch) for launch in expected]:
-                raise AssertionError("the prepared attention forward's launches differ from forward's")
+            check_prepared_launches(launches, expected, "attention")
         run_launches(launches, query)
         return out, lse
-
-
-def _launched(launch: KernelLaunch) -> tuple:
-    """What a launch runs (its direct launcher aside, which a template made again may replace)."""
-    return launch.kernel, launch.grid, launch.args, launch.kwargs
 
 
 def backward(

@@ -39,6 +39,8 @@ from ._common import (
     KernelLaunch,
     LaunchTemplates,
     cdiv,
+    check_prepared_launches,
+    filled,
     row_sum_operand,
     run_launches,
 )
@@ -49,7 +51,8 @@ from ._common import num_sms as multiprocessor_count
 from ._split_sum import split_sum_launch
 
 __all__ = [
-    "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "unsupported_reason",
+    "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "prepare_forward",
+    "unsupported_reason",
 ]
 
 # ---------------------------------------------------------------------------
@@ -472,8 +475,20 @@ def _forward_launch(
 ) -> KernelLaunch:
     """The forward GEMM: ``x3`` ``[B, L, E_in]``, ``outputs`` the ``n``
     ``[B, H, L, Dh]`` contiguous results."""
+    pointers = _forward_pointers(x3, weight, bias, outputs)
+    (launch,) = filled(_forward_template(x3, weight, bias, outputs, cfg), pointers, {})
+    return launch
+
+
+def _forward_pointers(x3, weight, bias, outputs: list[torch.Tensor]) -> tuple:
+    """The forward GEMM's tensor arguments (an absent bias or output slot repeats another tensor)."""
+    return (x3, weight, weight if bias is None else bias, *outputs, *[outputs[0]] * (3 - len(outputs)))
+
+
+def _forward_template(x3, weight, bias, outputs: list[torch.Tensor], cfg: KernelConfig) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_forward_launch`, whose pointers are :func:`_forward_pointers`'."""
     num_proj = len(outputs)
-    pointers = (x3, weight, weight if bias is None else bias, *outputs, *[outputs[0]] * (3 - num_proj))
+    pointers = _forward_pointers(x3, weight, bias, outputs)
     layout = ("forward", x3.shape, x3.stride(), weight.shape, weight.stride(), bias is None, num_proj,
               outputs[0].shape, outputs[0].stride(), cfg)
 
@@ -494,7 +509,7 @@ def _forward_launch(
             dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
         )
 
-    return _TEMPLATES.launch(layout, pointers, build)
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
 def forward(
@@ -510,10 +525,54 @@ def forward(
     num_tokens = x3.shape[0] * seq_len
     if num_tokens == 0:
         return outputs
-    cfg = gemm_config("forward", num_tokens, num_proj * embed_dim, multiprocessor_count(x.device))
     out3 = [_with_one_batch_dim(o, 3) for o in outputs]
-    run_launches([_forward_launch(x3, weight, bias, out3, cfg)], x3)
+    run_launches([_forward_launch(x3, weight, bias, out3, _forward_config(x3, weight))], x3)
     return outputs
+
+
+def _forward_config(x3: torch.Tensor, weight: torch.Tensor) -> KernelConfig:
+    """The forward GEMM's tiles for ``x3`` ``[B, L, E_in]``."""
+    return gemm_config("forward", x3.shape[0] * x3.shape[1], weight.shape[0], multiprocessor_count(x3.device))
+
+
+def prepare_forward(x, weight, bias, args: QkvProjectionArgs) -> Optional["_PreparedForward"]:
+    """:func:`forward` prepared for the calls of this one's layout (see :class:`_PreparedForward`), or
+    None for a call that the eager backend runs, has no tokens, or whose ``x`` is not ``[B, L, E]``."""
+    if _uses_torch_matmul(x.dtype) or x.dim() != 3 or x.numel() == 0:
+        return None
+    return _PreparedForward(x, weight, bias, args)
+
+
+class _PreparedForward:
+    """:func:`forward` for the calls of one layout: the tensors' shapes, strides, dtypes and device and
+    ``num_heads``, which the caller's call plan holds fixed (``ops/_call_plans.py``).  The first call
+    works out the launch template and the outputs' layout; a later call allocates its outputs and
+    puts its tensors into the template (Triton's specialization on 16-byte alignment is the direct
+    launch's, per call), or runs :func:`forward` if the tiles chosen for it differ (the tests force
+    tiles through the SM count).  With ``LaunchTemplates.verify`` set (the test suite sets it),
+    every call also builds its launch as :func:`forward` would, and fails unless it is the same."""
+
+    __slots__ = ("template", "config", "output_shape", "output_options", "num_proj")
+
+    def __init__(self, x, weight, bias, args: QkvProjectionArgs) -> None:
+        self.num_proj = weight.shape[0] // x.shape[-1]
+        self.output_shape = tuple(args.output_shape(x))
+        self.output_options = dict(dtype=x.dtype, device=x.device)
+        outputs = [x.new_empty(self.output_shape) for _ in range(self.num_proj)]
+        self.config = _forward_config(x, weight)
+        self.template = _forward_template(x, weight, bias, outputs, self.config)
+
+    def __call__(self, x, weight, bias, args: QkvProjectionArgs, backend: str) -> list[torch.Tensor]:
+        """The registered op's implementation for this layout (same signature)."""
+        config = _forward_config(x, weight)
+        if config is not self.config:
+            return forward(x, weight, bias, args)
+        outputs = [torch.empty(self.output_shape, **self.output_options) for _ in range(self.num_proj)]
+        launches = filled(self.template, _forward_pointers(x, weight, bias, outputs), {})
+        if LaunchTemplates.verify:
+            check_prepared_launches(launches, [_forward_launch(x, weight, bias, outputs, config)], "QKV")
+        run_launches(launches, x)
+        return outputs
 
 
 def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
