@@ -12,7 +12,8 @@ Calls take one of three routes to the same implementation, fake and autograd
 functions.  Under ``torch.compile``, a dispatch mode (fake tensors, op
 counters) or tensor subclasses they go through the registered op, so torch
 sees one op with its fake and autograd.  Plain eager calls on plain tensors
-skip the dispatcher: they run the implementation directly, inside an
+skip the dispatcher: they run the implementation directly (or the forward that a
+call plan prepared for the call's layout, :meth:`RegisteredOp.call_plain`), inside an
 ``autograd.Function`` built from the same ``setup_context``/``backward`` when a
 gradient is needed.  At the seeds' short sequences the dispatcher and
 torch.library's autograd wrapper cost more host time than the kernels take on
