@@ -77,17 +77,13 @@ class CallPlans:
             self._plans.clear()
         self._plans[key] = (_backend.registry_version(), plan)
 
-    def decide(self, key: Optional[Hashable], checked: Callable[[], Decision]) -> Decision:
-        """``checked()`` (the checked route's decision, compared with ``==``), once per ``key``; every
-        time where ``key`` is None (a call that may have no plan)."""
-        return self.decide_and_prepare(key, checked, lambda decision: None)[0]
-
-    def decide_and_prepare(
+    def decide(
         self, key: Optional[Hashable], checked: Callable[[], Decision], prepare: Callable[[Decision], Any]
     ) -> tuple[Decision, Any]:
-        """:meth:`decide`, and ``prepare(decision)`` made once per ``key`` with it (a forward prepared
-        for the layout, which the checks do not compare: the backend verifies its own); None where
-        ``key`` is None."""
+        """``checked()`` (the checked route's decision, compared with ``==``) and ``prepare(decision)``
+        (the forward the plan runs, which the checks do not compare: a prepared backend forward
+        verifies its own), made once per ``key``; ``(checked(), None)`` every time where ``key`` is
+        None (a call that may have no plan)."""
         if key is None:
             return checked(), None
 

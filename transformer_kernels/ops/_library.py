@@ -147,17 +147,32 @@ class RegisteredOp:
             if self._transform_function is not None and under_transform():
                 return self._apply(self._transform_function.apply, typed, TypedCall(typed))
             return getattr(torch.ops.transformer_kernels, self.name)(*self.pack(typed))
-        needs_autograd = self._function_apply is not None and torch.is_grad_enabled() and any(
-            tensor.requires_grad for tensor in tensors
-        )
-        return self.call_plain(self._implementation, typed, needs_autograd)
+        return self.call_plain(self._implementation, typed, self.records_autograd(*tensors))
+
+    def records_autograd(self, *tensors: Optional[Tensor]) -> bool:
+        """Whether autograd records a plain eager call of this op whose inputs and tensor fields are
+        ``tensors`` (None for an absent one): the op registered its autograd, grad mode is on, and
+        one of them requires grad."""
+        if self._function_apply is None or not torch.is_grad_enabled():
+            return False
+        for tensor in tensors:
+            if tensor is not None and tensor.requires_grad:
+                return True
+        return False
+
+    def call_planned(self, forward: Optional[Callable], *typed: Any) -> Any:
+        """The typed call as a public function's call plan runs it (``_call_plans.py``): by
+        ``forward``, what the plan keeps for the call's layout (only a plain eager call has a plan),
+        or, without a plan (None), as :meth:`__call__` routes it."""
+        if forward is None:
+            return self(*typed)
+        return self.call_plain(forward, typed, self.records_autograd(*self._tensors(typed)))
 
     def call_plain(self, runner: Callable, typed: tuple, needs_autograd: bool) -> Any:
         """The typed call run by ``runner`` (the implementation, or one that a call plan prepared for
         the call's layout and that computes the same, ``_call_plans.py``), for a caller that has
         established that the call is :func:`plain_eager_call` and whether autograd must record it
-        (``needs_autograd``: grad mode on, a tensor among the inputs and tensor fields requires grad,
-        and the op registered its autograd)."""
+        (``needs_autograd``: :meth:`records_autograd` of its inputs and tensor fields)."""
         if not needs_autograd:
             return runner(*typed)
         # The runner and the typed call travel last, so the function's forward does not rebuild it.

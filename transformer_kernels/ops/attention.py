@@ -350,7 +350,7 @@ def scaled_dot_product_attention(
             args = AttentionArgs(key_padding_mask, None, args.causal, args.scale, args.dropout_p,
                                  _dropout_seed(args.dropout_p, query.device))
         # The masks a plan takes never require grad (bool, or no mask).
-        needs_backward = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        needs_backward = attention_forward.records_autograd(query, key, value)
         typed = (query, key, value, args, needs_backward, plan.backend)
         return attention_forward.call_plain(plan.forward, typed, needs_backward)[0]
     q, k, v, args, output_shape = _normalize(

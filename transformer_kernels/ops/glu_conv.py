@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -167,9 +167,10 @@ def glu_conv1d(
         args = GluConvArgs(*pads, *scalars)
         return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
 
-    args, name = _PLANS.decide(_plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend),
-                               checked)
-    out, _ = glu_conv1d_forward(x, weight, bias, residual, args, name)
+    (args, name), forward = _PLANS.decide(
+        _plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend), checked, _plan_forward
+    )
+    out, _ = glu_conv1d_forward.call_planned(forward, x, weight, bias, residual, args, name)
     return out
 
 
@@ -234,13 +235,15 @@ def glu_conv1d_step(
         return args, select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias,
                                     None if residual is None else residual.unsqueeze(2), args)
 
-    args, name = _PLANS.decide(_plan_key((x_t, state, weight, bias, residual), "step", pad_value, residual_scale,
-                                         backend), checked)
+    (args, name), forward = _PLANS.decide(
+        _plan_key((x_t, state, weight, bias, residual), "step", pad_value, residual_scale, backend), checked,
+        _plan_forward,
+    )
     if state is None:
         state = x_t.new_full((*x_t.shape, weight.shape[2] - 1), args.pad_value)
     window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
     residual = None if residual is None else residual.unsqueeze(2)
-    out, _ = glu_conv1d_forward(window, weight, bias, residual, args, name)
+    out, _ = glu_conv1d_forward.call_planned(forward, window, weight, bias, residual, args, name)
     return out.squeeze(2), window[:, :, 1:]
 
 
@@ -249,6 +252,11 @@ def glu_conv1d_step(
 # glu_conv1d's and glu_conv1d_step's checked decisions (GluConvArgs and backend) per call layout
 # (_call_plans.py); the padding ("step" for a step) is in every key.
 _PLANS = CallPlans()
+
+
+def _plan_forward(decision: tuple[GluConvArgs, str]) -> Callable:
+    """What a plan runs for the registered forward: its implementation (no backend prepares one)."""
+    return _glu_conv1d_forward
 
 
 def _plan_key(tensors: tuple, padding, pad_value, residual_scale, backend) -> Optional[tuple]:

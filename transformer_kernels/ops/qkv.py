@@ -158,16 +158,11 @@ def qkv_projection(
                                                                    bias, args)
 
     tensors = layout_key(backend, x, weight, bias) if type(num_heads) is int else None
-    (args, name), forward = _PLANS.decide_and_prepare(
+    (args, name), forward = _PLANS.decide(
         None if tensors is None else (*tensors, num_heads), checked,
         lambda decision: prepared_forward("qkv", decision[1], _qkv_projection_forward, x, weight, bias, decision[0]),
     )
-    if forward is None:  # no plan: the call may not be plain eager, the op chooses its route
-        return tuple(qkv_projection_forward(x, weight, bias, args, name))
-    needs_autograd = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    return tuple(qkv_projection_forward.call_plain(forward, (x, weight, bias, args, name), needs_autograd))
+    return tuple(qkv_projection_forward.call_planned(forward, x, weight, bias, args, name))
 
 
 # qkv_projection's checked decisions (its QkvProjectionArgs and backend), and the forward prepared for
