@@ -61,6 +61,7 @@ class Backend:
     ops: tuple[str, ...]
     load: Callable[[str], ModuleType]
     auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None
+    traces_into_kernels: Optional[Callable[[torch.device], bool]] = None
 
 
 # Name -> backend, in "auto"'s order: sorted by rank at registration, not on every call.
@@ -76,6 +77,7 @@ def register_backend(
     load: Callable[[str], ModuleType],
     auto_device_types: Optional[tuple[str, ...]] = None,
     auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None,
+    traces_into_kernels: Optional[Callable[[torch.device], bool]] = None,
 ) -> None:
     """Register backend ``name``.
 
@@ -95,12 +97,27 @@ def register_backend(
         auto_reason: ``(op, device) -> reason or None``: why ``"auto"`` should pass
             it over for ``op`` on this device although it could serve the call
             (another backend measured faster there); explicit requests ignore it.
+        traces_into_kernels: ``device -> bool``: whether torch.compile may trace
+            the op modules' ``forward`` and ``backward`` on tensors of this device
+            (see :func:`traces_into_kernels`); ``None``: never.
     """
     global _registry
     if name == "auto" or name in _registry:
         raise ValueError(f"backend name {name!r} is taken")
-    backends = [*_registry.values(), Backend(name, rank, auto_device_types, device_reason, tuple(ops), load, auto_reason)]
+    backends = [*_registry.values(), Backend(
+        name, rank, auto_device_types, device_reason, tuple(ops), load, auto_reason, traces_into_kernels
+    )]
     _registry = {backend.name: backend for backend in sorted(backends, key=lambda backend: backend.rank)}
+
+
+def traces_into_kernels(name: str, device: torch.device) -> bool:
+    """Whether backend ``name``'s ``forward`` and ``backward`` on tensors of ``device`` are made of
+    what torch.compile can trace: torch ops, and kernel launches through
+    ``torch.library.wrap_triton``, which Inductor compiles into its own graph.  Where they are, the
+    registered ops decompose into them under torch.compile (``ops/_library.py``); elsewhere each
+    op stays one opaque call."""
+    backend = _registry.get(name)
+    return backend is not None and backend.traces_into_kernels is not None and backend.traces_into_kernels(device)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:

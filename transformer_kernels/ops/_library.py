@@ -21,6 +21,12 @@ a GPU.  Inside a torch.func transform (``grad``, ``vmap``, ...), which
 torch.library's autograd wrapper does not support, an op with autograd runs
 through an ``autograd.Function`` made for transforms, and every op has a vmap
 rule (:mod:`._transforms`).
+
+Under torch.compile, AOTAutograd functionalizes the graph; there an op whose
+backend's kernel launches can be traced (``_backend.traces_into_kernels``:
+Triton's, on CUDA tensors) decomposes into its implementation, so that Inductor
+sees the ``wrap_triton`` launches and compiles them into its own graph, as
+``torch.library.triton_op`` does for an op of its own (:meth:`RegisteredOp._functionalized`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ import torch
 from torch import Tensor
 
 from torch._C._functorch import unwrap_if_dead
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 
+from .._backend import traces_into_kernels
 from ._transforms import TypedCall, transform_function, under_transform, vmap_by_loop
 
 __all__ = ["RegisteredOp", "plain_eager_call"]
@@ -69,6 +78,16 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     return True
 
 
+def _symbolic(tensor: Tensor) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in (*tensor.shape, *tensor.stride(), tensor.storage_offset()))
+
+
+def _export_keeps_ops() -> bool:
+    """Whether torch.export is tracing, which turns off the decomposition of ``triton_op``s: an
+    exported program keeps the registered ops (no Triton source in a serialized program)."""
+    return not getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
+
+
 class RegisteredOp:
     """``transformer_kernels::<name>`` with typed signature
     ``(*inputs, args: args_type, *flags, backend: str)``.
@@ -102,6 +121,28 @@ class RegisteredOp:
         self._function_apply: Optional[Callable] = None  # the autograd.Function's (register_autograd)
         self._transform_function: Optional[type] = None  # under torch.func transforms (_transforms.py)
         torch.library.register_vmap(self.qualname, self._vmap)
+        torch.library.register_torch_dispatch(self.qualname, FunctionalTensorMode, self._functionalized)
+
+    def _functionalized(self, mode, op, types, flat, kwargs):
+        """The op under ``FunctionalTensorMode`` (torch.compile's AOTAutograd; ``make_fx`` of
+        ``dispatch_functionalize``): where its backend's launches can be traced
+        (``traces_into_kernels``), its implementation, traced under ``mode``; else, and as
+        ``torch.library.triton_op`` does under torch.export and with tensor subclasses, the op
+        whole.  Symbolic sizes keep it whole too: the backends work out their launches in
+        Python integers (tile sizes, grids, layout-keyed templates)."""
+        typed = self.unpack(flat)
+        tensors = self._tensors(typed)
+        if (
+            kwargs
+            or not tensors
+            or not traces_into_kernels(typed[-1], tensors[0].device)
+            or any(kind not in (Tensor, FunctionalTensor, FakeTensor) for kind in types)
+            or any(_symbolic(tensor) for tensor in tensors)
+            or _export_keeps_ops()
+        ):
+            return mode.__torch_dispatch__(op, types, flat, kwargs or {})
+        with mode:
+            return self._implementation(*typed)
 
     def _vmap(self, info, in_dims, *flat):
         """The op under ``torch.vmap``: once per index of the vmapped dimension (_transforms.py), each

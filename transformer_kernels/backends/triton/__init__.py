@@ -62,7 +62,13 @@ def _load(op: str) -> ModuleType:
     return _modules[op]
 
 
+def _traces_into_kernels(device: torch.device) -> bool:
+    """Every launch goes through ``run_launches``, which traces it with ``wrap_triton``: on CUDA
+    tensors, whose kernels Triton compiles (interpreted ones cannot be traced)."""
+    return device.type == "cuda" and not interpreter_enabled()
+
+
 register_backend(
     "triton", rank=1, auto_device_types=("cuda",), device_reason=_device_reason,
-    ops=("attention", "glu_conv", "qkv"), load=_load,
+    ops=("attention", "glu_conv", "qkv"), load=_load, traces_into_kernels=_traces_into_kernels,
 )

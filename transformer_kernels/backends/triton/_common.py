@@ -10,7 +10,9 @@
   calls of that layout only fill in their tensors, and ``DirectLaunch``, which
   runs them on their compiled kernel without Triton's per-call binding.
 * ``KernelConfig``: the tile sizes and launch options of one kernel, and
-  ``run_launches``, which runs a call's launches on its tensors' device.
+  ``run_launches``, which runs a call's launches on its tensors' device, or,
+  traced by torch.compile, records them with ``wrap_triton`` (``traced``,
+  ``address_aligned``).
 * ``fp32_conv_allows_tf32``: torch's float32 convolution precision setting,
   whichever API set it.
 * ``input_precision``, ``num_sms``, ``cdiv``, ``next_power_of_2``.
@@ -290,9 +292,32 @@ class KernelConfig:
         )
 
 
+def traced(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is being traced under functionalization (torch.compile's AOTAutograd, where
+    a registered op decomposes into its backend's launches, see ``ops/_library.py``): it has no
+    data, and the launches that take it go into the graph.  (A plain tensor is never traced: the
+    eager call pays one type test.)"""
+    return (type(tensor) is not torch.Tensor
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None)
+
+
+def address_aligned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s address is a multiple of 16 bytes.  :func:`traced`, its storage offset
+    decides: Inductor's buffers are aligned, and it copies a graph input that was aligned when
+    traced but is not when run (``copy_misaligned_inputs``)."""
+    if traced(tensor):
+        return tensor.storage_offset() * tensor.element_size() % 16 == 0
+    return tensor.data_ptr() % 16 == 0
+
+
 def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None:
     """Runs ``launches`` in order with ``tensor``'s CUDA device current (the
-    current device may be another one)."""
+    current device may be another one); where ``tensor`` is :func:`traced`, records
+    each as a ``torch.library.wrap_triton`` call, which Inductor compiles and launches."""
+    if traced(tensor):
+        for launch in launches:
+            torch.library.wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs)
+        return
     # The usual call needs no device switch, whose guard costs microseconds.
     on_current_device = not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device()
     with contextlib.nullcontext() if on_current_device else torch.cuda.device_of(tensor):

@@ -34,6 +34,7 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     LaunchTemplates,
+    address_aligned,
     cdiv,
     check_prepared_launches,
     compute_capability,
@@ -277,7 +278,7 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def _is_aligned(tensor: torch.Tensor) -> bool:
-    return tensor.data_ptr() % 16 == 0 and _aligned_layout(tensor.shape, tensor.stride())
+    return address_aligned(tensor) and _aligned_layout(tensor.shape, tensor.stride())
 
 
 # Bounded: decoding meets a new length on every step.

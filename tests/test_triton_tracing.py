@@ -1,0 +1,154 @@
+"""torch.compile traces into the triton backend's kernels (issue 9): under AOTAutograd's
+functionalization each registered op decomposes into its backend's launches, recorded with
+``torch.library.wrap_triton``, so Inductor compiles them into its own graph (``ops/_library.py``).
+
+Here (``_traced_ops.py``, in a process that compiles rather than interprets the kernels, on fake
+CUDA tensors: no GPU needed): what the traced graphs of attention, the QKV projection and the GLU
+convolution call, forward and backward; that the other backends' ops and torch.export's stay whole.
+On a GPU: a compiled layer, forward and gradients, against the same layer run eagerly, its graphs
+holding the launches; and with dynamic shapes, which keep the ops whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import transformer_kernels as tk
+
+from _helpers import json_of_compiled_script, skip_unless_backend
+from conftest import CUDA
+
+pytest.importorskip("triton")
+
+# What a traced call may do besides its launches: allocate, and lay out the GLU weight for them.
+_ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+                "aten.new_empty.default", "aten.new_empty_strided.default"}
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict:
+    return json_of_compiled_script("_traced_ops.py", timeout=600)
+
+
+@pytest.mark.parametrize("op, kernels", [
+    ("attention", ["_attention_key_bounds_kernel", "_attention_forward_kernel", "_attention_key_bounds_kernel",
+                   "_attention_delta_kernel", "_attention_grad_key_value_kernel", "_attention_grad_query_kernel"]),
+    ("qkv", ["_qkv_forward_kernel", "_qkv_grad_input_kernel", "_qkv_grad_weight_kernel"]),
+    ("glu", ["_glu_conv_forward_kernel", "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel",
+             "_glu_conv_grad_weight_kernel", "_split_sum_kernel", "_split_sum_kernel"]),
+])
+def test_traced_triton_ops_are_their_launches(traced, op, kernels):
+    called = traced[op]
+    assert [name.removeprefix("triton:") for name in called if name.startswith("triton:")] == kernels
+    others = {name for name in called if not name.startswith("triton:")}
+    expected = _ALLOCATIONS | ({"aten.permute.default", "aten.clone.default"} if op == "glu" else set())
+    assert others <= expected, f"{op}'s traced graph computes outside its kernels: {sorted(others - expected)}"
+
+
+def test_other_backends_stay_whole(traced):
+    assert traced["attention_on_eager"] == [
+        "transformer_kernels.attention_forward.default", "transformer_kernels.attention_backward.default"
+    ]
+
+
+def test_export_keeps_the_ops(traced):
+    assert traced["qkv_exported"] == [
+        "transformer_kernels.qkv_projection_forward.default", "transformer_kernels.qkv_projection_backward.default"
+    ]
+
+
+@pytest.fixture(scope="module")
+def inductor_sources() -> dict:
+    return json_of_compiled_script("_inductor_sources.py", timeout=600)
+
+
+def test_inductor_rebuilds_every_kernel(inductor_sources, traced):
+    launched = {name.removeprefix("triton:") for calls in traced.values()
+                for name in calls if name.startswith("triton:")}
+    assert launched and launched <= set(inductor_sources)
+    failed = {name: facts for name, facts in inductor_sources.items() if not facts["compiles"]}
+    assert failed == {}
+    assert [name for name, facts in inductor_sources.items() if not facts["same_ir"]] == []
+
+
+# ----------------------------------------------------------------------------
+# GPU: compiled against eager
+# ----------------------------------------------------------------------------
+
+
+def _layer_loss(x, qkv_weight, qkv_bias, conv_weight, conv_bias, padding):
+    """The seeds' layer on the fused ops: QKV projection, attention with key padding, a GLU
+    convolution with a residual."""
+    batch, length, embed = x.shape
+    query, key, value = tk.qkv_projection(x, qkv_weight, qkv_bias, num_heads=4, backend="triton")
+    attended = tk.scaled_dot_product_attention(query, key, value, key_padding_mask=padding, backend="triton")
+    h = attended.transpose(1, 2).reshape(batch, length, embed).transpose(1, 2)
+    y = tk.glu_conv1d(h, conv_weight, conv_bias, residual=h, residual_scale=math.sqrt(0.5), backend="triton")
+    return y.float().square().mean()
+
+
+def _layer_inputs(batch: int, length: int, embed: int = 64):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, device="cuda", generator=generator) * scale).half().requires_grad_()
+
+    x = randn(batch, length, embed)
+    weights = [randn(3 * embed, embed, scale=embed**-0.5), randn(3 * embed, scale=0.1),
+               randn(2 * embed, embed, 3, scale=(3 * embed) ** -0.5), randn(2 * embed, scale=0.1)]
+    lengths = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=generator)
+    padding = torch.arange(length, device="cuda") >= lengths[:, None]
+    return [x, *weights], padding
+
+
+def _loss_and_grads(function, inputs, padding):
+    loss = function(*inputs, padding)
+    return [loss, *torch.autograd.grad(loss, inputs)]
+
+
+def _assert_matches_eager(compiled, inputs, padding):
+    expected = _loss_and_grads(_layer_loss, inputs, padding)
+    actual = _loss_and_grads(compiled, inputs, padding)
+    for name, got, want in zip(("loss", "dx", "d qkv weight", "d qkv bias", "d conv weight", "d conv bias"),
+                               actual, expected):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@skip_unless_backend("triton")
+@torch._inductor.config.patch(fx_graph_cache=False)
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_compiled_layer_runs_its_launches_in_the_graph():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(graph_module, example_inputs):
+        graphs.append([str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"])
+        return make_boxed_func(graph_module.forward)
+
+    inputs, padding = _layer_inputs(4, 24)
+    captured = torch.compile(_layer_loss, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    _assert_matches_eager(captured, inputs, padding)
+    assert len(graphs) == 2  # forward, backward
+    for called in graphs:
+        assert any("triton_kernel_wrapper" in target for target in called), called
+        assert not any(target.startswith("transformer_kernels.") for target in called), called
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@skip_unless_backend("triton")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@torch._inductor.config.patch(fx_graph_cache=False)
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_inductor_compiled_layer_matches_eager(dynamic):
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer_loss, fullgraph=True, dynamic=dynamic)
+    for batch, length in ((4, 24), (6, 32)):
+        inputs, padding = _layer_inputs(batch, length)
+        _assert_matches_eager(compiled, inputs, padding)
