@@ -5,8 +5,8 @@ functionalization each registered op decomposes into its backend's launches, rec
 Here (``_traced_ops.py``, in a process that compiles rather than interprets the kernels, on fake
 CUDA tensors: no GPU needed): what the traced graphs of attention, the QKV projection and the GLU
 convolution call, forward and backward; that the other backends' ops and torch.export's stay whole.
-On a GPU: a compiled layer, forward and gradients, against the same layer run eagerly, its graphs
-holding the launches; and with dynamic shapes, which keep the ops whole.
+On a GPU: a compiled layer, forward and gradients, against the same layer run eagerly, with every
+kernel in Inductor's generated code; and with dynamic shapes, which keep the ops whole.
 """
 
 from __future__ import annotations
@@ -109,46 +109,45 @@ def _loss_and_grads(function, inputs, padding):
     return [loss, *torch.autograd.grad(loss, inputs)]
 
 
-def _assert_matches_eager(compiled, inputs, padding):
-    expected = _loss_and_grads(_layer_loss, inputs, padding)
-    actual = _loss_and_grads(compiled, inputs, padding)
+def _assert_close(actual, expected):
     for name, got, want in zip(("loss", "dx", "d qkv weight", "d qkv bias", "d conv weight", "d conv bias"),
                                actual, expected):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=lambda m: f"{name}: {m}")
 
 
+# The launches a compiled step of the layer runs, forward and backward: every kernel's source must be
+# in Inductor's generated code, each launched from there.
+_LAYER_KERNELS = ("_qkv_forward_kernel", "_attention_key_bounds_kernel", "_attention_forward_kernel",
+                  "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel", "_glu_conv_grad_weight_kernel",
+                  "_attention_delta_kernel", "_attention_grad_key_value_kernel", "_attention_grad_query_kernel",
+                  "_qkv_grad_input_kernel", "_qkv_grad_weight_kernel")
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @skip_unless_backend("triton")
 @torch._inductor.config.patch(fx_graph_cache=False)
 @torch._functorch.config.patch(enable_autograd_cache=False)
-def test_compiled_layer_runs_its_launches_in_the_graph():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+def test_inductor_compiles_the_layers_kernels_into_its_graph():
+    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    graphs = []
-
-    def keep(graph_module, example_inputs):
-        graphs.append([str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"])
-        return make_boxed_func(graph_module.forward)
-
+    compiled = torch.compile(_layer_loss, fullgraph=True)
     inputs, padding = _layer_inputs(4, 24)
-    captured = torch.compile(_layer_loss, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
-    _assert_matches_eager(captured, inputs, padding)
-    assert len(graphs) == 2  # forward, backward
-    for called in graphs:
-        assert any("triton_kernel_wrapper" in target for target in called), called
-        assert not any(target.startswith("transformer_kernels.") for target in called), called
+    expected = _loss_and_grads(_layer_loss, inputs, padding)
+    actual, sources = run_and_get_code(_loss_and_grads, compiled, inputs, padding)
+    _assert_close(actual, expected)
+    code = "\n".join(sources)
+    assert [kernel for kernel in _LAYER_KERNELS if f"def {kernel}" not in code] == []
+    assert "torch.ops.transformer_kernels." not in code
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @skip_unless_backend("triton")
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @torch._inductor.config.patch(fx_graph_cache=False)
 @torch._functorch.config.patch(enable_autograd_cache=False)
-def test_inductor_compiled_layer_matches_eager(dynamic):
+def test_dynamic_shapes_keep_the_ops_whole():
     torch._dynamo.reset()
-    compiled = torch.compile(_layer_loss, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(_layer_loss, fullgraph=True, dynamic=True)
     for batch, length in ((4, 24), (6, 32)):
         inputs, padding = _layer_inputs(batch, length)
-        _assert_matches_eager(compiled, inputs, padding)
+        _assert_close(_loss_and_grads(compiled, inputs, padding), _loss_and_grads(_layer_loss, inputs, padding))
