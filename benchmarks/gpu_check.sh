@@ -4,8 +4,8 @@
 # Installs the package and builds the CUDA extension (both dtypes, sm_80 and sm_90a: the full set),
 # runs the GPU tests (the cuda backend included), every Triton kernel under compute-sanitizer
 # memcheck and one small case per CUDA extension kernel under memcheck and racecheck, the gradient
-# self-check (--check), a training step of the seeds' layer eager and from a CUDA graph
-# (benchmarks/graphed_step.py) and the full benchmark report.  Everything lands in OUTDIR, which is
+# self-check (--check), a training step of the seeds' layer eager, from a CUDA graph and compiled
+# (benchmarks/graphed_step.py; the budget run leaves out the compiled one) and the full benchmark report.  Everything lands in OUTDIR, which is
 # what gets committed:
 #   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
 #   (tune/: with the tune step)
@@ -52,6 +52,8 @@ declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 
                   [benchmarks]=360)
 bench_size=--full
 test_paths=(tests)
+# The compiled step's Inductor compile (our kernels among its own) needs the full run's graphs limit.
+graph_args=(--compiled)
 if [[ $steps == ",budget-cuda," ]]; then
     steps=",install,toolchain,cuda-tests,cuda-sanitizers,"
     # Measured on an H100 beside the Triton tests: the build 90 s, the tests 47 s.
@@ -99,6 +101,7 @@ if [[ $steps == ",budget," ]]; then
     steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
     limit=([install]=45 [tests]=200 [sanitizer]=80 [graphs]=55 [benchmarks]=130)
     bench_size=--quick
+    graph_args=()
     # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
     test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py
                 --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_host.py)
@@ -192,7 +195,7 @@ if wanted cuda-sanitizers; then
     fi
 fi
 wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
-wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out"
+wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out" "${graph_args[@]}"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
 wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"

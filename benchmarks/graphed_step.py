@@ -10,6 +10,8 @@ round (``transformer_kernels.bench.timing``; the layer is
 ``transformer_kernels.bench.graphs.SeedLayer``):
 
 - ``ours``, ``ours_graphed``: ``transformer_kernels``' ops on ``--backend`` (default triton);
+- ``ours_compiled`` (``--compiled``): the loss through ``torch.compile`` (Inductor traces into the
+  Triton kernels, ``ops/_library.py``), then its gradients; compiled before the timing starts;
 - ``seed``: the seeds' naive math (``transformer_kernels.reference``): three GEMMs and head splits,
   ``masked_fill`` + softmax attention, ``conv1d`` + GLU;
 - ``torch``, ``torch_graphed``: torch's own ops: one packed ``F.linear`` + ``chunk``,
@@ -18,7 +20,8 @@ round (``transformer_kernels.bench.timing``; the layer is
 Targets: ``ours`` faster than ``seed``; ``ours_graphed`` faster than ``torch`` (and than
 ``torch_graphed``, for a like-for-like graph).
 
-Usage: ``python benchmarks/graphed_step.py [--out DIR] [--backend triton|cuda]`` on a CUDA machine;
+Usage: ``python benchmarks/graphed_step.py [--out DIR] [--backend triton|cuda] [--compiled]`` on a CUDA
+machine;
 prints each implementation's median ms and its speed-up over the others (median of per-round
 ratios, p10-p90), and writes them with every round's time to ``DIR/graphed_step.json``.
 """
@@ -41,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--compiled", action="store_true", help="time ours through torch.compile too")
     args = parser.parse_args()
     device = torch.device("cuda")
     layer = SeedLayer(**SHAPE, device=device, dtype=torch.bfloat16)
@@ -48,6 +52,10 @@ def main() -> None:
     for name in ("ours", "torch"):
         graph, _ = captured(steps[name])
         steps[f"{name}_graphed"] = graph.replay
+    if args.compiled:
+        loss = torch.compile(lambda: layer.loss("ours", args.backend))
+        steps["ours_compiled"] = lambda: layer.step(loss=loss)
+        steps["ours_compiled"]()  # compiles, outside the timing
     result = measure(steps, device, Schedule.for_device(device))
     times = result["times_s"]
     print(f"one training step, {torch.cuda.get_device_name(device)}, backend {args.backend}: median ms")

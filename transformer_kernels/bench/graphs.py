@@ -10,7 +10,7 @@ captures when nothing in it syncs with the host or reads a value back; dropout d
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +60,10 @@ class SeedLayer:
         lengths = torch.randint(self.min_length, self.length + 1, (self.batch,), generator=generator, device=device)
         self.padding.copy_(torch.arange(self.length, device=device)[None, :] >= lengths[:, None])
 
-    def step(self, path: str = "ours", backend: str = "auto") -> list[torch.Tensor]:
-        """The loss and every weight's gradient, computed the ``path`` way (one of ``PATHS``; ours on
-        ``backend``).  The seed's and torch's attention take no dropout."""
+    def loss(self, path: str = "ours", backend: str = "auto") -> torch.Tensor:
+        """The layer's loss, computed the ``path`` way (one of ``PATHS``; ours on ``backend``): what
+        ``torch.compile`` takes of a step (:meth:`step` adds the gradients).  The seed's and torch's
+        attention take no dropout."""
         qkv_weight, qkv_bias, conv_weight, conv_bias = self.weights
         batch, length, embed, heads = self.batch, self.length, self.embed, self.heads
         if path == "ours":
@@ -83,8 +84,14 @@ class SeedLayer:
             y = tk.glu_conv1d(h, conv_weight, conv_bias, residual=h, residual_scale=scale, backend=backend)
         else:
             y = (F.glu(F.conv1d(h, conv_weight, conv_bias, padding=self.kernel_size // 2), dim=1) + h) * scale
-        loss = y.float().square().mean()
-        return [loss, *torch.autograd.grad(loss, self.weights)]
+        return y.float().square().mean()
+
+    def step(self, path: str = "ours", backend: str = "auto",
+             loss: Optional[Callable[[], torch.Tensor]] = None) -> list[torch.Tensor]:
+        """The loss and every weight's gradient, the loss computed the ``path`` way (:meth:`loss`), or
+        by ``loss()`` when given (a compiled :meth:`loss`)."""
+        value = self.loss(path, backend) if loss is None else loss()
+        return [value, *torch.autograd.grad(value, self.weights)]
 
 
 def captured(step: Callable[[], Sequence[torch.Tensor]], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, list]:
