@@ -57,9 +57,11 @@ def _traced(function, *inputs) -> list[str]:
 
 
 def _attention(query, key, value, grad_out, args: AttentionArgs, backend: str = "triton"):
-    """Attention forward, then backward: grad-mode calls of the registered ops, as autograd makes them."""
+    """Attention forward, then backward: grad-mode calls of the registered ops, as autograd makes them
+    (the float mask's gradient too, where there is one)."""
     out, lse = attention_forward(query, key, value, args, True, backend)
-    return attention_backward(grad_out, query, key, value, out, lse, args, False, backend)
+    mask_needs_grad = args.attn_mask is not None and args.attn_mask.is_floating_point()
+    return attention_backward(grad_out, query, key, value, out, lse, args, mask_needs_grad, backend)
 
 
 def cases(fake: FakeTensorMode) -> dict:
@@ -70,12 +72,17 @@ def cases(fake: FakeTensorMode) -> dict:
         query, key = empty(2, 4, 16, 64), empty(2, 2, 24, 64)
         value, grad_out = empty(2, 2, 24, 64), empty(2, 4, 16, 64)
         padding = torch.zeros(2, 24, dtype=torch.bool, device="cuda")
+        scores_bias = empty(2, 1, 16, 24)  # one float mask for every head
         seed = torch.zeros(2, dtype=torch.int64, device="cuda")
         x, weight, bias = empty(2, 16, 64), empty(192, 64), empty(192)
         glu_x, glu_weight, glu_bias = empty(2, 32, 20), empty(64, 32, 3), empty(64)
 
     def attention(query, key, value, grad_out, padding, seed):
         args = AttentionArgs(padding, None, Causal.TOP_LEFT, 0.125, 0.1, seed)
+        return _attention(query, key, value, grad_out, args)
+
+    def attention_float_mask(query, key, value, grad_out, scores_bias):
+        args = AttentionArgs(None, scores_bias, Causal.BOTTOM_RIGHT, 0.125, 0.0, None)
         return _attention(query, key, value, grad_out, args)
 
     def attention_on_eager(query, key, value, grad_out, padding):
@@ -92,11 +99,18 @@ def cases(fake: FakeTensorMode) -> dict:
         out, saved = glu_conv1d_forward(x, weight, bias, x, args, "triton")
         return glu_conv1d_backward(out, x, weight, bias, saved, args, True, True, True, "triton")
 
+    def glu_causal(x, weight):  # a decoder's layer: causal padding, no bias, no residual
+        args = GluConvArgs(2, 0, 0.0, 1.0)
+        out, saved = glu_conv1d_forward(x, weight, None, None, args, "triton")
+        return glu_conv1d_backward(out, x, weight, None, saved, args, True, True, False, "triton")
+
     traced = {
         "attention": _traced(attention, query, key, value, grad_out, padding, seed),
+        "attention_float_mask": _traced(attention_float_mask, query, key, value, grad_out, scores_bias),
         "attention_on_eager": _traced(attention_on_eager, query, key, value, grad_out, padding),
         "qkv": _traced(qkv, x, weight, bias),
         "glu": _traced(glu, glu_x, glu_weight, glu_bias),
+        "glu_causal": _traced(glu_causal, glu_x, glu_weight),
     }
     with torch._functorch.config.patch(decompose_custom_triton_ops=False):  # as torch.export traces
         traced["qkv_exported"] = _traced(qkv, x, weight, bias)

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 # What a traced call may do besides its launches: allocate, and lay out the GLU weight for them.
 _ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
-                "aten.new_empty.default", "aten.new_empty_strided.default"}
+                "aten.new_empty.default", "aten.new_empty_strided.default", "aten.new_zeros.default"}
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,19 @@ def traced() -> dict:
 @pytest.mark.parametrize("op, kernels", [
     ("attention", ["_attention_key_bounds_kernel", "_attention_forward_kernel", "_attention_key_bounds_kernel",
                    "_attention_delta_kernel", "_attention_grad_key_value_kernel", "_attention_grad_query_kernel"]),
+    ("attention_float_mask", ["_attention_forward_kernel", "_attention_delta_kernel",
+                              "_attention_grad_key_value_kernel", "_attention_grad_query_kernel"]),
     ("qkv", ["_qkv_forward_kernel", "_qkv_grad_input_kernel", "_qkv_grad_weight_kernel"]),
     ("glu", ["_glu_conv_forward_kernel", "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel",
              "_glu_conv_grad_weight_kernel", "_split_sum_kernel", "_split_sum_kernel"]),
+    ("glu_causal", ["_glu_conv_forward_kernel", "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel",
+                    "_glu_conv_grad_weight_kernel", "_split_sum_kernel"]),
 ])
 def test_traced_triton_ops_are_their_launches(traced, op, kernels):
     called = traced[op]
     assert [name.removeprefix("triton:") for name in called if name.startswith("triton:")] == kernels
     others = {name for name in called if not name.startswith("triton:")}
-    expected = _ALLOCATIONS | ({"aten.permute.default", "aten.clone.default"} if op == "glu" else set())
+    expected = _ALLOCATIONS | ({"aten.permute.default", "aten.clone.default"} if op.startswith("glu") else set())
     assert others <= expected, f"{op}'s traced graph computes outside its kernels: {sorted(others - expected)}"
 
 
