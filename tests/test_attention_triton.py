@@ -292,7 +292,9 @@ def test_launch_templates_verify_that_the_layout_determines_the_launches():
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    """Call plans from none, each call checked against the checked route (the suite's default)."""
+    """Call plans from none, each call checked against the checked route (the suite's default): a
+    test that swaps a piece of the launchers (other than the tile table, which a prepared call
+    checks) needs them, or a prepared forward or backward kept from an earlier test runs without it."""
     from transformer_kernels.ops import attention as attention_op
     from transformer_kernels.ops._call_plans import CallPlans
 
@@ -309,9 +311,10 @@ def _kept_forward(plans: "CallPlans"):
                          ids=["none", "causal", "padding", "padding_dropout"])
 def test_a_plan_runs_the_prepared_forward_on_each_calls_tensors(fresh_plans, masks):
     """The call plan of a layout the kernels take as it is keeps a forward prepared for it, which
-    later calls run with their own tensors, padding and dropout seed: the first call's values on
-    its tensors (the checked route ran it), the reference's on the others
-    (LaunchTemplates.verify, set for the suite, also compares its launches with forward's)."""
+    later calls run with their own tensors, padding and dropout seed, and which prepares their
+    backward: the first call's values on its tensors (the checked route ran it), the reference's on
+    the others (LaunchTemplates.verify, set for the suite, also compares the launches with those of
+    forward and backward)."""
     batch, heads, length, head_dim = 3, 2, 40, 32
     padding_rows = [torch.tensor([[40], [17], [1]]), torch.tensor([[5], [40], [23]])]
     for call in range(3):
@@ -328,6 +331,7 @@ def test_a_plan_runs_the_prepared_forward_on_each_calls_tensors(fresh_plans, mas
             out = tk.scaled_dot_product_attention(q, k, v, backend="triton", **kwargs)
             results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
             assert isinstance(_kept_forward(fresh_plans), triton_attention._PreparedForward)
+        assert isinstance(_kept_forward(fresh_plans).prepared_backward, triton_attention._PreparedBackward)
         torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
         if not kwargs["dropout_p"]:
             exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -368,6 +372,58 @@ def test_the_prepared_forward_fails_where_its_launches_differ_from_forwards(fres
     prepared.forward = prepared.forward + prepared.forward
     with pytest.raises(AssertionError, match="prepared attention forward's launches differ"):
         tk.scaled_dot_product_attention(q, k, v, backend="triton")
+
+
+def test_the_prepared_backward_takes_backward_where_the_call_differs(fresh_plans, monkeypatch):
+    """The backward of a prepared forward's call: its grad_out in another layout than the first's, an
+    address off 16 bytes or a swapped tile table sends it to backward; each gradient against the
+    reference."""
+    shape = (2, 2, 24, 32)
+    q, k, v = (torch.randn(shape, device=DEVICE, requires_grad=True) for _ in range(3))
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*exact)
+    general = []
+    real_backward = triton_attention.backward
+    monkeypatch.setattr(triton_attention, "backward", lambda *args: general.append(1) or real_backward(*args))
+
+    def check_gradients(grad_out):
+        out = tk.scaled_dot_product_attention(q, k, v, backend="triton")
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        expected_grads = torch.autograd.grad(expected, exact, grad_out.double(), retain_graph=True)
+        assert_close_to_reference(grads, expected_grads, tol=TOLERANCE[torch.float32])
+
+    grad_out = torch.randn(shape, device=DEVICE)
+    for _ in range(2):  # the checked route, then the plan's prepared forward and backward
+        check_gradients(grad_out)
+    assert isinstance(_kept_forward(fresh_plans).prepared_backward, triton_attention._PreparedBackward)
+    assert general == [1]  # the checked route's backward only
+    check_gradients(torch.randn(2, 24, 2, 32, device=DEVICE).transpose(1, 2))
+    assert len(general) == 2
+    unaligned = torch.randn(grad_out.numel() + 1, device=DEVICE)[1:].view(shape)
+    assert unaligned.stride() == grad_out.stride() and unaligned.data_ptr() % 16 != 0
+    check_gradients(unaligned)
+    assert len(general) == 3
+    table = triton_attention.block_config
+    monkeypatch.setattr(triton_attention, "block_config", lambda *args: table(*args))
+    check_gradients(grad_out)
+    assert len(general) == 4
+    monkeypatch.setattr(triton_attention, "block_config", table)
+    check_gradients(grad_out)
+    assert len(general) == 4
+
+
+def test_the_prepared_backward_fails_where_its_launches_differ_from_backwards(fresh_plans):
+    """Under LaunchTemplates.verify, a prepared backward whose templates are not what backward would
+    launch fails the call."""
+    q, k, v = (torch.randn(2, 2, 24, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    for _ in range(2):
+        out = tk.scaled_dot_product_attention(q, k, v, backend="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    prepared = _kept_forward(fresh_plans).prepared_backward
+    prepared.grad_query = prepared.grad_query + prepared.grad_query
+    out = tk.scaled_dot_product_attention(q, k, v, backend="triton")
+    with pytest.raises(AssertionError, match="prepared attention backward's launches differ"):
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
 
 def test_layouts_the_kernels_take_only_copied_keep_forward_in_their_plan(fresh_plans):
@@ -412,7 +468,7 @@ def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
     assert torch.equal(key_padding_bounds(padding).cpu(), expected[:, :2])
 
 
-def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(monkeypatch):
+def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(fresh_plans, monkeypatch):
     # CUDA caps the grid's second dimension (batch * heads) at 65535; shrink
     # the cap so the chunked launch runs at a testable size.
     monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 3)
@@ -485,7 +541,7 @@ def test_every_gpu_tile_shape_in_the_interpreter(kernel, block_m, block_n, masks
 
 
 @pytest.mark.parametrize("splits", [False, True], ids=["one_masked_stage", "split_keys"])
-def test_grad_query_with_and_without_split_keys(splits, monkeypatch):
+def test_grad_query_with_and_without_split_keys(splits, fresh_plans, monkeypatch):
     """dQ's two key stages (SPLIT_KEYS) and its one masked stage, which the launcher picks per GPU
     (``_grad_query_splits_keys``: the interpreter would only meet the first without masks)."""
     monkeypatch.setattr(triton_attention, "_grad_query_splits_keys", lambda variant, capability: splits)
@@ -494,20 +550,20 @@ def test_grad_query_with_and_without_split_keys(splits, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["float_mask_grad_padding", "gqa_causal_padding", "bool_mask_rows"])
-def test_grad_key_value_in_a_pass_per_gradient(case, monkeypatch):
+def test_grad_key_value_in_a_pass_per_gradient(case, fresh_plans, monkeypatch):
     """dK and dV in passes of their own (``grad_key_value_passes``: triton 3.6's dense mask or
     dropout at head dim 256), here at head dim 64 with masks and with causality and padding,
     against the math."""
     monkeypatch.setattr(triton_attention, "_GRAD_KEY_VALUE_APART", {(variant, 64) for variant in ("masked", "fast")})
     passes = []
-    build = triton_attention._masked_kernel_launches
+    build = triton_attention._masked_kernel_template
 
     def counting(kernel_name, *args, **kwargs):
         if kernel_name == "grad_key_value":
             passes.append((kwargs["GRAD_KEY"], kwargs["GRAD_VALUE"]))
         return build(kernel_name, *args, **kwargs)
 
-    monkeypatch.setattr(triton_attention, "_masked_kernel_launches", counting)
+    monkeypatch.setattr(triton_attention, "_masked_kernel_template", counting)
     _run_case(**CASES[case])
     half = len(passes) // 2
     assert passes and passes[::2] == [(True, False)] * half and passes[1::2] == [(False, True)] * half

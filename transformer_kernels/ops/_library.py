@@ -13,9 +13,10 @@ functions.  Under ``torch.compile``, a dispatch mode (fake tensors, op
 counters) or tensor subclasses they go through the registered op, so torch
 sees one op with its fake and autograd.  Plain eager calls on plain tensors
 skip the dispatcher: they run the implementation directly (or the forward that a
-call plan prepared for the call's layout, :meth:`RegisteredOp.call_plain`), inside an
-``autograd.Function`` built from the same ``setup_context``/``backward`` when a
-gradient is needed.  At the seeds' short sequences the dispatcher and
+call plan prepared for the call's layout, :meth:`RegisteredOp.call_plain`, whose
+``backward``, where it has one, then runs the backward op:
+:meth:`RegisteredOp.backward_runner`), inside an ``autograd.Function`` built from
+the same ``setup_context``/``backward`` when a gradient is needed.  At the seeds' short sequences the dispatcher and
 torch.library's autograd wrapper cost more host time than the kernels take on
 a GPU.  Inside a torch.func transform (``grad``, ``vmap``, ...), which
 torch.library's autograd wrapper does not support, an op with autograd runs
@@ -279,6 +280,7 @@ class RegisteredOp:
             def forward(ctx, *tensors_and_call):
                 runner, typed = tensors_and_call[-1]
                 ctx.field_index = self._function_field_index
+                ctx.runner = runner  # a prepared forward may prepare the backward too (backward_runner)
                 outputs = runner(*typed)
                 typed_setup_context(ctx, typed, outputs)
                 return tuple(outputs) if returns_list else outputs
@@ -301,6 +303,14 @@ class RegisteredOp:
             self.name, num_inputs, tensor_fields, self._function_field_index, implementation, typed_setup_context,
             function_backward, returns_list,
         )
+
+    @staticmethod
+    def backward_runner(ctx) -> Optional[Callable]:
+        """What runs the backward op for the forward that ``ctx`` recorded, for
+        :meth:`call_planned`: the ``backward`` of a forward prepared for the call's layout, where
+        it has one (it knows the layouts, and prepares the backward's launches once), else None
+        (the backward op routed as usual)."""
+        return getattr(getattr(ctx, "runner", None), "backward", None)
 
     def count_flops(self, formula: Callable[..., int]) -> Callable[..., int]:
         """Register ``formula(*inputs, args, *flags, backend)`` (the typed call with each tensor

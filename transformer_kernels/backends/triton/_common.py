@@ -212,14 +212,14 @@ def filled(template: tuple[KernelLaunch, ...], pointers: tuple, call_kwargs: dic
 
 
 def check_prepared_launches(launches: list[KernelLaunch], expected: list[KernelLaunch], name: str) -> None:
-    """Fails unless ``launches`` (a prepared forward's) run what ``expected`` (the same call's,
-    built as its backend's ``forward`` builds them) run, their direct launchers aside, which a
-    template made again replaces."""
+    """Fails unless ``launches`` (those of a prepared ``name``, as ``"QKV forward"``) run what
+    ``expected`` (the same call's, built as its backend's unprepared function builds them) run,
+    their direct launchers aside, which a template made again replaces."""
     def runs(launch: KernelLaunch) -> tuple:
         return launch.kernel, launch.grid, launch.args, launch.kwargs
 
     if [runs(launch) for launch in launches] != [runs(launch) for launch in expected]:
-        raise AssertionError(f"the prepared {name} forward's launches differ from forward's")
+        raise AssertionError(f"the prepared {name}'s launches differ from the unprepared call's")
 
 
 def _check_template(template: tuple, launches: list, pointers: tuple, call_kwargs: dict, layout: Hashable) -> None:

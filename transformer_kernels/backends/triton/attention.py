@@ -474,16 +474,6 @@ _EVEN_HEAD_DIM_KERNELS = ("forward", "grad_query")
 _TEMPLATES = LaunchTemplates()
 
 
-def _masked_kernel_launches(
-    kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
-    pointers: tuple, strides: tuple[int, ...], *extra_args, **extra_kwargs,
-) -> list[KernelLaunch]:
-    """Launches of the forward, dK/dV or dQ kernel (see :func:`_masked_kernel_template`)."""
-    template = _masked_kernel_template(kernel_name, query, key, value, masks, pointers, strides, *extra_args,
-                                       **extra_kwargs)
-    return filled(template, (*pointers, *masks.pointers), masks.call_kwargs)
-
-
 def _masked_kernel_template(
     kernel_name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: _Masks,
     pointers: tuple, strides: tuple[int, ...], *extra_args, **extra_kwargs,
@@ -582,6 +572,11 @@ def _delta_config_arguments(head_dim_v: int) -> dict:
 
 def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> list[KernelLaunch]:
     """Launches of the backward pre-pass writing ``delta`` ``[B, Hq, Lq]``."""
+    return filled(_delta_template(grad_out, out, delta), (grad_out, out, delta), {})
+
+
+def _delta_template(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_delta_launches`, whose pointers are ``grad_out, out, delta``."""
     batch, num_q_heads, seq_len_q, head_dim_v = out.shape
 
     def build() -> list[KernelLaunch]:
@@ -595,7 +590,7 @@ def _delta_launches(grad_out: torch.Tensor, out: torch.Tensor, delta: torch.Tens
         )
 
     layout = ("delta", out.shape, grad_out.stride(), out.stride())
-    return _TEMPLATES.launches(layout, (grad_out, out, delta), build)
+    return _TEMPLATES.template(layout, (grad_out, out, delta), build, {})
 
 
 def grad_key_value_passes(variant: str, head_dim_bucket: int) -> tuple[tuple[bool, bool], ...]:
@@ -611,11 +606,20 @@ def _grad_key_value_launches(
 ) -> list[KernelLaunch]:
     """Launches of the dK/dV kernel; ``grad_scores`` ``[B, Hq, Lq, Lk]``
     float32 receives dS when given (its strides are zeros otherwise)."""
+    pointers = (query, key, value, grad_out, lse, delta, dk, dv, grad_scores, *masks.pointers)
+    templates = _grad_key_value_templates(query, key, value, grad_out, lse, delta, dk, dv, grad_scores, masks)
+    return [launch for template in templates for launch in filled(template, pointers, masks.call_kwargs)]
+
+
+def _grad_key_value_templates(
+    query, key, value, grad_out, lse, delta, dk, dv, grad_scores: Optional[torch.Tensor], masks: _Masks
+) -> list[tuple[KernelLaunch, ...]]:
+    """The templates of :func:`_grad_key_value_launches`, one per pass, whose pointers are
+    ``query, key, value, grad_out, lse, delta, dk, dv, grad_scores`` and ``masks.pointers``."""
     scores_strides = grad_scores.stride() if grad_scores is not None else (0, 0, 0, 0)
     bucket = head_dim_bucket(query.shape[-1], value.shape[-1])
-    launches = []
-    for grad_key, grad_value in grad_key_value_passes(masks.variant, bucket):
-        launches += _masked_kernel_launches(
+    return [
+        _masked_kernel_template(
             "grad_key_value", query, key, value, masks,
             [query, key, value, grad_out, lse, delta, dk, dv, grad_scores],
             (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
@@ -624,7 +628,8 @@ def _grad_key_value_launches(
             scale=masks.args.scale, STORE_GRAD_SCORES=grad_scores is not None, GRAD_KEY=grad_key,
             GRAD_VALUE=grad_value,
         )
-    return launches
+        for grad_key, grad_value in grad_key_value_passes(masks.variant, bucket)
+    ]
 
 
 def _grad_query_splits_keys(variant: str, capability: Optional[int]) -> bool:
@@ -645,7 +650,14 @@ def _grad_query_splits_keys(variant: str, capability: Optional[int]) -> bool:
 
 def _grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> list[KernelLaunch]:
     """Launches of the dQ kernel."""
-    return _masked_kernel_launches(
+    return filled(_grad_query_template(query, key, value, grad_out, lse, delta, dq, masks),
+                  (query, key, value, grad_out, lse, delta, dq, *masks.pointers), masks.call_kwargs)
+
+
+def _grad_query_template(query, key, value, grad_out, lse, delta, dq, masks: _Masks) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_grad_query_launches`, whose pointers are ``query, key, value,
+    grad_out, lse, delta, dq`` and ``masks.pointers``."""
+    return _masked_kernel_template(
         "grad_query", query, key, value, masks,
         [query, key, value, grad_out, lse, delta, dq],
         (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *dq.stride()),
@@ -720,7 +732,8 @@ class _PreparedForward:
     ``LaunchTemplates.verify`` set (the test suite sets it), every call also builds its launches
     as :func:`forward` would, and fails unless they are the same."""
 
-    __slots__ = ("key_bounds", "forward", "capability", "block_config", "out_layout", "lse_layout")
+    __slots__ = ("key_bounds", "forward", "capability", "block_config", "out_layout", "lse_layout",
+                 "prepared_backward")
 
     def __init__(self, query, key, value, args: AttentionArgs) -> None:
         masks = _Masks.of(args, query.device)
@@ -730,9 +743,8 @@ class _PreparedForward:
         self.capability, self.block_config = masks.capability, block_config
         # empty_output's and empty_lse's results, made again from their layouts: 2 of the 5 us
         # those take per call go to working the layouts out.
-        self.out_layout, self.lse_layout = (
-            ((t.shape, t.stride()), dict(dtype=t.dtype, device=t.device)) for t in (out, lse)
-        )
+        self.out_layout, self.lse_layout = (_layout(t) for t in (out, lse))
+        self.prepared_backward: Optional[_PreparedBackward] = None
 
     def __call__(self, query, key, value, args: AttentionArgs, needs_backward: bool, backend: str):
         """The registered op's implementation for this layout (same signature)."""
@@ -750,9 +762,84 @@ class _PreparedForward:
         if LaunchTemplates.verify:
             masks = _Masks(args, bounds, self.capability)
             expected = [*_key_bounds_launches(masks), *_forward_launches(query, key, value, out, lse, masks)]
-            check_prepared_launches(launches, expected, "attention")
+            check_prepared_launches(launches, expected, "attention forward")
         run_launches(launches, query)
         return out, lse
+
+    def backward(self, grad_out, query, key, value, out, lse, args: AttentionArgs, attn_mask_needs_grad: bool,
+                 backend: str):
+        """The registered backward's implementation (same signature) for the calls this forward
+        ran, which the op's autograd hands it (``ctx.runner``): :class:`_PreparedBackward`, made
+        for the first of them, where the later ones' ``grad_out`` has its layout, else
+        :func:`backward`."""
+        prepared = self.prepared_backward
+        if prepared is None and _is_aligned(grad_out):
+            prepared = self.prepared_backward = _PreparedBackward(grad_out, query, key, value, out, lse, args)
+        if prepared is None or not prepared.takes(grad_out):
+            return backward(grad_out, query, key, value, out, lse, args, attn_mask_needs_grad)
+        return prepared(grad_out, query, key, value, out, lse, args)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[tuple, dict]:
+    """``(sizes, strides), options`` that ``torch.empty_strided`` makes ``tensor``'s layout from."""
+    return (tensor.shape, tensor.stride()), dict(dtype=tensor.dtype, device=tensor.device)
+
+
+class _PreparedBackward:
+    """:func:`backward` for the calls of one layout, those of a :class:`_PreparedForward` (inputs,
+    masks and scalars fixed, no ``attn_mask``) whose ``grad_out`` has the layout of the first one's
+    (aligned as the kernels take it): the launch templates of its four kernels and the layouts of
+    what it allocates, worked out once.  A call whose addresses are off 16 bytes, or that meets a
+    swapped tile table (as the tile sweep does), runs :func:`backward`.  Under ``LaunchTemplates.verify`` every call also builds its launches as
+    :func:`backward` would, and fails unless they are the same."""
+
+    __slots__ = ("grad_out_layout", "key_bounds", "delta", "grad_key_value", "grad_query", "capability",
+                 "block_config", "grad_layouts", "delta_layout")
+
+    def __init__(self, grad_out, query, key, value, out, lse, args: AttentionArgs) -> None:
+        masks = _Masks.of(args, query.device)
+        dq, dk, dv = empty_grads(query, key, value)
+        delta = torch.empty_like(lse)
+        self.grad_out_layout = (grad_out.shape, grad_out.stride(), grad_out.dtype)
+        self.key_bounds = () if args.key_padding_mask is None else _key_bounds_template(masks)
+        self.delta = _delta_template(grad_out, out, delta)
+        self.grad_key_value = _grad_key_value_templates(query, key, value, grad_out, lse, delta, dk, dv, None, masks)
+        self.grad_query = _grad_query_template(query, key, value, grad_out, lse, delta, dq, masks)
+        self.capability, self.block_config = masks.capability, block_config
+        self.grad_layouts = tuple(_layout(grad) for grad in (dq, dk, dv))
+        self.delta_layout = _layout(delta)
+
+    def takes(self, grad_out: torch.Tensor) -> bool:
+        return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout
+
+    def __call__(self, grad_out, query, key, value, out, lse, args: AttentionArgs):
+        dq, dk, dv = (torch.empty_strided(*sizes, **options) for sizes, options in self.grad_layouts)
+        sizes, options = self.delta_layout
+        delta = torch.empty_strided(*sizes, **options)
+        addresses = (grad_out.data_ptr() | query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()
+                     | dq.data_ptr() | dk.data_ptr() | dv.data_ptr())
+        if addresses % 16 or block_config is not self.block_config:
+            return backward(grad_out, query, key, value, out, lse, args, False)
+        padding = args.key_padding_mask
+        bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
+        call_kwargs = _call_kwargs(args)
+        launches = [] if padding is None else filled(self.key_bounds, (padding, bounds), {})
+        launches += filled(self.delta, (grad_out, out, delta), {})
+        pointers = (query, key, value, grad_out, lse, delta, dk, dv, None, padding, bounds, None)
+        for template in self.grad_key_value:
+            launches += filled(template, pointers, call_kwargs)
+        launches += filled(self.grad_query, (query, key, value, grad_out, lse, delta, dq, padding, bounds, None),
+                           call_kwargs)
+        if LaunchTemplates.verify:
+            masks = _Masks(args, bounds, self.capability)
+            expected = [
+                *_key_bounds_launches(masks), *_delta_launches(grad_out, out, delta),
+                *_grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, None, masks),
+                *_grad_query_launches(query, key, value, grad_out, lse, delta, dq, masks),
+            ]
+            check_prepared_launches(launches, expected, "attention backward")
+        run_launches(launches, query)
+        return dq, dk, dv, query.new_empty(0, dtype=torch.float32)
 
 
 def backward(

@@ -570,7 +570,7 @@ class _PreparedForward:
         outputs = [torch.empty(self.output_shape, **self.output_options) for _ in range(self.num_proj)]
         launches = filled(self.template, _forward_pointers(x, weight, bias, outputs), {})
         if LaunchTemplates.verify:
-            check_prepared_launches(launches, [_forward_launch(x, weight, bias, outputs, config)], "QKV")
+            check_prepared_launches(launches, [_forward_launch(x, weight, bias, outputs, config)], "QKV forward")
         run_launches(launches, x)
         return outputs
 
