@@ -11,6 +11,7 @@ kernel in Inductor's generated code; and with dynamic shapes, which keep the ops
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -127,14 +128,23 @@ _LAYER_KERNELS = ("_qkv_forward_kernel", "_attention_key_bounds_kernel", "_atten
                   "_qkv_grad_input_kernel", "_qkv_grad_weight_kernel")
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@skip_unless_backend("triton")
-@torch._inductor.config.patch(fx_graph_cache=False)
-@torch._functorch.config.patch(enable_autograd_cache=False)
+def _compiling_on_a_gpu(test):
+    """A test that compiles the layer on a GPU, from no cached graph (an entry made by another test
+    would stand in for what this one compiles)."""
+    @functools.wraps(test)
+    def fresh(*args, **kwargs):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            return test(*args, **kwargs)
+
+    return pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(skip_unless_backend("triton")(fresh))
+
+
+@_compiling_on_a_gpu
 def test_inductor_compiles_the_layers_kernels_into_its_graph():
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
     compiled = torch.compile(_layer_loss, fullgraph=True)
     inputs, padding = _layer_inputs(4, 24)
     expected = _loss_and_grads(_layer_loss, inputs, padding)
@@ -145,12 +155,8 @@ def test_inductor_compiles_the_layers_kernels_into_its_graph():
     assert "torch.ops.transformer_kernels." not in code
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@skip_unless_backend("triton")
-@torch._inductor.config.patch(fx_graph_cache=False)
-@torch._functorch.config.patch(enable_autograd_cache=False)
+@_compiling_on_a_gpu
 def test_dynamic_shapes_keep_the_ops_whole():
-    torch._dynamo.reset()
     compiled = torch.compile(_layer_loss, fullgraph=True, dynamic=True)
     for batch, length in ((4, 24), (6, 32)):
         inputs, padding = _layer_inputs(batch, length)
