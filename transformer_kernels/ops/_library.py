@@ -15,13 +15,13 @@ sees one op with its fake and autograd.  Plain eager calls on plain tensors
 skip the dispatcher: they run the implementation directly (or the forward that a
 call plan prepared for the call's layout, :meth:`RegisteredOp.call_plain`, whose
 ``backward``, where it has one, then runs the backward op:
-:meth:`RegisteredOp.backward_runner`), inside an ``autograd.Function`` built from
-the same ``setup_context``/``backward`` when a gradient is needed.  At the seeds' short sequences the dispatcher and
-torch.library's autograd wrapper cost more host time than the kernels take on
-a GPU.  Inside a torch.func transform (``grad``, ``vmap``, ...), which
-torch.library's autograd wrapper does not support, an op with autograd runs
-through an ``autograd.Function`` made for transforms, and every op has a vmap
-rule (:mod:`._transforms`).
+:meth:`RegisteredOp.backward_runner`), inside an ``autograd.Function`` built
+from the same ``setup_context``/``backward`` when a gradient is needed.  At the
+seeds' short sequences the dispatcher and torch.library's autograd wrapper cost
+more host time than the kernels take on a GPU.  Inside a torch.func transform
+(``grad``, ``vmap``, ...), which torch.library's autograd wrapper does not
+support, an op with autograd runs through an ``autograd.Function`` made for
+transforms, and every op has a vmap rule (:mod:`._transforms`).
 
 Under torch.compile, AOTAutograd functionalizes the graph; there an op whose
 backend's kernel launches can be traced (``_backend.traces_into_kernels``:
@@ -305,12 +305,14 @@ class RegisteredOp:
         )
 
     @staticmethod
-    def backward_runner(ctx) -> Optional[Callable]:
+    def backward_runner(ctx, *tensors: Optional[Tensor]) -> Optional[Callable]:
         """What runs the backward op for the forward that ``ctx`` recorded, for
         :meth:`call_planned`: the ``backward`` of a forward prepared for the call's layout, where
-        it has one (it knows the layouts, and prepares the backward's launches once), else None
-        (the backward op routed as usual)."""
-        return getattr(getattr(ctx, "runner", None), "backward", None)
+        it has one (it knows the layouts, and prepares the backward's launches once) and the
+        backward call of ``tensors`` is :func:`plain_eager_call` (a dispatch mode or a transform
+        active during the backward pass must see the op); else None (the op routed as usual)."""
+        runner = getattr(getattr(ctx, "runner", None), "backward", None)
+        return runner if runner is not None and plain_eager_call(*tensors) else None
 
     def count_flops(self, formula: Callable[..., int]) -> Callable[..., int]:
         """Register ``formula(*inputs, args, *flags, backend)`` (the typed call with each tensor

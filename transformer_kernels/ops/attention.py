@@ -670,9 +670,11 @@ def _backward(ctx, grad_out, _grad_saved):
     query, key, value, out, saved, key_padding_mask, attn_mask, dropout_seed = ctx.saved_tensors
     causal, scale, dropout_p = ctx.scalars
     args = AttentionArgs(key_padding_mask, attn_mask, causal, scale, dropout_p, dropout_seed)
+    runner = attention_forward.backward_runner(
+        ctx, grad_out, query, key, value, out, saved, key_padding_mask, attn_mask, dropout_seed
+    )
     dq, dk, dv, dmask = attention_backward.call_planned(
-        attention_forward.backward_runner(ctx),
-        grad_out, query, key, value, out, saved, args, ctx.attn_mask_needs_grad, ctx.backend,
+        runner, grad_out, query, key, value, out, saved, args, ctx.attn_mask_needs_grad, ctx.backend
     )
     grad_mask = _mask_gradient(dmask, attn_mask) if ctx.attn_mask_needs_grad else None
     return (dq, dk, dv), {"attn_mask": grad_mask}

@@ -790,8 +790,9 @@ class _PreparedBackward:
     masks and scalars fixed, no ``attn_mask``) whose ``grad_out`` has the layout of the first one's
     (aligned as the kernels take it): the launch templates of its four kernels and the layouts of
     what it allocates, worked out once.  A call whose addresses are off 16 bytes, or that meets a
-    swapped tile table (as the tile sweep does), runs :func:`backward`.  Under ``LaunchTemplates.verify`` every call also builds its launches as
-    :func:`backward` would, and fails unless they are the same."""
+    swapped tile table (as the tile sweep does), runs :func:`backward`.  Under
+    ``LaunchTemplates.verify`` every call also builds its launches as :func:`backward` would, and
+    fails unless they are the same."""
 
     __slots__ = ("grad_out_layout", "key_bounds", "delta", "grad_key_value", "grad_query", "capability",
                  "block_config", "grad_layouts", "delta_layout")
