@@ -119,6 +119,25 @@ def test_cuda_backend_reason_for_cpu_tensors():
     assert cuda.auto_device_types == ("cuda",)
 
 
+@torch._inductor.config.patch(fx_graph_cache=False)
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_torch_compile_traces_every_backends_device_check_for_cuda_tensors():
+    """The backend choice of a call on CUDA tensors asks every backend's device check, inside the
+    user's torch.compile: each must trace without a graph break (a fullgraph compile of any call
+    on a GPU failed where the cuda backend imported its extension, and on torch 2.11 where the
+    triton backend looked its version up), and give what it gives eagerly.  Here on CPU tensors,
+    asking about a CUDA device."""
+    torch._dynamo.reset()
+    cuda = torch.device("cuda")
+
+    def reasons_length(x):
+        lengths = [len(backend.device_reason(cuda, torch.float16) or "") for backend in _backend._registry.values()]
+        return x + sum(lengths)
+
+    expected = sum(len(backend.device_reason(cuda, torch.float16) or "") for backend in _backend._registry.values())
+    assert torch.compile(reasons_length, fullgraph=True)(torch.zeros(1)).item() == expected
+
+
 @pytest.mark.parametrize("name", ["auto", "eager"])
 def test_register_backend_refuses_a_taken_name(monkeypatch, name):
     monkeypatch.setattr(_backend, "_registry", dict(_backend._registry))

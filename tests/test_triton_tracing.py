@@ -95,17 +95,17 @@ def _layer_loss(x, qkv_weight, qkv_bias, conv_weight, conv_bias, padding):
     return y.float().square().mean()
 
 
-def _layer_inputs(batch: int, length: int, embed: int = 64):
-    generator = torch.Generator(device="cuda").manual_seed(0)
+def _layer_inputs(batch: int, length: int, embed: int = 64, device: str = "cuda", dtype=torch.float16):
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(shape, device="cuda", generator=generator) * scale).half().requires_grad_()
+        return (torch.randn(shape, device=device, generator=generator) * scale).to(dtype).requires_grad_()
 
     x = randn(batch, length, embed)
     weights = [randn(3 * embed, embed, scale=embed**-0.5), randn(3 * embed, scale=0.1),
                randn(2 * embed, embed, 3, scale=(3 * embed) ** -0.5), randn(2 * embed, scale=0.1)]
-    lengths = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=generator)
-    padding = torch.arange(length, device="cuda") >= lengths[:, None]
+    lengths = torch.randint(length // 2, length + 1, (batch,), device=device, generator=generator)
+    padding = torch.arange(length, device=device) >= lengths[:, None]
     return [x, *weights], padding
 
 
@@ -118,6 +118,19 @@ def _assert_close(actual, expected):
     for name, got, want in zip(("loss", "dx", "d qkv weight", "d qkv bias", "d conv weight", "d conv bias"),
                                actual, expected):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests below compile the layer on the GPU")
+@torch._inductor.config.patch(fx_graph_cache=False)
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_a_fullgraph_compile_of_the_layer_on_the_triton_backend():
+    """Dynamo traces the public functions' checks and backend choice on the triton backend whole
+    (its triton version check is a constant to it: torch 2.11's Dynamo could not trace importlib's
+    find_spec there), here on the interpreter's CPU tensors, where the ops stay whole."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer_loss, fullgraph=True)
+    inputs, padding = _layer_inputs(2, 8, embed=32, device="cpu", dtype=torch.float32)
+    _assert_close(_loss_and_grads(compiled, inputs, padding), _loss_and_grads(_layer_loss, inputs, padding))
 
 
 # The launches a compiled step of the layer runs, forward and backward: every kernel's source must be

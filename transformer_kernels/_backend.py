@@ -126,7 +126,9 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# A constant to torch.compile too (Dynamo ignores lru_cache): called while tracing, not traced.
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

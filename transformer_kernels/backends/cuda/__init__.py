@@ -37,10 +37,19 @@ def extension() -> Optional[ModuleType]:
         return None
 
 
+# A constant to torch.compile, which calls it while tracing instead of tracing into it: Dynamo
+# ignores lru_cache and cannot trace importlib (a fullgraph compile of any call on CUDA tensors
+# that considers this backend failed).
+@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
+def _extension_built() -> bool:
+    return extension() is not None
+
+
 def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     if device.type != "cuda":
         return f"the cuda backend needs CUDA tensors, got device {device}"
-    if extension() is None:
+    if not _extension_built():
         return "the CUDA extension transformer_kernels._C is not built"
     return None
 

@@ -26,7 +26,11 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# A constant to torch.compile, which calls it while tracing instead of tracing into it: Dynamo
+# ignores lru_cache and, in torch 2.11, cannot trace importlib's find_spec (a fullgraph compile of
+# any call that considers this backend failed there).
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
 def triton_reason() -> Optional[str]:
     """Why the installed triton cannot run our kernels, or None (looked up once: calls pay nothing)."""
     if importlib.util.find_spec("triton") is None:
