@@ -61,7 +61,9 @@ def test_forced_build_with_a_wrong_cutlass_path_says_so(tmp_path):
 
 
 def test_without_the_extension_the_cuda_backend_explains(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "extension", lambda: None)
+    # What the device check asks (kept once per process, as a constant to torch.compile), here
+    # answered as on a machine without the extension, also where it is built.
+    monkeypatch.setattr(cuda_backend, "_extension_built", lambda: False)
     assert cuda_backend._device_reason(torch.device("cuda"), torch.float16) == (
         "the CUDA extension transformer_kernels._C is not built"
     )
