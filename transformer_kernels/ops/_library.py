@@ -131,17 +131,16 @@ class RegisteredOp:
         ``torch.library.triton_op`` does under torch.export and with tensor subclasses, the op
         whole.  Symbolic sizes keep it whole too: the backends work out their launches in
         Python integers (tile sizes, grids, layout-keyed templates)."""
+        # The schema has no keyword-only arguments: all of them arrive in ``flat``.
         typed = self.unpack(flat)
         tensors = self._tensors(typed)
         if (
-            kwargs
-            or not tensors
-            or not traces_into_kernels(typed[-1], tensors[0].device)
+            not traces_into_kernels(typed[-1], tensors[0].device)
             or any(kind not in (Tensor, FunctionalTensor, FakeTensor) for kind in types)
             or any(_symbolic(tensor) for tensor in tensors)
             or _export_keeps_ops()
         ):
-            return mode.__torch_dispatch__(op, types, flat, kwargs or {})
+            return mode.__torch_dispatch__(op, types, flat, kwargs)
         with mode:
             return self._implementation(*typed)
 

@@ -431,9 +431,7 @@ class _Masks:
 
     @classmethod
     def of(cls, args: AttentionArgs, device: torch.device) -> "_Masks":
-        padding = args.key_padding_mask
-        key_bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
-        return cls(args, key_bounds, compute_capability(device))
+        return cls(args, _empty_key_bounds(args.key_padding_mask), compute_capability(device))
 
     def arguments(self) -> tuple[list, dict]:
         """(mask strides, the scalar and constexpr keyword arguments that
@@ -454,6 +452,12 @@ class _Masks:
         if args.causal != Causal.NONE or args.key_padding_mask is not None:
             return "fast"
         return "dense"
+
+
+def _empty_key_bounds(padding: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The ``[B, 3]`` int32 key bounds that :func:`_key_bounds_launches` fills for ``padding`` (None
+    without key padding)."""
+    return None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
 
 
 def _call_kwargs(args: AttentionArgs) -> dict:
@@ -748,17 +752,14 @@ class _PreparedForward:
 
     def __call__(self, query, key, value, args: AttentionArgs, needs_backward: bool, backend: str):
         """The registered op's implementation for this layout (same signature)."""
+        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16 or block_config is not self.block_config:
+            return forward(query, key, value, args, needs_backward)
+        # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
         (out_sizes, out_options), (lse_sizes, lse_options) = self.out_layout, self.lse_layout
         out, lse = torch.empty_strided(*out_sizes, **out_options), torch.empty_strided(*lse_sizes, **lse_options)
-        if (query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()) % 16 or (
-            block_config is not self.block_config
-        ):
-            return forward(query, key, value, args, needs_backward)
         padding = args.key_padding_mask
-        bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
-        launches = filled(self.forward, (query, key, value, out, lse, padding, bounds, None), _call_kwargs(args))
-        if padding is not None:
-            launches = filled(self.key_bounds, (padding, bounds), {}) + launches
+        bounds, launches = self.key_bounds_launches(padding)
+        launches += filled(self.forward, (query, key, value, out, lse, padding, bounds, None), _call_kwargs(args))
         if LaunchTemplates.verify:
             masks = _Masks(args, bounds, self.capability)
             expected = [*_key_bounds_launches(masks), *_forward_launches(query, key, value, out, lse, masks)]
@@ -774,10 +775,17 @@ class _PreparedForward:
         :func:`backward`."""
         prepared = self.prepared_backward
         if prepared is None and _is_aligned(grad_out):
-            prepared = self.prepared_backward = _PreparedBackward(grad_out, query, key, value, out, lse, args)
+            prepared = _PreparedBackward(self, grad_out, query, key, value, out, lse, args)
+            self.prepared_backward = prepared
         if prepared is None or not prepared.takes(grad_out):
             return backward(grad_out, query, key, value, out, lse, args, attn_mask_needs_grad)
         return prepared(grad_out, query, key, value, out, lse, args)
+
+    def key_bounds_launches(self, padding: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], list]:
+        """A call's key bounds (:func:`_empty_key_bounds`) and the launch filling them, from the kept
+        template (none without key padding): what this forward and its prepared backward run first."""
+        bounds = _empty_key_bounds(padding)
+        return bounds, [] if padding is None else filled(self.key_bounds, (padding, bounds), {})
 
 
 def _layout(tensor: torch.Tensor) -> tuple[tuple, dict]:
@@ -788,25 +796,26 @@ def _layout(tensor: torch.Tensor) -> tuple[tuple, dict]:
 class _PreparedBackward:
     """:func:`backward` for the calls of one layout, those of a :class:`_PreparedForward` (inputs,
     masks and scalars fixed, no ``attn_mask``) whose ``grad_out`` has the layout of the first one's
-    (aligned as the kernels take it): the launch templates of its four kernels and the layouts of
-    what it allocates, worked out once.  A call whose addresses are off 16 bytes, or that meets a
-    swapped tile table (as the tile sweep does), runs :func:`backward`.  Under
-    ``LaunchTemplates.verify`` every call also builds its launches as :func:`backward` would, and
-    fails unless they are the same."""
+    (aligned as the kernels take it): the launch templates of its kernels (the key bounds' are the
+    forward's) and the layouts of what it allocates, worked out once.  A call whose addresses are
+    off 16 bytes, or that meets a swapped tile table (as the tile sweep does), runs
+    :func:`backward`.  Under ``LaunchTemplates.verify`` every call also builds its launches as
+    :func:`backward` would, and fails unless they are the same."""
 
-    __slots__ = ("grad_out_layout", "key_bounds", "delta", "grad_key_value", "grad_query", "capability",
-                 "block_config", "grad_layouts", "delta_layout")
+    __slots__ = ("prepared_forward", "grad_out_layout", "delta", "grad_key_value", "grad_query", "block_config",
+                 "grad_layouts", "delta_layout")
 
-    def __init__(self, grad_out, query, key, value, out, lse, args: AttentionArgs) -> None:
+    def __init__(self, prepared_forward: _PreparedForward, grad_out, query, key, value, out, lse,
+                 args: AttentionArgs) -> None:
         masks = _Masks.of(args, query.device)
         dq, dk, dv = empty_grads(query, key, value)
         delta = torch.empty_like(lse)
+        self.prepared_forward = prepared_forward  # its key bounds template and capability serve here too
         self.grad_out_layout = (grad_out.shape, grad_out.stride(), grad_out.dtype)
-        self.key_bounds = () if args.key_padding_mask is None else _key_bounds_template(masks)
         self.delta = _delta_template(grad_out, out, delta)
         self.grad_key_value = _grad_key_value_templates(query, key, value, grad_out, lse, delta, dk, dv, None, masks)
         self.grad_query = _grad_query_template(query, key, value, grad_out, lse, delta, dq, masks)
-        self.capability, self.block_config = masks.capability, block_config
+        self.block_config = block_config
         self.grad_layouts = tuple(_layout(grad) for grad in (dq, dk, dv))
         self.delta_layout = _layout(delta)
 
@@ -814,17 +823,16 @@ class _PreparedBackward:
         return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout
 
     def __call__(self, grad_out, query, key, value, out, lse, args: AttentionArgs):
+        addresses = grad_out.data_ptr() | query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()
+        if addresses % 16 or block_config is not self.block_config:
+            return backward(grad_out, query, key, value, out, lse, args, False)
+        # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
         dq, dk, dv = (torch.empty_strided(*sizes, **options) for sizes, options in self.grad_layouts)
         sizes, options = self.delta_layout
         delta = torch.empty_strided(*sizes, **options)
-        addresses = (grad_out.data_ptr() | query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()
-                     | dq.data_ptr() | dk.data_ptr() | dv.data_ptr())
-        if addresses % 16 or block_config is not self.block_config:
-            return backward(grad_out, query, key, value, out, lse, args, False)
         padding = args.key_padding_mask
-        bounds = None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
+        bounds, launches = self.prepared_forward.key_bounds_launches(padding)
         call_kwargs = _call_kwargs(args)
-        launches = [] if padding is None else filled(self.key_bounds, (padding, bounds), {})
         launches += filled(self.delta, (grad_out, out, delta), {})
         pointers = (query, key, value, grad_out, lse, delta, dk, dv, None, padding, bounds, None)
         for template in self.grad_key_value:
@@ -832,7 +840,7 @@ class _PreparedBackward:
         launches += filled(self.grad_query, (query, key, value, grad_out, lse, delta, dq, padding, bounds, None),
                            call_kwargs)
         if LaunchTemplates.verify:
-            masks = _Masks(args, bounds, self.capability)
+            masks = _Masks(args, bounds, self.prepared_forward.capability)
             expected = [
                 *_key_bounds_launches(masks), *_delta_launches(grad_out, out, delta),
                 *_grad_key_value_launches(query, key, value, grad_out, lse, delta, dk, dv, None, masks),
