@@ -21,8 +21,15 @@ Implementations:
   when flash-attn is installed.
 
 Inputs are ``[B, L, H, D]`` tensors viewed as ``[B, H, L, D]`` (what a fused projection
-produces).  Errors are measured on the rows of real (not padded) tokens, against torch's SDPA in
-float64 (CPU: its math backend) or float32 (CUDA: no [B, H, L, L] scores at long lengths).
+produces), and every implementation is timed up to the merged context ``[B, L, H * D]`` that the
+output projection takes: both seed transformers merge the heads right after the attention
+(``context.transpose(1, 2).contiguous().view(B, L, H * D)``).  The merge is free where an
+output is laid out ``[B, L, H, D]`` (ours, torch's CPU flash SDPA, the packed paths), a copy
+where it is ``[B, H, L, D]``-contiguous (the naive math, SDPA's math backend); and the gradient
+each backward is given, laid out like its merged context, is ``[B, L, H, D]`` memory for every
+one of them, as the output projection's backward hands it over.  Errors are measured on the rows
+of real (not padded) tokens, against torch's SDPA in float64 (CPU: its math backend) or float32
+(CUDA: no [B, H, L, L] scores at long lengths).
 """
 
 from __future__ import annotations
@@ -212,8 +219,8 @@ class Inputs:
         return inputs
 
     def real_rows(self) -> Optional[torch.Tensor]:
-        """bool ``[B, 1, L, 1]``: the query rows of real tokens (what an error is measured on)."""
-        return None if self.padding is None else (~self.padding)[:, None, :, None]
+        """bool ``[B, L, 1]``: the merged context's rows of real tokens (what an error is measured on)."""
+        return None if self.padding is None else (~self.padding)[:, :, None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,7 +313,22 @@ def _sdpa(case: AttentionCase, inputs: Inputs, impl: str) -> Callable[[], torch.
     return forced
 
 
+def _merged_heads(attend: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``attend`` followed by the seeds' head merge: ``[B, H, L, D]`` -> ``[B, L, H * D]``."""
+
+    def merged():
+        out = attend()
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+    return merged
+
+
 def _forward(case: AttentionCase, impl: str, inputs: Inputs) -> Callable[[], torch.Tensor]:
+    """``impl``'s attention of the case's inputs, up to the merged context ``[B, L, H * D]``."""
+    return _merged_heads(_attention(case, impl, inputs))
+
+
+def _attention(case: AttentionCase, impl: str, inputs: Inputs) -> Callable[[], torch.Tensor]:
     q, k, v = inputs.qkv
     if impl == "reference":
         return lambda: reference_attention(q, k, v, is_causal=case.causal, key_padding_mask=inputs.padding)
@@ -364,7 +386,7 @@ def _case_groups(case: AttentionCase, setting: Setting) -> list[Group]:
     def exact() -> torch.Tensor:
         exact_qkv = [t.detach().to(setting.exact_dtype) for t in inputs().qkv]
         with torch.no_grad():
-            return _sdpa(case, dataclasses.replace(inputs(), qkv=exact_qkv), "torch_sdpa")()
+            return _merged_heads(_sdpa(case, dataclasses.replace(inputs(), qkv=exact_qkv), "torch_sdpa"))()
 
     def setup(impl: str) -> Impl:
         return Impl(_forward(case, impl, inputs()), inputs().leaves)
