@@ -97,6 +97,21 @@ def test_groups_picked_first_run_first_taking_turns_between_suites(monkeypatch):
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_attention_implementations_end_at_the_merged_context():
+    """Every attention implementation is timed up to the ``[B, L, H * D]`` context the seeds' output
+    projection takes (the naive math paying its head merge), and agrees with the exact math there."""
+    setting = suites.Setting(CPU, torch.float32, "tiny")
+    attention = suites.load("attention")
+    group = next(g for g in attention.groups(setting) if g.case.startswith("padded") and g.direction == "fwd")
+    case = next(c for c in attention.cases(setting) if c.name == group.case)
+    for name in ("eager", "reference", "torch_sdpa"):
+        impl = group.setups[name]()
+        with torch.no_grad():
+            out = impl.forward()
+        assert out.shape == (case.batch, case.length, case.heads * case.head_dim), name
+        assert group.error(out) < 1e-5, name
+
+
 def test_cpu_runs_keep_freed_memory_mapped(tiny_run):
     # The allocator's page faults otherwise swing millisecond-scale CPU ratios by +-20% (timing.py).
     _, out = tiny_run
