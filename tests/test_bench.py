@@ -96,7 +96,6 @@ def test_groups_picked_first_run_first_taking_turns_between_suites(monkeypatch):
     assert measured == turns + [key for key in in_order if key[2] != "fwd+bwd"]
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_attention_implementations_end_at_the_merged_context():
     """Every attention implementation is timed up to the ``[B, L, H * D]`` context the seeds' output
     projection takes (the naive math paying its head merge), and agrees with the exact math there."""
@@ -112,6 +111,7 @@ def test_attention_implementations_end_at_the_merged_context():
         assert group.error(out) < 1e-5, name
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_cpu_runs_keep_freed_memory_mapped(tiny_run):
     # The allocator's page faults otherwise swing millisecond-scale CPU ratios by +-20% (timing.py).
     _, out = tiny_run
