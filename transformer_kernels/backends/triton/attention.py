@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -752,7 +752,7 @@ class _PreparedForward:
 
     def __call__(self, query, key, value, args: AttentionArgs, needs_backward: bool, backend: str):
         """The registered op's implementation for this layout (same signature)."""
-        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16 or block_config is not self.block_config:
+        if not _kept_launches_serve(self.block_config, query, key, value):
             return forward(query, key, value, args, needs_backward)
         # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
         (out_sizes, out_options), (lse_sizes, lse_options) = self.out_layout, self.lse_layout
@@ -786,6 +786,16 @@ class _PreparedForward:
         template (none without key padding): what this forward and its prepared backward run first."""
         bounds = _empty_key_bounds(padding)
         return bounds, [] if padding is None else filled(self.key_bounds, (padding, bounds), {})
+
+
+def _kept_launches_serve(kept_block_config: Callable, *tensors: torch.Tensor) -> bool:
+    """Whether a prepared call's kept launches serve a call of its layout on ``tensors``: each address
+    16-byte aligned (plain eager tensors: their data pointers; what the call allocates is aligned),
+    and the tile table (``block_config``) the one they were built from, which the tile sweep swaps."""
+    addresses = 0
+    for tensor in tensors:
+        addresses |= tensor.data_ptr()
+    return addresses % 16 == 0 and block_config is kept_block_config
 
 
 def _layout(tensor: torch.Tensor) -> tuple[tuple, dict]:
@@ -823,8 +833,7 @@ class _PreparedBackward:
         return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout
 
     def __call__(self, grad_out, query, key, value, out, lse, args: AttentionArgs):
-        addresses = grad_out.data_ptr() | query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr()
-        if addresses % 16 or block_config is not self.block_config:
+        if not _kept_launches_serve(self.block_config, grad_out, query, key, value, out):
             return backward(grad_out, query, key, value, out, lse, args, False)
         # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
         dq, dk, dv = (torch.empty_strided(*sizes, **options) for sizes, options in self.grad_layouts)
