@@ -20,6 +20,7 @@ at its parameter list: those signatures change with the kernels.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import pathlib
@@ -37,6 +38,7 @@ import transformer_kernels
 from transformer_kernels import _backend
 from transformer_kernels._backend import backend_module
 from transformer_kernels.bench.check import Results, as_list, outputs_and_grads  # noqa: F401  (shared with --check)
+from transformer_kernels.ops._call_plans import CallPlans
 
 # The backends the tests run.  A "cuda" case its backend cannot serve is reported as skipped with the
 # reason (conftest.py's pytest_runtest_makereport).
@@ -247,12 +249,15 @@ class GradientSpy:
     each call returned; :meth:`assert_computed` then checks which gradients were computed.
 
     The glu_conv and qkv backends return an empty tensor for a gradient not asked for; attention
-    returns an empty ``dmask`` unless a float ``attn_mask`` needs a gradient."""
+    returns an empty ``dmask`` unless a float ``attn_mask`` needs a gradient.
+
+    The op's calls run unprepared while it spies (:func:`_run_unprepared`)."""
 
     def __init__(self, monkeypatch, op: str, backend: str):
         self.op, self.backend = op, backend
         self.returned: list[tuple[torch.Tensor, ...]] = []
         module = backend_module(op, backend)
+        _run_unprepared(monkeypatch, op, module)
         backward = module.backward
 
         def spy(*args, **kwargs):
@@ -287,11 +292,22 @@ class GradientSpy:
                     )
 
 
+def _run_unprepared(monkeypatch, op: str, module) -> None:
+    """Calls of ``op`` on the backend ``module`` run its ``forward`` and ``backward`` while the test
+    runs: no call plan keeps a forward the backend prepared for a layout (which runs the kernels
+    without calling ``forward``, and whose prepared backward does not call ``backward``).  The
+    suite's ``LaunchTemplates.verify`` holds every prepared call to the launches of the unprepared
+    one."""
+    monkeypatch.setattr(importlib.import_module(f"transformer_kernels.ops.{op}"), "_PLANS", CallPlans())
+    if hasattr(module, "prepare_forward"):
+        monkeypatch.setattr(module, "prepare_forward", lambda *arguments: None)
+
+
 class ForwardSpy:
     """Wraps ``forward`` of ``op`` on every backend in ``names`` that can run here; ``calls`` lists
     ``(op, backend)`` of each call the op made, ``inputs`` its positional arguments.  A backend's
     forward that calls another's (Triton QKV runs float32 through eager's) counts once, as the
-    backend called first."""
+    backend called first.  The ops' calls run unprepared while it spies (:func:`_run_unprepared`)."""
 
     def __init__(self, monkeypatch, ops: Sequence[str] = OPS, names: Sequence[str] = BACKENDS):
         self.calls: list[tuple[str, str]] = []
@@ -302,6 +318,7 @@ class ForwardSpy:
                 if backend_skip_reason(name, op) is not None:
                     continue
                 module = backend_module(op, name)
+                _run_unprepared(monkeypatch, op, module)
 
                 def spy(*args, _forward=module.forward, _key=(op, name), **kwargs):
                     if self._depth == 0:

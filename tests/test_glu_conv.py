@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _helpers import (
-    assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params, device_for, precise_dtype,
-    skip_unless_backend,
+    assert_close_to_reference, assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params,
+    device_for, outputs_and_grads, precise_dtype, skip_unless_backend,
 )
 from conftest import CUDA, requires_cuda, tf32_setting
 
@@ -434,10 +434,11 @@ def test_triton_matches_reference(dtype, k, length, channels_in, channels, paddi
 @requires_triton
 @pytest.mark.skipif(CUDA, reason="interpreter: runs the sm_90 tiles on CPU tensors")
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch):
+def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch, fresh_glu_plans):
     """The 16-bit sm_90 tiles (128 rows, 64-wide K steps), which the interpreter's capability-less
     calls never pick, on channel counts and positions that leave partial tiles; channel-first, 75
-    positions are ragged rows, whose forward takes its own tile."""
+    positions are ragged rows, whose forward takes its own tile.  (Fresh call plans: a prepared
+    forward keeps the capability of its layout's first call.)"""
     from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
 
     monkeypatch.setattr(triton_glu_conv, "compute_capability", lambda device: 90)
@@ -495,6 +496,114 @@ def test_triton_strided_input_and_empty_batch():
     weight = weight.detach().requires_grad_()
     tk.glu_conv1d(x_empty, weight, bias, backend="triton").sum().backward()
     assert torch.count_nonzero(weight.grad) == 0
+
+
+@pytest.fixture
+def fresh_glu_plans(monkeypatch):
+    """glu_conv1d's call plans from none, so that the test's first call prepares its layout."""
+    from transformer_kernels.ops import glu_conv as glu_conv_op
+    from transformer_kernels.ops._call_plans import CallPlans
+
+    monkeypatch.setattr(glu_conv_op, "_PLANS", CallPlans())
+    return glu_conv_op._PLANS
+
+
+def _kept_glu_forward(plans):
+    ((_, (_, (_, prepared))),) = plans._plans.items()
+    return prepared
+
+
+@requires_triton
+@pytest.mark.parametrize("channels_last,with_residual,with_bias", [(True, True, True), (False, False, False)],
+                         ids=["cl_res_bias", "cf_plain"])
+def test_triton_plan_runs_the_prepared_forward_and_backward_on_each_calls_tensors(
+    fresh_glu_plans, channels_last, with_residual, with_bias
+):
+    """The call plan of a layout keeps the Triton forward prepared for it, which prepares the
+    backward of its calls: later calls run both on their own tensors, each against the reference.
+    LaunchTemplates.verify, set for the suite, also compares their launches with forward's and
+    backward's."""
+    from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+
+    def glu(x, weight, bias, residual):
+        return tk.glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual,
+                             residual_scale=SCALE, backend="triton")
+
+    def reference(x, weight, bias, residual):
+        return reference_glu_conv1d(x, weight, bias, padding="causal", pad_value=1.0, residual=residual,
+                                    residual_scale=SCALE)
+
+    for call in range(3):
+        inputs = _make_inputs(2, 3, 11, 8, 12, dtype=torch.float32, device=device_for("triton"),
+                              channels_last=channels_last, bias=with_bias, residual=with_residual)
+        ours = outputs_and_grads(glu, inputs)
+        prepared = _kept_glu_forward(fresh_glu_plans)
+        assert isinstance(prepared, triton_glu_conv._PreparedForward)
+        assert isinstance(prepared.prepared_backward, triton_glu_conv._PreparedBackward)
+        expected = outputs_and_grads(reference, [t if t is None else t.double() for t in inputs],
+                                     ours.grad_outputs)
+        assert_close_to_reference(ours.outputs + ours.grads, expected.outputs + expected.grads, rtol=1e-5, atol=1e-5)
+
+
+@requires_triton
+def test_the_prepared_glu_backward_takes_backward_where_the_call_differs(fresh_glu_plans, monkeypatch):
+    """A call of a prepared layout whose grad_out has another layout than the first's, that asks for
+    other gradients, or that meets another float32 TF32 setting runs backward (the setting sends the
+    forward to forward too); each gradient against the reference."""
+    from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+
+    device = device_for("triton")
+    x, weight, bias, residual = _leaves(*_make_inputs(2, 3, 9, 8, 8, dtype=torch.float32, device=device))
+    general = {"forward": 0, "backward": 0}
+    for name in general:
+        real = getattr(triton_glu_conv, name)
+        monkeypatch.setattr(triton_glu_conv, name, functools.partial(_counted, general, name, real))
+    exact = [t.detach().double().requires_grad_() for t in (x, weight, bias, residual)]
+    expected = reference_glu_conv1d(*exact[:3], residual=exact[3])
+
+    def check_gradients(grad_out, wanted=range(4)):
+        leaves = [t if i in wanted else t.detach() for i, t in enumerate((x, weight, bias, residual))]
+        out = tk.glu_conv1d(*leaves[:3], residual=leaves[3], backend="triton")
+        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out)
+        expected_grads = torch.autograd.grad(expected, [exact[i] for i in wanted], grad_out.double(),
+                                             retain_graph=True)
+        torch.testing.assert_close(grads, expected_grads, rtol=1e-5, atol=1e-5, check_dtype=False)
+
+    grad_out = torch.randn(2, 8, 9, device=device)
+    check_gradients(grad_out)
+    check_gradients(grad_out)
+    assert isinstance(_kept_glu_forward(fresh_glu_plans).prepared_backward, triton_glu_conv._PreparedBackward)
+    assert general == {"forward": 0, "backward": 0}
+    check_gradients(torch.randn(2, 9, 8, device=device).transpose(1, 2))
+    assert general == {"forward": 0, "backward": 1}
+    check_gradients(grad_out, [0])
+    assert general == {"forward": 0, "backward": 2}
+    with tf32_setting("conv", True, "legacy"):
+        check_gradients(grad_out)
+    assert general == {"forward": 1, "backward": 3}
+
+
+def _counted(counts: dict, name: str, function, *args):
+    counts[name] += 1
+    return function(*args)
+
+
+@requires_triton
+def test_the_prepared_glu_calls_fail_where_their_launches_differ(fresh_glu_plans):
+    """What the suite relies on: under LaunchTemplates.verify, a prepared forward or backward whose
+    templates are not what forward or backward would launch fails the call."""
+    x, weight, bias, residual = _leaves(*_make_inputs(2, 3, 9, 8, 8, dtype=torch.float32,
+                                                      device=device_for("triton")))
+    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="triton")
+    torch.autograd.grad(out, x, torch.ones_like(out))
+    prepared = _kept_glu_forward(fresh_glu_plans)
+    prepared.prepared_backward.templates.reverse()
+    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="triton")
+    with pytest.raises(AssertionError, match="prepared GLU convolution backward's launches differ"):
+        torch.autograd.grad(out, x, torch.ones_like(out))
+    prepared.template = prepared.template * 2
+    with pytest.raises(AssertionError, match="prepared GLU convolution forward's launches differ"):
+        tk.glu_conv1d(x, weight, bias, residual=residual, backend="triton")
 
 
 # --------------------------------------------------------------------------- registration

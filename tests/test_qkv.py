@@ -241,10 +241,11 @@ def test_triton_forward_takes_128x128_tiles_where_128x256_ones_leave_sms_idle(mo
 @requires_triton
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 def test_triton_plan_runs_the_prepared_forward_on_each_calls_tensors(monkeypatch, bias):
-    """The call plan of a [B, L, E] float16 call keeps the Triton forward prepared for its layout:
-    later calls run it with their own tensors (the first call's values on its tensors, which the
-    checked route ran; the reference's on the others), or forward where the SM count picks other
-    tiles.  LaunchTemplates.verify, set for the suite, also compares its launches with forward's."""
+    """The call plan of a [B, L, E] float16 call keeps the Triton forward prepared for its layout,
+    which prepares the backward of its calls: later calls run both with their own tensors (the
+    first call's values on its tensors, the reference's on the others), or forward where the SM
+    count picks other tiles.  LaunchTemplates.verify, set for the suite, also compares their
+    launches with forward's and backward's."""
     from transformer_kernels.backends.triton import qkv as triton_qkv
     from transformer_kernels.ops import qkv as qkv_op
     from transformer_kernels.ops._call_plans import CallPlans
@@ -261,6 +262,7 @@ def test_triton_plan_runs_the_prepared_forward_on_each_calls_tensors(monkeypatch
         again = outputs_and_grads(project, inputs, first.grad_outputs)
         ((_, (_, (_, prepared))),) = qkv_op._PLANS._plans.items()
         assert isinstance(prepared, triton_qkv._PreparedForward)
+        assert isinstance(prepared.prepared_backward, triton_qkv._PreparedBackward)
         torch.testing.assert_close((first.outputs, first.grads), (again.outputs, again.grads), rtol=0, atol=0)
         expected = outputs_and_grads(lambda x, weight, b: reference_qkv(x, weight, b, 2), inputs, first.grad_outputs)
         assert_close_to_reference(again.outputs + again.grads, expected.outputs + expected.grads, rtol=1e-2,
@@ -277,6 +279,52 @@ def test_triton_plan_runs_the_prepared_forward_on_each_calls_tensors(monkeypatch
     prepared.template = prepared.template * 2
     with pytest.raises(AssertionError, match="the prepared QKV forward's launches differ"):
         tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+
+
+@requires_triton
+def test_the_prepared_qkv_backward_takes_backward_where_the_call_differs(monkeypatch):
+    """A call of a prepared layout whose gradients have other layouts than the first's, that asks for
+    other gradients, or that meets another SM count runs backward; each gradient against the
+    reference.  Under LaunchTemplates.verify a prepared backward whose templates are not what
+    backward would launch fails the call."""
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+    from transformer_kernels.ops import qkv as qkv_op
+    from transformer_kernels.ops._call_plans import CallPlans
+
+    monkeypatch.setattr(qkv_op, "_PLANS", CallPlans())
+    device = device_for("triton")
+    x, weight, b = _inputs((2, 9, 32), 3, torch.float16, True, device)
+    general = []
+    real_backward = triton_qkv.backward
+    monkeypatch.setattr(triton_qkv, "backward", lambda *args: general.append(1) or real_backward(*args))
+
+    def check_gradients(grads, leaves=(x, weight, b)):
+        wanted = [t for t in leaves if t.requires_grad]
+        ours = torch.autograd.grad(tk.qkv_projection(*leaves, num_heads=2, backend="triton"), wanted, grads)
+        exact = [t.detach().double().requires_grad_(t.requires_grad) for t in leaves]
+        expected = torch.autograd.grad(reference_qkv(*exact, 2), [t for t in exact if t.requires_grad],
+                                       [g.double() for g in grads])
+        assert_close_to_reference(ours, expected, rtol=1e-2, atol=1e-2)
+
+    grads = [torch.randn(2, 2, 9, 16, dtype=torch.float16, device=device) for _ in range(3)]
+    check_gradients(grads)
+    check_gradients(grads)
+    ((_, (_, (_, prepared))),) = qkv_op._PLANS._plans.items()
+    assert isinstance(prepared.prepared_backward, triton_qkv._PreparedBackward)
+    assert general == []
+    check_gradients([torch.randn(2, 9, 2, 16, dtype=torch.float16, device=device).transpose(1, 2)] * 3)
+    assert len(general) == 1
+    check_gradients(grads, (x, weight.detach(), b.detach()))
+    assert len(general) == 2
+    real_count = triton_qkv.multiprocessor_count
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", lambda device: 1)
+    check_gradients(grads)
+    assert len(general) == 3
+    monkeypatch.setattr(triton_qkv, "multiprocessor_count", real_count)
+    prepared.prepared_backward.templates.reverse()
+    outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+    with pytest.raises(AssertionError, match="the prepared QKV backward's launches differ"):
+        torch.autograd.grad(outputs, (x, weight, b), grads)
 
 
 @pytest.mark.parametrize("backend", backend_params("qkv"))

@@ -21,7 +21,7 @@ import torch
 from .._backend import backend_module, select_backend
 from .._checks import check_same_dtype_device, check_tensor
 from ._autocast import autocast
-from ._call_plans import CallPlans, layout_key
+from ._call_plans import CallPlans, layout_key, prepared_forward
 from ._library import RegisteredOp
 
 __all__ = ["glu_conv1d", "glu_conv1d_step", "GluConvArgs"]
@@ -168,7 +168,8 @@ def glu_conv1d(
         return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
 
     (args, name), forward = _PLANS.decide(
-        _plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend), checked, _plan_forward
+        _plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend), checked,
+        lambda decision: _prepared_forward(decision, x, weight, bias, residual),
     )
     out, _ = glu_conv1d_forward.call_planned(forward, x, weight, bias, residual, args, name)
     return out
@@ -229,15 +230,14 @@ def glu_conv1d_step(
             check_same_dtype_device("x_t", x_t, state=state)
         _check_residual(residual, (batch, channels_out), "x_t", x_t)
         args = GluConvArgs(0, 0, *scalars)
-        # The backend sees the window that torch.cat makes, contiguous: from x_t's and state's shapes,
-        # dtype and device alone.
-        window = x_t.new_empty(batch, channels_in, kernel_size)
+        window = _empty_window(x_t, weight)
         return args, select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias,
                                     None if residual is None else residual.unsqueeze(2), args)
 
     (args, name), forward = _PLANS.decide(
         _plan_key((x_t, state, weight, bias, residual), "step", pad_value, residual_scale, backend), checked,
-        _plan_forward,
+        lambda decision: _prepared_forward(decision, _empty_window(x_t, weight), weight, bias,
+                                           None if residual is None else residual.unsqueeze(2)),
     )
     if state is None:
         state = x_t.new_full((*x_t.shape, weight.shape[2] - 1), args.pad_value)
@@ -254,9 +254,17 @@ def glu_conv1d_step(
 _PLANS = CallPlans()
 
 
-def _plan_forward(decision: tuple[GluConvArgs, str]) -> Callable:
-    """What a plan runs for the registered forward: its implementation (no backend prepares one)."""
-    return _glu_conv1d_forward
+def _prepared_forward(decision: tuple[GluConvArgs, str], x, weight, bias, residual) -> Callable:
+    """What a plan runs for the registered forward of a call of these tensors' layouts: the chosen
+    backend's forward prepared for it, where the backend prepares one (``prepared_forward``)."""
+    args, backend = decision
+    return prepared_forward("glu_conv", backend, _glu_conv1d_forward, x, weight, bias, residual, args)
+
+
+def _empty_window(x_t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor of the layout of the window a :func:`glu_conv1d_step` convolves, the
+    contiguous ``[B, C_in, k]`` that ``torch.cat`` makes: from ``x_t``'s shape, dtype and device."""
+    return x_t.new_empty(*x_t.shape, weight.shape[2])
 
 
 def _plan_key(tensors: tuple, padding, pad_value, residual_scale, backend) -> Optional[tuple]:
@@ -393,8 +401,9 @@ def _backward(ctx, grad_out, _grad_saved):
     if grad_out is None:
         return (None, None, None, None), {}
     if needs_x or needs_weight or needs_bias:
-        grad_x, grad_weight, grad_bias = glu_conv1d_backward(
-            grad_out, x, weight, bias, saved, ctx.args, needs_x, needs_weight, needs_bias and ctx.has_bias,
+        runner = glu_conv1d_forward.backward_runner(ctx, grad_out, x, weight, bias, saved)
+        grad_x, grad_weight, grad_bias = glu_conv1d_backward.call_planned(
+            runner, grad_out, x, weight, bias, saved, ctx.args, needs_x, needs_weight, needs_bias and ctx.has_bias,
             ctx.backend,
         )
     if needs_residual:

@@ -260,8 +260,10 @@ def _backward(ctx, grads):
         return (None, None, None), {}
     # An output that took no part in the loss has no gradient.
     grads = [x.new_zeros(ctx.output_shape) if g is None else g for g in grads]
-    grad_x, grad_weight, grad_bias = qkv_projection_backward(
-        grads, x, weight, ctx.args, ctx.has_bias, needs_x, needs_weight, needs_bias and ctx.has_bias, ctx.backend
+    runner = qkv_projection_forward.backward_runner(ctx, *grads, x, weight)
+    grad_x, grad_weight, grad_bias = qkv_projection_backward.call_planned(
+        runner, grads, x, weight, ctx.args, ctx.has_bias, needs_x, needs_weight, needs_bias and ctx.has_bias,
+        ctx.backend,
     )
     return (
         grad_x if needs_x else None,

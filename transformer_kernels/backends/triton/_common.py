@@ -8,7 +8,9 @@
   launcher does).
 * ``LaunchTemplates``: a call's launches worked out once per layout, so later
   calls of that layout only fill in their tensors, and ``DirectLaunch``, which
-  runs them on their compiled kernel without Triton's per-call binding.
+  runs them on their compiled kernel without Triton's per-call binding;
+  ``TensorLayout``, ``TensorLayouts``: what a prepared call allocates, kept once;
+  ``WantedGradients``: which gradients a backward call computes.
 * ``KernelConfig``: the tile sizes and launch options of one kernel, and
   ``run_launches``, which runs a call's launches on its tensors' device, or,
   traced by torch.compile, records them with ``wrap_triton`` (``traced``,
@@ -209,6 +211,66 @@ def filled(template: tuple[KernelLaunch, ...], pointers: tuple, call_kwargs: dic
                      {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
         for launch in template
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """What ``torch.empty_strided`` makes a tensor of one layout from: a prepared call keeps those of
+    the tensors it allocates, worked out once (``empty_like`` and its kin work a layout out again on
+    every call)."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorLayout":
+        return cls(tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty_strided(self.sizes, self.strides, dtype=self.dtype, device=self.device)
+
+
+class TensorLayouts:
+    """The layouts of what a call allocates, a sequence of tensors of which some may be None or the
+    same tensor as an earlier one (standing in for a buffer a kernel does not write): :meth:`empty`
+    makes such a sequence again, with the same gaps and the same sharing."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
+        tensors = list(tensors)
+        # Per position: None, the index of the earlier position holding the same tensor, or its layout.
+        self.slots: list = []
+        for index, tensor in enumerate(tensors):
+            same = next((earlier for earlier in range(index) if tensors[earlier] is tensor), None)
+            self.slots.append(None if tensor is None else same if same is not None else TensorLayout.of(tensor))
+
+    def empty(self) -> list[Optional[torch.Tensor]]:
+        made: list[Optional[torch.Tensor]] = []
+        for slot in self.slots:
+            made.append(slot.empty() if isinstance(slot, TensorLayout) else None if slot is None else made[slot])
+        return made
+
+
+@dataclasses.dataclass(frozen=True)
+class WantedGradients:
+    """Which gradients a layer's backward call computes: its input's, its weight's and its bias's
+    (the bias's only where there is a bias)."""
+
+    x: bool
+    weight: bool
+    bias: bool
+
+    @property
+    def weight_or_bias(self) -> bool:
+        return self.weight or self.bias
+
+
+def filled_all(templates: Iterable[tuple[KernelLaunch, ...]], pointers: Iterable[tuple]) -> list[KernelLaunch]:
+    """The launches of a call of several templates, each with its pointers (:func:`filled`)."""
+    return [launch for template, call in zip(templates, pointers) for launch in filled(template, call, {})]
 
 
 def check_prepared_launches(launches: list[KernelLaunch], expected: list[KernelLaunch], name: str) -> None:

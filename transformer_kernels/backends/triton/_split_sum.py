@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TORCH_TO_TRITON_DTYPE, CompileTarget, KernelConfig, KernelLaunch, LaunchTemplates, cdiv
+from ._common import (
+    TORCH_TO_TRITON_DTYPE, CompileTarget, KernelConfig, KernelLaunch, LaunchTemplates, cdiv, filled,
+)
 
-__all__ = ["split_sum_launch", "compile_targets"]
+__all__ = ["split_sum_launch", "split_sum_template", "compile_targets"]
 
 _CONFIG = KernelConfig(block_m=1024, num_warps=4, num_stages=1)
 
@@ -38,16 +40,23 @@ def _split_sum_kernel(partials_ptr, out_ptr, numel, num_splits, BLOCK_M: tl.cons
 _TEMPLATES = LaunchTemplates()
 
 
-def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
-    """``out = partials.sum(0)`` cast to ``out``'s dtype: ``partials`` a contiguous float32
-    ``[splits, *out.shape]``, ``out`` contiguous."""
+def split_sum_template(partials: torch.Tensor, out: torch.Tensor) -> tuple[KernelLaunch, ...]:
+    """The template (:meth:`LaunchTemplates.template`) of :func:`split_sum_launch`, whose pointers
+    are ``(partials, out)``."""
     numel, num_splits = out.numel(), partials.shape[0]
 
     def build() -> KernelLaunch:
         grid = (cdiv(numel, _CONFIG.block_m),)
         return KernelLaunch(_split_sum_kernel, grid, (partials, out, numel, num_splits), _CONFIG.launch_kwargs())
 
-    return _TEMPLATES.launch((numel, num_splits), (partials, out), build)
+    return _TEMPLATES.template((numel, num_splits), (partials, out), lambda: [build()], {})
+
+
+def split_sum_launch(partials: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
+    """``out = partials.sum(0)`` cast to ``out``'s dtype: ``partials`` a contiguous float32
+    ``[splits, *out.shape]``, ``out`` contiguous."""
+    (launch,) = filled(split_sum_template(partials, out), (partials, out), {})
+    return launch
 
 
 # A QKV weight gradient's partial sums, and a ragged GLU bias gradient's (an odd channel count):

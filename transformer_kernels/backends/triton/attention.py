@@ -34,6 +34,7 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     LaunchTemplates,
+    TensorLayout,
     address_aligned,
     cdiv,
     check_prepared_launches,
@@ -747,7 +748,7 @@ class _PreparedForward:
         self.capability, self.block_config = masks.capability, block_config
         # empty_output's and empty_lse's results, made again from their layouts: 2 of the 5 us
         # those take per call go to working the layouts out.
-        self.out_layout, self.lse_layout = (_layout(t) for t in (out, lse))
+        self.out_layout, self.lse_layout = TensorLayout.of(out), TensorLayout.of(lse)
         self.prepared_backward: Optional[_PreparedBackward] = None
 
     def __call__(self, query, key, value, args: AttentionArgs, needs_backward: bool, backend: str):
@@ -755,8 +756,7 @@ class _PreparedForward:
         if not _kept_launches_serve(self.block_config, query, key, value):
             return forward(query, key, value, args, needs_backward)
         # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
-        (out_sizes, out_options), (lse_sizes, lse_options) = self.out_layout, self.lse_layout
-        out, lse = torch.empty_strided(*out_sizes, **out_options), torch.empty_strided(*lse_sizes, **lse_options)
+        out, lse = self.out_layout.empty(), self.lse_layout.empty()
         padding = args.key_padding_mask
         bounds, launches = self.key_bounds_launches(padding)
         launches += filled(self.forward, (query, key, value, out, lse, padding, bounds, None), _call_kwargs(args))
@@ -798,11 +798,6 @@ def _kept_launches_serve(kept_block_config: Callable, *tensors: torch.Tensor) ->
     return addresses % 16 == 0 and block_config is kept_block_config
 
 
-def _layout(tensor: torch.Tensor) -> tuple[tuple, dict]:
-    """``(sizes, strides), options`` that ``torch.empty_strided`` makes ``tensor``'s layout from."""
-    return (tensor.shape, tensor.stride()), dict(dtype=tensor.dtype, device=tensor.device)
-
-
 class _PreparedBackward:
     """:func:`backward` for the calls of one layout, those of a :class:`_PreparedForward` (inputs,
     masks and scalars fixed, no ``attn_mask``) whose ``grad_out`` has the layout of the first one's
@@ -826,8 +821,8 @@ class _PreparedBackward:
         self.grad_key_value = _grad_key_value_templates(query, key, value, grad_out, lse, delta, dk, dv, None, masks)
         self.grad_query = _grad_query_template(query, key, value, grad_out, lse, delta, dq, masks)
         self.block_config = block_config
-        self.grad_layouts = tuple(_layout(grad) for grad in (dq, dk, dv))
-        self.delta_layout = _layout(delta)
+        self.grad_layouts = tuple(TensorLayout.of(grad) for grad in (dq, dk, dv))
+        self.delta_layout = TensorLayout.of(delta)
 
     def takes(self, grad_out: torch.Tensor) -> bool:
         return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout
@@ -836,9 +831,8 @@ class _PreparedBackward:
         if not _kept_launches_serve(self.block_config, grad_out, query, key, value, out):
             return backward(grad_out, query, key, value, out, lse, args, False)
         # What this allocates is aligned (allocators hand out aligned blocks), in layouts checked once.
-        dq, dk, dv = (torch.empty_strided(*sizes, **options) for sizes, options in self.grad_layouts)
-        sizes, options = self.delta_layout
-        delta = torch.empty_strided(*sizes, **options)
+        dq, dk, dv = (layout.empty() for layout in self.grad_layouts)
+        delta = self.delta_layout.empty()
         padding = args.key_padding_mask
         bounds, launches = self.prepared_forward.key_bounds_launches(padding)
         call_kwargs = _call_kwargs(args)

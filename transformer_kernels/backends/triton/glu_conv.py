@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -51,17 +51,26 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     LaunchTemplates,
+    TensorLayout,
+    TensorLayouts,
+    WantedGradients,
     cdiv,
+    check_prepared_launches,
     compute_capability,
+    filled,
+    filled_all,
     fp32_conv_allows_tf32,
     input_precision,
     num_sms,
     row_sum_operand,
     run_launches,
 )
-from ._split_sum import split_sum_launch
+from ._split_sum import split_sum_template
 
-__all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last", "compile_targets"]
+__all__ = [
+    "forward", "prepare_forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last",
+    "compile_targets",
+]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -495,17 +504,90 @@ def forward(
     args: GluConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, packed weight)``: backward reuses the packed weight and recomputes the pre-activation."""
-    channels_z, _, kernel_size = weight.shape
-    length_out = args.output_length(x.shape[2], kernel_size)
-    out = empty_output(x, channels_z // 2, length_out)
+    length_out = args.output_length(x.shape[2], weight.shape[2])
+    out = empty_output(x, weight.shape[0] // 2, length_out)
     packed = _packed_weight(weight)
     if x.shape[0] > 0:
-        launch = _preactivation_launch(
-            x, packed, bias, residual, None, out, args.pad_left, length_out, args.pad_value,
-            args.residual_scale, _Dots.of(x, length_out),
-        )
+        launch = _preactivation_launch(x, packed, bias, residual, None, out, args, length_out, _Dots.of(x, length_out))
         run_launches([launch], x)
     return out, packed
+
+
+def prepare_forward(x, weight, bias, residual, args: GluConvArgs) -> Optional["_PreparedForward"]:
+    """:func:`forward` prepared for the calls of this one's layout (see :class:`_PreparedForward`), or
+    None for an empty batch, which launches nothing."""
+    return None if x.shape[0] == 0 else _PreparedForward(x, weight, bias, residual, args)
+
+
+class _PreparedForward:
+    """:func:`forward` for the calls of one layout: the tensors' shapes, strides, dtypes and device and
+    the scalars, which the caller's call plan holds fixed (``ops/_call_plans.py``).  The first call
+    works out how its dots run (:class:`_Dots`), the launch template and the output's layout; a
+    later call allocates its output, packs the weight and puts its tensors into the template
+    (Triton's specialization on 16-byte alignment is the direct launch's, per call), or runs
+    :func:`forward` where the dots would now run otherwise (:meth:`dots_hold`).  It prepares the
+    backward of its calls too (:meth:`backward`).  With ``LaunchTemplates.verify`` set (the test
+    suite sets it), every call also builds its launches as :func:`forward` would, and fails unless
+    they are the same."""
+
+    __slots__ = ("length_out", "dots", "config", "template", "out_layout", "prepared_backward")
+
+    def __init__(self, x, weight, bias, residual, args: GluConvArgs) -> None:
+        self.length_out = args.output_length(x.shape[2], weight.shape[2])
+        self.dots = _Dots.of(x, self.length_out)
+        self.config = self.dots.config("forward", x.dtype)
+        out = empty_output(x, weight.shape[0] // 2, self.length_out)
+        packed = empty_saved(x, weight, args)
+        self.template = _preactivation_template(x, packed, bias, residual, None, out, args, self.length_out, self.dots)
+        self.out_layout = TensorLayout.of(out)
+        self.prepared_backward: Optional[_PreparedBackward] = None
+
+    def dots_hold(self, dtype: torch.dtype) -> bool:
+        """Whether a call's dots run as this layout's first call's did: float32's precision follows
+        torch's TF32 setting, read per call, and the tile tables are the ones the templates were
+        built from (tests swap them)."""
+        return _input_precision(dtype) == self.dots.precision and self.dots.config("forward", dtype) is self.config
+
+    def __call__(self, x, weight, bias, residual, args: GluConvArgs, backend: str):
+        """The registered op's implementation for this layout (same signature)."""
+        if not self.dots_hold(x.dtype):
+            return forward(x, weight, bias, residual, args)
+        out, packed = self.out_layout.empty(), _packed_weight(weight)
+        launches = filled(self.template, _preactivation_pointers(x, packed, bias, residual, None, out), {})
+        if LaunchTemplates.verify:
+            expected = _preactivation_launch(
+                x, packed, bias, residual, None, out, args, self.length_out, _Dots.of(x, self.length_out)
+            )
+            check_prepared_launches(launches, [expected], "GLU convolution forward")
+        run_launches(launches, x)
+        return out, packed
+
+    def backward(self, grad_out, x, weight, bias, packed, args: GluConvArgs, needs_grad_x: bool,
+                 needs_grad_weight: bool, needs_grad_bias: bool, backend: str):
+        """The registered backward's implementation (same signature) for the calls this forward
+        ran, which the op's autograd hands it (``ctx.runner``): :class:`_PreparedBackward`, made for
+        the first of them, where a later one's ``grad_out`` has its layout and it asks for the same
+        gradients, else :func:`backward`."""
+        wanted = WantedGradients(needs_grad_x, needs_grad_weight, needs_grad_bias and bias is not None)
+        prepared = self.prepared_backward
+        if prepared is None and self.dots_hold(x.dtype):
+            prepared = self.prepared_backward = _PreparedBackward(grad_out, x, weight, bias, packed, args, wanted,
+                                                                  self.dots)
+        if prepared is None or not prepared.takes(grad_out, wanted) or not self.dots_hold(x.dtype):
+            return backward(grad_out, x, weight, bias, packed, args, needs_grad_x, needs_grad_weight, needs_grad_bias)
+        return prepared(grad_out, x, bias, packed, args)
+
+
+def _preactivation_pointers(x, packed, bias, residual, grad_out, destination) -> tuple:
+    """``_glu_conv_forward_kernel``'s tensor arguments (an absent one repeats another tensor)."""
+    return (
+        x,
+        packed,
+        bias if bias is not None else packed,
+        residual if residual is not None else destination,
+        grad_out if grad_out is not None else destination,
+        destination,
+    )
 
 
 def _preactivation_launch(
@@ -515,28 +597,28 @@ def _preactivation_launch(
     residual: Optional[torch.Tensor],
     grad_out: Optional[torch.Tensor],
     destination: torch.Tensor,
-    pad_left: int,
+    args: GluConvArgs,
     length_out: int,
-    pad_value: float,
-    residual_scale: float,
     dots: _Dots,
 ) -> KernelLaunch:
     """``_glu_conv_forward_kernel`` (``packed``: the weight as ``[k, C_in, 2C]``)
     for a non-empty batch; ``grad_out`` given selects the ``COMPUTE_GRAD``
     epilogue."""
+    template = _preactivation_template(x, packed, bias, residual, grad_out, destination, args, length_out, dots)
+    (launch,) = filled(template, _preactivation_pointers(x, packed, bias, residual, grad_out, destination), {})
+    return launch
+
+
+def _preactivation_template(
+    x, packed, bias, residual, grad_out, destination, args: GluConvArgs, length_out: int, dots: _Dots
+) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_preactivation_launch`, whose pointers are :func:`_preactivation_pointers`'."""
     config = dots.config("forward", x.dtype)
-    pointers = (
-        x,
-        packed,
-        bias if bias is not None else packed,
-        residual if residual is not None else destination,
-        grad_out if grad_out is not None else destination,
-        destination,
-    )
+    pointers = _preactivation_pointers(x, packed, bias, residual, grad_out, destination)
     layout = (
         "forward", x.shape, x.stride(), packed.shape, packed.stride(), bias is None,
         None if residual is None else residual.stride(), None if grad_out is None else grad_out.stride(),
-        destination.stride(), pad_left, length_out, pad_value, residual_scale, dots.precision, config,
+        destination.stride(), args.pad_left, length_out, args.pad_value, args.residual_scale, dots.precision, config,
     )
 
     def build() -> KernelLaunch:
@@ -552,9 +634,9 @@ def _preactivation_launch(
             channels_in,
             channels_z // 2,
             kernel_size,
-            pad_left,
-            float(pad_value),
-            float(residual_scale),
+            args.pad_left,
+            float(args.pad_value),
+            float(args.residual_scale),
             *x.stride(),
             *packed.stride(),
             *(residual.stride() if residual is not None else unused_strides),
@@ -568,14 +650,7 @@ def _preactivation_launch(
             **config.launch_kwargs(),
         ))
 
-    return _TEMPLATES.launch(layout, pointers, build)
-
-
-def _weight_splits(rows: int, tiles: int, config: KernelConfig, device: torch.device) -> int:
-    """How many row ranges grad_weight is split into: enough programs to fill the GPU twice,
-    but at least two row blocks per split."""
-    wanted = cdiv(2 * num_sms(device), tiles)
-    return max(1, min(wanted, cdiv(rows, 2 * config.block_k)))
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
 def backward(
@@ -592,81 +667,158 @@ def backward(
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor.
 
     ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
-    pre-activation from ``x``.
+    pre-activation from ``x`` (:func:`_backward_templates` says what each kernel does).
     """
+    wanted = WantedGradients(needs_grad_x, needs_grad_weight, needs_grad_bias and bias is not None)
     dots = _Dots.of(x, grad_out.shape[2])
-    grad_z = _grad_preactivation(grad_out, x, packed, bias, args, dots)
-    grad_x = _grad_input(grad_z, packed, x, args, dots) if needs_grad_x else x.new_empty(0)
-    grad_bias_wanted = needs_grad_bias and bias is not None
-    if needs_grad_weight or grad_bias_wanted:
-        grad_weight, grad_bias = _grad_weight_and_bias(
-            grad_z, x, weight, args, needs_grad_weight, grad_bias_wanted, dots
-        )
-    else:
-        grad_weight = grad_bias = weight.new_empty(0)
-    return grad_x, grad_weight, grad_bias
+    split = _WeightSplit.of(x, grad_out, weight, dots)
+    buffers = _backward_buffers(grad_out, x, weight, wanted, split)
+    run_launches(_backward_launches(grad_out, x, bias, packed, args, buffers, wanted, split, dots), x)
+    return buffers.grad_x, buffers.grad_weight, buffers.grad_bias
 
 
-def _grad_preactivation(grad_out, x, packed, bias, args: GluConvArgs, dots: _Dots) -> torch.Tensor:
-    """The pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``, stored channel-last (both
-    GEMMs after it read it along channels); the kernel recomputes the pre-activation from ``x``."""
-    batch, length_out, channels_z = x.shape[0], grad_out.shape[2], packed.shape[2]
+@dataclasses.dataclass(frozen=True)
+class _WeightSplit:
+    """How the weight-gradient kernel splits the ``B * L_out`` output rows: ``count`` ranges of
+    ``rows`` each (a multiple of its K step), enough programs to fill the GPU twice but at least
+    two K steps per range; one range (writing zeros) for an empty batch."""
+
+    count: int
+    rows: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, dots: _Dots) -> "_WeightSplit":
+        channels_z, channels_in, kernel_size = weight.shape
+        rows_out = x.shape[0] * grad_out.shape[2]
+        config = dots.config("grad_weight", x.dtype)
+        tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n) * kernel_size
+        splits = max(1, min(cdiv(2 * num_sms(x.device), tiles), cdiv(rows_out, 2 * config.block_k)))
+        rows = max(1, cdiv(rows_out, splits * config.block_k)) * config.block_k
+        return cls(max(1, cdiv(rows_out, rows)), rows)
+
+
+class _BackwardBuffers(NamedTuple):
+    """What a backward allocates: the pre-activation's gradient ``grad_z`` ``[B, 2C, L_out]``
+    (channel-last: both GEMMs after it read it along channels), the three gradients (an empty
+    tensor for one not asked for, ``grad_x`` in the op's output layout for ``x``), and the weight
+    gradient's float32 partial sums ``[splits, 2C, C_in, k]`` and ``[splits, 2C]`` (the weight's
+    stand in for the bias's without a bias gradient; None where neither gradient is wanted)."""
+
+    grad_z: torch.Tensor
+    grad_x: torch.Tensor
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+    grad_weight_partial: Optional[torch.Tensor]
+    grad_bias_partial: Optional[torch.Tensor]
+
+
+def _backward_buffers(grad_out, x, weight, wanted: WantedGradients, split: _WeightSplit) -> _BackwardBuffers:
+    batch, length_out, (channels_z, channels_in, kernel_size) = x.shape[0], grad_out.shape[2], weight.shape
     grad_z = x.new_empty_strided((batch, channels_z, length_out), (length_out * channels_z, 1, channels_z))
-    if batch > 0:
-        launch = _preactivation_launch(
-            x, packed, bias, None, grad_out, grad_z, args.pad_left, length_out, args.pad_value, args.residual_scale,
-            dots,
-        )
-        run_launches([launch], x)
-    return grad_z
+    grad_x = empty_output(x, channels_in, x.shape[2]) if wanted.x else x.new_empty(0)
+    weight_partial = bias_partial = None
+    if wanted.weight_or_bias:
+        weight_partial = x.new_empty(split.count, channels_z, channels_in, kernel_size, dtype=torch.float32)
+        bias_partial = (x.new_empty(split.count, channels_z, dtype=torch.float32) if wanted.bias
+                        else weight_partial)
+    return _BackwardBuffers(
+        grad_z, grad_x, weight.new_empty(weight.shape if wanted.weight else (0,)),
+        weight.new_empty((channels_z,) if wanted.bias else (0,)), weight_partial, bias_partial,
+    )
 
 
-def _grad_input(grad_z, packed, x, args: GluConvArgs, dots: _Dots) -> torch.Tensor:
-    """``grad_x`` in the op's output layout for ``x``."""
-    grad_x = empty_output(x, x.shape[1], x.shape[2])
+def _backward_templates(
+    grad_out, x, bias, packed, args: GluConvArgs, buffers: _BackwardBuffers, wanted: WantedGradients,
+    split: _WeightSplit, dots: _Dots,
+) -> list[tuple[KernelLaunch, ...]]:
+    """The templates of a backward's launches, in order, whose pointers :func:`_backward_pointers`
+    gives: for a non-empty batch, ``grad_z`` (the forward kernel's ``COMPUTE_GRAD`` form, which
+    recomputes the pre-activation from ``x``) and ``grad_x`` from it; then, where the weight's or
+    the bias's gradient is wanted, one kernel computing float32 partial sums of both (the bias's
+    is its row sum) over the row ranges of ``split``, and their reductions
+    (:func:`._split_sum.split_sum_launch`): deterministic, no atomics."""
+    templates = []
     if x.shape[0] > 0:
-        run_launches([_grad_input_launch(grad_z, packed, grad_x, args.pad_left, dots)], grad_z)
-    return grad_x
+        templates.append(_preactivation_template(x, packed, bias, None, grad_out, buffers.grad_z, args,
+                                                 grad_out.shape[2], dots))
+        if wanted.x:
+            templates.append(_grad_input_template(buffers.grad_z, packed, buffers.grad_x, args.pad_left, dots))
+    if wanted.weight_or_bias:
+        templates.append(_grad_weight_template(
+            x, buffers.grad_z, buffers.grad_weight_partial, buffers.grad_bias_partial, args, split.rows,
+            wanted.bias, dots,
+        ))
+        if wanted.weight:
+            templates.append(split_sum_template(buffers.grad_weight_partial, buffers.grad_weight))
+        if wanted.bias:
+            templates.append(split_sum_template(buffers.grad_bias_partial, buffers.grad_bias))
+    return templates
 
 
-def _grad_weight_and_bias(
-    grad_z, x, weight, args: GluConvArgs, grad_weight_wanted: bool, grad_bias_wanted: bool, dots: _Dots,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grad_weight`` and ``grad_bias``, each empty unless wanted.  One kernel computes float32
-    partial sums of both (the bias's is its row sum) over row ranges that fill the GPU, reduced
-    afterwards (:func:`._split_sum.split_sum_launch`): deterministic, no atomics."""
-    channels_z, channels_in, kernel_size = weight.shape
-    rows_out = x.shape[0] * grad_z.shape[2]
-    config = dots.config("grad_weight", x.dtype)
-    block_rows = config.block_k
-    tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
-    splits = _weight_splits(rows_out, tiles * kernel_size, config, x.device)
-    rows_per_split = max(1, cdiv(rows_out, splits * block_rows)) * block_rows
-    # An empty batch still runs one split, which writes zeros.
-    splits = max(1, cdiv(rows_out, rows_per_split))
-    grad_weight_partial = x.new_empty(splits, channels_z, channels_in, kernel_size, dtype=torch.float32)
-    # Without a bias the kernel writes no bias sums: the weight's partials stand in for the pointer.
-    grad_bias_partial = (x.new_empty(splits, channels_z, dtype=torch.float32) if grad_bias_wanted
-                         else grad_weight_partial)
-    launches = [_grad_weight_launch(
-        x, grad_z, grad_weight_partial, grad_bias_partial, args.pad_left, rows_per_split, args.pad_value,
-        grad_bias_wanted, dots,
-    )]
-    grad_weight = weight.new_empty(weight.shape if grad_weight_wanted else (0,))
-    grad_bias = weight.new_empty((channels_z,) if grad_bias_wanted else (0,))
-    if grad_weight_wanted:
-        launches.append(split_sum_launch(grad_weight_partial, grad_weight))
-    if grad_bias_wanted:
-        launches.append(split_sum_launch(grad_bias_partial, grad_bias))
-    run_launches(launches, x)
-    return grad_weight, grad_bias
+def _backward_pointers(
+    grad_out, x, bias, packed, buffers: _BackwardBuffers, wanted: WantedGradients
+) -> list[tuple]:
+    """The pointers of :func:`_backward_templates`'s templates, in the same order."""
+    pointers = []
+    if x.shape[0] > 0:
+        pointers.append(_preactivation_pointers(x, packed, bias, None, grad_out, buffers.grad_z))
+        if wanted.x:
+            pointers.append((buffers.grad_z, packed, buffers.grad_x))
+    if wanted.weight_or_bias:
+        pointers.append((x, buffers.grad_z, buffers.grad_weight_partial, buffers.grad_bias_partial))
+        if wanted.weight:
+            pointers.append((buffers.grad_weight_partial, buffers.grad_weight))
+        if wanted.bias:
+            pointers.append((buffers.grad_bias_partial, buffers.grad_bias))
+    return pointers
 
 
-def _grad_input_launch(
+def _backward_launches(
+    grad_out, x, bias, packed, args: GluConvArgs, buffers: _BackwardBuffers, wanted: WantedGradients,
+    split: _WeightSplit, dots: _Dots,
+) -> list[KernelLaunch]:
+    templates = _backward_templates(grad_out, x, bias, packed, args, buffers, wanted, split, dots)
+    return filled_all(templates, _backward_pointers(grad_out, x, bias, packed, buffers, wanted))
+
+
+class _PreparedBackward:
+    """:func:`backward` for the calls of one layout, those of a :class:`_PreparedForward` whose
+    ``grad_out`` has the layout of the first one's and that ask for the same gradients: the
+    templates of its launches, the row split of its weight gradient and the layouts of what it
+    allocates, worked out once.  Under ``LaunchTemplates.verify`` every call also builds its
+    launches as :func:`backward` would, and fails unless they are the same."""
+
+    __slots__ = ("grad_out_layout", "wanted", "split", "templates", "buffer_layouts")
+
+    def __init__(self, grad_out, x, weight, bias, packed, args: GluConvArgs, wanted: WantedGradients,
+                 dots: _Dots) -> None:
+        self.grad_out_layout = (grad_out.shape, grad_out.stride(), grad_out.dtype)
+        self.wanted = wanted
+        self.split = _WeightSplit.of(x, grad_out, weight, dots)
+        buffers = _backward_buffers(grad_out, x, weight, wanted, self.split)
+        self.templates = _backward_templates(grad_out, x, bias, packed, args, buffers, wanted, self.split, dots)
+        self.buffer_layouts = TensorLayouts(buffers)
+
+    def takes(self, grad_out: torch.Tensor, wanted: WantedGradients) -> bool:
+        return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout and wanted == self.wanted
+
+    def __call__(self, grad_out, x, bias, packed, args: GluConvArgs):
+        buffers = _BackwardBuffers._make(self.buffer_layouts.empty())
+        launches = filled_all(self.templates, _backward_pointers(grad_out, x, bias, packed, buffers, self.wanted))
+        if LaunchTemplates.verify:
+            expected = _backward_launches(grad_out, x, bias, packed, args, buffers, self.wanted, self.split,
+                                          _Dots.of(x, grad_out.shape[2]))
+            check_prepared_launches(launches, expected, "GLU convolution backward")
+        run_launches(launches, x)
+        return buffers.grad_x, buffers.grad_weight, buffers.grad_bias
+
+
+def _grad_input_template(
     grad_z: torch.Tensor, packed: torch.Tensor, grad_x: torch.Tensor, pad_left: int, dots: _Dots
-) -> KernelLaunch:
+) -> tuple[KernelLaunch, ...]:
     """``_glu_conv_grad_input_kernel`` writing ``grad_x`` ``[B, C_in, L]`` from
-    ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``."""
+    ``grad_z`` ``[B, 2C, L_out]`` and the packed weight ``[k, C_in, 2C]``; pointers
+    ``(grad_z, packed, grad_x)``."""
     config = dots.config("grad_input", grad_x.dtype)
     pointers = (grad_z, packed, grad_x)
     layout = ("grad_input", grad_z.shape, grad_z.stride(), packed.shape, packed.stride(), grad_x.shape,
@@ -682,27 +834,26 @@ def _grad_input_launch(
             *grad_z.stride(), *packed.stride(), *grad_x.stride(),
         ), dict(INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
-    return _TEMPLATES.launch(layout, pointers, build)
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
-def _grad_weight_launch(
+def _grad_weight_template(
     x: torch.Tensor,
     grad_z: torch.Tensor,
     grad_weight_partial: torch.Tensor,
     grad_bias_partial: torch.Tensor,
-    pad_left: int,
+    args: GluConvArgs,
     rows_per_split: int,
-    pad_value: float,
     has_bias: bool,
     dots: _Dots,
-) -> KernelLaunch:
-    """``_glu_conv_grad_weight_kernel`` writing float32 partial sums
-    ``[splits, 2C, C_in, k]`` and ``[splits, 2C]``."""
+) -> tuple[KernelLaunch, ...]:
+    """``_glu_conv_grad_weight_kernel`` writing float32 partial sums ``[splits, 2C, C_in, k]`` and
+    ``[splits, 2C]``; pointers ``(x, grad_z, grad_weight_partial, grad_bias_partial)``."""
     config = dots.config("grad_weight", x.dtype)
     pointers = (x, grad_z, grad_weight_partial, grad_bias_partial)
     layout = ("grad_weight", x.shape, x.stride(), grad_z.shape, grad_z.stride(), grad_weight_partial.shape,
-              grad_weight_partial.stride(), grad_bias_partial.stride(0), pad_left, rows_per_split, pad_value,
-              has_bias, dots.precision, config)
+              grad_weight_partial.stride(), grad_bias_partial.stride(0), args.pad_left, rows_per_split,
+              args.pad_value, has_bias, dots.precision, config)
 
     def build() -> KernelLaunch:
         batch, channels_in, length_in = x.shape
@@ -710,11 +861,12 @@ def _grad_weight_launch(
         tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n)
         return KernelLaunch(_glu_conv_grad_weight_kernel, (tiles, kernel_size, splits), (
             *pointers,
-            batch, length_in, grad_z.shape[2], channels_in, channels_z, pad_left, rows_per_split, float(pad_value),
+            batch, length_in, grad_z.shape[2], channels_in, channels_z, args.pad_left, rows_per_split,
+            float(args.pad_value),
             *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
         ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
 
-    return _TEMPLATES.launch(layout, pointers, build)
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
 # The representative problems: C_in = C = 256, kernel size 4, channel-first or channel-last x;
@@ -740,22 +892,23 @@ def _target_launch(
         x = torch.empty(batch, channels, length, dtype=dtype)
     packed = torch.empty(kernel_size, channels, 2 * channels, dtype=dtype)
     grad_z = torch.empty(batch, length, 2 * channels, dtype=dtype).transpose(1, 2)
+    args = GluConvArgs(pad_left, kernel_size - 1 - pad_left, 0.0, 0.5)
     if kind == "forward":
         bias = torch.empty(2 * channels, dtype=dtype)
         if compute_grad:
-            return _preactivation_launch(
-                x, packed, bias, None, torch.empty_like(x), grad_z, pad_left, length, 0.0, 0.5, dots
-            )
-        return _preactivation_launch(
-            x, packed, bias, torch.empty_like(x), None, torch.empty_like(x), pad_left, length, 0.0, 0.5, dots
-        )
+            return _preactivation_launch(x, packed, bias, None, torch.empty_like(x), grad_z, args, length, dots)
+        residual, out = torch.empty_like(x), torch.empty_like(x)
+        return _preactivation_launch(x, packed, bias, residual, None, out, args, length, dots)
     if kind == "grad_input":
-        return _grad_input_launch(grad_z, packed, torch.empty_like(x), pad_left, dots)
-    splits = 2
-    return _grad_weight_launch(
-        x, grad_z, torch.empty(splits, 2 * channels, channels, kernel_size), torch.empty(splits, 2 * channels),
-        pad_left, batch * length // splits, 0.0, True, dots,
-    )
+        pointers = (grad_z, packed, torch.empty_like(x))
+        template = _grad_input_template(*pointers, pad_left, dots)
+    else:
+        splits = 2
+        pointers = (x, grad_z, torch.empty(splits, 2 * channels, channels, kernel_size),
+                    torch.empty(splits, 2 * channels))
+        template = _grad_weight_template(*pointers, args, batch * length // splits, True, dots)
+    (launch,) = filled(template, pointers, {})
+    return launch
 
 
 def compile_targets() -> list[CompileTarget]:

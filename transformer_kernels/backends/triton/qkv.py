@@ -20,9 +20,10 @@ gradient that breaks this, e.g. a stride-0 gradient of ``out.sum()``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -38,17 +39,18 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     LaunchTemplates,
+    TensorLayouts,
+    WantedGradients,
     cdiv,
     check_prepared_launches,
     filled,
+    filled_all,
     row_sum_operand,
     run_launches,
 )
-# Imported under this name: ``backward`` keeps the count in a local
-# ``num_sms``, and tests replace this module attribute to force a tile
-# configuration.
+# Imported under its own name: tests replace this module attribute to force a tile configuration.
 from ._common import num_sms as multiprocessor_count
-from ._split_sum import split_sum_launch
+from ._split_sum import split_sum_template
 
 __all__ = [
     "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "prepare_forward",
@@ -552,7 +554,7 @@ class _PreparedForward:
     tiles through the SM count).  With ``LaunchTemplates.verify`` set (the test suite sets it),
     every call also builds its launch as :func:`forward` would, and fails unless it is the same."""
 
-    __slots__ = ("template", "config", "output_shape", "output_options", "num_proj")
+    __slots__ = ("template", "config", "output_shape", "output_options", "num_proj", "prepared_backward")
 
     def __init__(self, x, weight, bias, args: QkvProjectionArgs) -> None:
         self.num_proj = weight.shape[0] // x.shape[-1]
@@ -561,6 +563,7 @@ class _PreparedForward:
         outputs = [x.new_empty(self.output_shape) for _ in range(self.num_proj)]
         self.config = _forward_config(x, weight)
         self.template = _forward_template(x, weight, bias, outputs, self.config)
+        self.prepared_backward: Optional[_PreparedBackward] = None
 
     def __call__(self, x, weight, bias, args: QkvProjectionArgs, backend: str) -> list[torch.Tensor]:
         """The registered op's implementation for this layout (same signature)."""
@@ -573,6 +576,20 @@ class _PreparedForward:
             check_prepared_launches(launches, [_forward_launch(x, weight, bias, outputs, config)], "QKV forward")
         run_launches(launches, x)
         return outputs
+
+    def backward(self, grads, x, weight, args: QkvProjectionArgs, has_bias: bool, needs_grad_x: bool,
+                 needs_grad_weight: bool, needs_grad_bias: bool, backend: str):
+        """The registered backward's implementation (same signature) for the calls this forward
+        ran, which the op's autograd hands it (``ctx.runner``): :class:`_PreparedBackward`, made for
+        the first of them whose gradients the kernels read in place, where a later one's have
+        those layouts and it asks for the same gradients, else :func:`backward`."""
+        wanted = WantedGradients(needs_grad_x, needs_grad_weight, has_bias and needs_grad_bias)
+        prepared = self.prepared_backward
+        if prepared is None and all(shared is grad for shared, grad in zip(_shared_layout(grads), grads)):
+            prepared = self.prepared_backward = _PreparedBackward(grads, x, weight, wanted)
+        if prepared is None or not prepared.takes(grads, x, wanted):
+            return backward(grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias)
+        return prepared(grads, x, weight)
 
 
 def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -597,7 +614,25 @@ def _grad_input_launch(
 ) -> KernelLaunch:
     """The input-gradient GEMM: ``grads4`` as ``_shared_layout`` returns
     them, ``grad_x`` contiguous ``[*batch, L, E_in]``."""
-    pointers = (*grads4, *[grads4[0]] * (3 - len(grads4)), weight, grad_x)
+    pointers = _grad_input_pointers(grads4, weight, grad_x)
+    (launch,) = filled(_grad_input_template(grads4, weight, grad_x, cfg), pointers, {})
+    return launch
+
+
+def _padded_grads(grads4: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The gradient pointers of the backward kernels, which take three (an absent one repeats the first)."""
+    return (*grads4, *[grads4[0]] * (3 - len(grads4)))
+
+
+def _grad_input_pointers(grads4: list[torch.Tensor], weight: torch.Tensor, grad_x: torch.Tensor) -> tuple:
+    return (*_padded_grads(grads4), weight, grad_x)
+
+
+def _grad_input_template(
+    grads4: list[torch.Tensor], weight: torch.Tensor, grad_x: torch.Tensor, cfg: KernelConfig
+) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_grad_input_launch`, whose pointers are :func:`_grad_input_pointers`'."""
+    pointers = _grad_input_pointers(grads4, weight, grad_x)
     layout = ("grad_input", grads4[0].shape, grads4[0].stride(), len(grads4), weight.shape, weight.stride(),
               grad_x.shape, cfg)
 
@@ -619,7 +654,7 @@ def _grad_input_launch(
             dict(NUM_PROJ=len(grads4), **cfg.launch_kwargs()),
         )
 
-    return _TEMPLATES.launch(layout, pointers, build)
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
 def _grad_weight_launch(
@@ -629,8 +664,22 @@ def _grad_weight_launch(
     """The weight/bias-gradient GEMM: ``grad_w_out`` ``[n*E, E_in]`` (one
     split) or ``[splits, n*E, E_in]`` float32 partial sums, ``grad_b_out``
     likewise (any tensor when ``has_bias`` is False)."""
+    template = _grad_weight_template(grads4, x3, grad_w_out, grad_b_out, has_bias, tokens_per_split, cfg)
+    (launch,) = filled(template, _grad_weight_pointers(grads4, x3, grad_w_out, grad_b_out), {})
+    return launch
+
+
+def _grad_weight_pointers(grads4, x3, grad_w_out, grad_b_out) -> tuple:
+    return (*_padded_grads(grads4), x3, grad_w_out, grad_b_out)
+
+
+def _grad_weight_template(
+    grads4: list[torch.Tensor], x3: torch.Tensor, grad_w_out: torch.Tensor, grad_b_out: torch.Tensor,
+    has_bias: bool, tokens_per_split: int, cfg: KernelConfig,
+) -> tuple[KernelLaunch, ...]:
+    """The template of :func:`_grad_weight_launch`, whose pointers are :func:`_grad_weight_pointers`'."""
     num_proj = len(grads4)
-    pointers = (*grads4, *[grads4[0]] * (3 - num_proj), x3, grad_w_out, grad_b_out)
+    pointers = _grad_weight_pointers(grads4, x3, grad_w_out, grad_b_out)
     layout = ("grad_weight", grads4[0].shape, grads4[0].stride(), num_proj, x3.shape, x3.stride(),
               grad_w_out.shape, has_bias, tokens_per_split, cfg)
 
@@ -653,7 +702,7 @@ def _grad_weight_launch(
             dict(NUM_PROJ=num_proj, HAS_BIAS=has_bias, **cfg.launch_kwargs()),
         )
 
-    return _TEMPLATES.launch(layout, pointers, build)
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
 
 def backward(
@@ -666,68 +715,152 @@ def backward(
     needs_grad_weight: bool,
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_weight, grad_bias)``; a gradient not asked for is an empty tensor."""
+    """``(grad_x, grad_weight, grad_bias)``; a gradient not asked for is an empty tensor.
+
+    ``grad_x = sum_i grad_i @ weight_i`` (contiguous) is one GEMM kernel over the n projections;
+    ``grad_weight = grad^T @ x`` another, whose first column of tiles also sums the bias, split over
+    token ranges when one range would not fill the GPU (float32 partial sums, reduced afterwards).
+    """
     if _uses_torch_matmul(x.dtype):
         return eager_qkv.backward(
             grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias
         )
-    x3 = _as_3d(x)
-    grads4 = _shared_layout(grads)
-    num_sms = multiprocessor_count(x.device)
-    grad_x = _grad_input(grads4, weight, x, num_sms) if needs_grad_x else x.new_empty(0)
-    grad_weight = grad_bias = x.new_empty(0)
-    with_bias = has_bias and needs_grad_bias
-    if needs_grad_weight or with_bias:
-        grad_weight, grad_bias = _grad_weight_and_bias(grads4, x3, weight, needs_grad_weight, with_bias, num_sms)
-    return grad_x, grad_weight, grad_bias
-
-
-def _grad_input(grads4: list[torch.Tensor], weight: torch.Tensor, x: torch.Tensor, num_sms: int) -> torch.Tensor:
-    """``grad_x = sum_i grad_i @ weight_i``, contiguous, one GEMM kernel over the n projections."""
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    num_tokens = x.numel() // x.shape[-1]
-    if num_tokens > 0:
-        cfg = gemm_config("grad_input", num_tokens, x.shape[-1], num_sms)
-        run_launches([_grad_input_launch(grads4, weight, grad_x, cfg)], grad_x)
-    return grad_x
-
-
-def _grad_weight_and_bias(
-    grads4: list[torch.Tensor], x3: torch.Tensor, weight: torch.Tensor, grad_weight_wanted: bool,
-    grad_bias_wanted: bool, num_sms: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grad_weight = grad^T @ x`` and ``grad_bias``, each empty unless wanted: one kernel whose
-    first column of tiles also sums the bias, split over token ranges when one range would not
-    fill the GPU (float32 partial sums, reduced afterwards)."""
-    num_tokens, (features, in_features) = x3.shape[0] * x3.shape[1], weight.shape
-    num_proj, embed_dim = len(grads4), in_features
+    wanted = WantedGradients(needs_grad_x, needs_grad_weight, has_bias and needs_grad_bias)
+    x3, grads4 = _as_3d(x), _shared_layout(grads)
+    num_tokens = x3.shape[0] * x3.shape[1]
     if num_tokens == 0:
-        grad_w_out, grad_b_out = torch.zeros_like(weight), weight.new_zeros(features)
-    else:
-        cfg = gemm_config("grad_weight", features, in_features, num_sms)
-        tiles = num_proj * cdiv(embed_dim, cfg.block_m) * cdiv(in_features, cfg.block_n)
-        splits = grad_weight_splits(tiles, num_tokens, cfg.block_k, num_sms)
-        tokens_per_split = cdiv(cdiv(num_tokens, splits), cfg.block_k) * cfg.block_k
-        splits = cdiv(num_tokens, tokens_per_split)
-        if splits == 1:
-            grad_w_out = weight.new_empty(features, in_features)
-            grad_b_out = weight.new_empty(features) if grad_bias_wanted else grad_w_out
-        else:
-            grad_w_out = weight.new_empty(splits, features, in_features, dtype=torch.float32)
-            grad_b_out = weight.new_empty(splits, features, dtype=torch.float32) if grad_bias_wanted else grad_w_out
-        launches = [_grad_weight_launch(grads4, x3, grad_w_out, grad_b_out, grad_bias_wanted, tokens_per_split, cfg)]
-        if splits > 1:
-            if grad_weight_wanted:
-                grad_w_partials, grad_w_out = grad_w_out, weight.new_empty(features, in_features)
-                launches.append(split_sum_launch(grad_w_partials, grad_w_out))
-            if grad_bias_wanted:
-                grad_b_partials, grad_b_out = grad_b_out, weight.new_empty(features)
-                launches.append(split_sum_launch(grad_b_partials, grad_b_out))
-        run_launches(launches, x3)
-    return (
-        grad_w_out if grad_weight_wanted else weight.new_empty(0),
-        grad_b_out if grad_bias_wanted else weight.new_empty(0),
-    )
+        return (torch.empty_like(x, memory_format=torch.contiguous_format) if wanted.x else x.new_empty(0),
+                torch.zeros_like(weight) if wanted.weight else x.new_empty(0),
+                weight.new_zeros(weight.shape[0]) if wanted.bias else x.new_empty(0))
+    tiles = _BackwardTiles.of(num_tokens, weight, len(grads4), multiprocessor_count(x.device))
+    buffers = _backward_buffers(x, weight, wanted, tiles)
+    run_launches(_backward_launches(grads4, x3, weight, buffers, wanted, tiles), x3)
+    return buffers.grad_x, buffers.grad_weight, buffers.grad_bias
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardTiles:
+    """A backward call's GEMM tiles, and the weight gradient's split into ``splits`` token ranges
+    of ``tokens_per_split`` (a multiple of its K step)."""
+
+    grad_input: KernelConfig
+    grad_weight: KernelConfig
+    splits: int
+    tokens_per_split: int
+
+    @classmethod
+    def of(cls, num_tokens: int, weight: torch.Tensor, num_proj: int, num_sms: int) -> "_BackwardTiles":
+        features, in_features = weight.shape
+        grad_weight = gemm_config("grad_weight", features, in_features, num_sms)
+        tiles = num_proj * cdiv(in_features, grad_weight.block_m) * cdiv(in_features, grad_weight.block_n)
+        splits = grad_weight_splits(tiles, num_tokens, grad_weight.block_k, num_sms)
+        tokens_per_split = cdiv(cdiv(num_tokens, splits), grad_weight.block_k) * grad_weight.block_k
+        return cls(gemm_config("grad_input", num_tokens, in_features, num_sms), grad_weight,
+                   cdiv(num_tokens, tokens_per_split), tokens_per_split)
+
+
+class _BackwardBuffers(NamedTuple):
+    """What a backward call allocates: the three gradients (an empty tensor for one not asked for)
+    and what the weight-gradient kernel writes, ``weight_sums`` and ``bias_sums``: with one split
+    the gradients themselves (a scratch for the weight's where only the bias's is wanted), else
+    float32 partial sums ``[splits, ...]``; ``bias_sums`` is ``weight_sums`` where no bias gradient
+    is wanted, both None where neither gradient is."""
+
+    grad_x: torch.Tensor
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+    weight_sums: Optional[torch.Tensor]
+    bias_sums: Optional[torch.Tensor]
+
+
+def _backward_buffers(x, weight, wanted: WantedGradients, tiles: _BackwardTiles) -> _BackwardBuffers:
+    features, in_features = weight.shape
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if wanted.x else x.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape if wanted.weight else (0,))
+    grad_bias = weight.new_empty((features,) if wanted.bias else (0,))
+    weight_sums = bias_sums = None
+    if wanted.weight_or_bias and tiles.splits == 1:
+        weight_sums = grad_weight if wanted.weight else weight.new_empty(weight.shape)
+        bias_sums = grad_bias if wanted.bias else weight_sums
+    elif wanted.weight_or_bias:
+        weight_sums = weight.new_empty(tiles.splits, features, in_features, dtype=torch.float32)
+        bias_sums = weight.new_empty(tiles.splits, features, dtype=torch.float32) if wanted.bias else weight_sums
+    return _BackwardBuffers(grad_x, grad_weight, grad_bias, weight_sums, bias_sums)
+
+
+def _backward_templates(grads4, x3, weight, buffers: _BackwardBuffers, wanted: WantedGradients,
+                        tiles: _BackwardTiles) -> list[tuple[KernelLaunch, ...]]:
+    """The templates of a backward call's launches, in order, whose pointers
+    :func:`_backward_pointers` gives."""
+    templates = []
+    if wanted.x:
+        templates.append(_grad_input_template(grads4, weight, buffers.grad_x, tiles.grad_input))
+    if wanted.weight_or_bias:
+        templates.append(_grad_weight_template(grads4, x3, buffers.weight_sums, buffers.bias_sums, wanted.bias,
+                                               tiles.tokens_per_split, tiles.grad_weight))
+        if tiles.splits > 1 and wanted.weight:
+            templates.append(split_sum_template(buffers.weight_sums, buffers.grad_weight))
+        if tiles.splits > 1 and wanted.bias:
+            templates.append(split_sum_template(buffers.bias_sums, buffers.grad_bias))
+    return templates
+
+
+def _backward_pointers(grads4, x3, weight, buffers: _BackwardBuffers, wanted: WantedGradients,
+                       tiles: _BackwardTiles) -> list[tuple]:
+    """The pointers of :func:`_backward_templates`'s templates, in the same order."""
+    pointers = []
+    if wanted.x:
+        pointers.append(_grad_input_pointers(grads4, weight, buffers.grad_x))
+    if wanted.weight_or_bias:
+        pointers.append(_grad_weight_pointers(grads4, x3, buffers.weight_sums, buffers.bias_sums))
+        if tiles.splits > 1 and wanted.weight:
+            pointers.append((buffers.weight_sums, buffers.grad_weight))
+        if tiles.splits > 1 and wanted.bias:
+            pointers.append((buffers.bias_sums, buffers.grad_bias))
+    return pointers
+
+
+def _backward_launches(grads4, x3, weight, buffers: _BackwardBuffers, wanted: WantedGradients,
+                       tiles: _BackwardTiles) -> list[KernelLaunch]:
+    return filled_all(_backward_templates(grads4, x3, weight, buffers, wanted, tiles),
+                      _backward_pointers(grads4, x3, weight, buffers, wanted, tiles))
+
+
+class _PreparedBackward:
+    """:func:`backward` for the calls of one layout, those of a :class:`_PreparedForward` whose
+    gradients have the layouts of the first one's (which the kernels read in place) and that ask
+    for the same gradients: its tiles, the templates of its launches and the layouts of what it
+    allocates, worked out once.  A call on a GPU of another SM count (the tests force tiles
+    through it) runs :func:`backward`.  Under ``LaunchTemplates.verify`` every call also builds
+    its launches as :func:`backward` would, and fails unless they are the same."""
+
+    __slots__ = ("grads_layout", "wanted", "num_sms", "tiles", "templates", "buffer_layouts")
+
+    def __init__(self, grads4, x, weight, wanted: WantedGradients) -> None:
+        self.grads_layout = _grads_layout(grads4)
+        self.wanted, self.num_sms = wanted, multiprocessor_count(x.device)
+        self.tiles = _BackwardTiles.of(x.shape[0] * x.shape[1], weight, len(grads4), self.num_sms)
+        buffers = _backward_buffers(x, weight, wanted, self.tiles)
+        self.templates = _backward_templates(grads4, x, weight, buffers, wanted, self.tiles)
+        self.buffer_layouts = TensorLayouts(buffers)
+
+    def takes(self, grads: list[torch.Tensor], x: torch.Tensor, wanted: WantedGradients) -> bool:
+        return (_grads_layout(grads) == self.grads_layout and wanted == self.wanted
+                and multiprocessor_count(x.device) == self.num_sms)
+
+    def __call__(self, grads, x, weight):
+        buffers = _BackwardBuffers._make(self.buffer_layouts.empty())
+        launches = filled_all(self.templates, _backward_pointers(grads, x, weight, buffers, self.wanted, self.tiles))
+        if LaunchTemplates.verify:
+            tiles = _BackwardTiles.of(x.shape[0] * x.shape[1], weight, len(grads), multiprocessor_count(x.device))
+            expected = _backward_launches(_shared_layout(grads), x, weight, buffers, self.wanted, tiles)
+            check_prepared_launches(launches, expected, "QKV backward")
+        run_launches(launches, x)
+        return buffers.grad_x, buffers.grad_weight, buffers.grad_bias
+
+
+def _grads_layout(grads: list[torch.Tensor]) -> tuple:
+    return tuple((g.shape, g.stride(), g.dtype) for g in grads)
 
 
 # ---------------------------------------------------------------------------
