@@ -67,6 +67,12 @@ def _calls() -> dict[str, callable]:
     def glu():
         return tk.glu_conv1d(conv_x, conv_weight, backend="triton")
 
+    # A decoding step of a causal layer: the new position and the last k - 1 inputs.
+    step_x, step_state = torch.randn(BATCH, EMBED), torch.randn(BATCH, EMBED, conv_weight.shape[2] - 1)
+
+    def glu_step():
+        return tk.glu_conv1d_step(step_x, step_state, conv_weight, backend="triton")
+
     def with_backward(call, inputs):
         def run():
             outputs = call()
@@ -90,6 +96,7 @@ def _calls() -> dict[str, callable]:
         "qkv fwd+bwd": with_backward(qkv, (x, weight)),
         "glu fwd": glu,
         "glu fwd+bwd": with_backward(glu, (conv_x, conv_weight)),
+        "glu step, no grad": inference(glu_step),
     }
 
 
