@@ -10,8 +10,10 @@ and the driver call: some more microseconds per launch on a GPU).
 ``tests/test_host_cost.py`` counts the torch ops of the same calls.
 
 The shapes are small, since the host path does not depend on them, except for the
-copies a call makes (on a GPU those are kernels too, which this does not time);
-gradients are taken with ``torch.autograd.grad``, so no leaf accumulates them.
+copies a call makes: on CPU tensors a copy moves its data on the host, where on a GPU it is a
+kernel, of which only the launch is host time.  The GLU convolution's forward packs its weight
+(128 x 64 x 3 here) on every call: ``glu weight pack`` times that copy alone, so that it can be
+told apart.  Gradients are taken with ``torch.autograd.grad``, so no leaf accumulates them.
 
 Usage: ``python benchmarks/host_time.py [--rounds N]``; prints median and
 p10-p90 microseconds per call.  Issue 9's target: at most 20 us per forward on
@@ -43,6 +45,7 @@ from transformer_kernels.bench.timing import Schedule, Summary, measure  # noqa:
 
 import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import _common  # noqa: E402
+from transformer_kernels.backends.triton import glu_conv as triton_glu_conv  # noqa: E402
 
 # Small shapes of the seeds' kind: the host path does not depend on the sizes.
 BATCH, LENGTH, EMBED, HEADS = 2, 16, 64, 2
@@ -97,6 +100,7 @@ def _calls() -> dict[str, callable]:
         "glu fwd": glu,
         "glu fwd+bwd": with_backward(glu, (conv_x, conv_weight)),
         "glu step, no grad": inference(glu_step),
+        "glu weight pack": functools.partial(triton_glu_conv._packed_weight, conv_weight.detach()),
     }
 
 

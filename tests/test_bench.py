@@ -288,5 +288,5 @@ def test_host_time_script_prints_every_call_and_launch():
     text = script_output(script, "--rounds", "1", timeout=300)
     calls = re.findall(r"^  (.+?) +([0-9.]+) us  \(p10-p90", text, re.MULTILINE)
     launches = re.findall(r"kernel\[grid\] +([0-9.]+) us, direct +([0-9.]+) us$", text, re.MULTILINE)
-    assert len(calls) == 9 and all(math.isfinite(float(us)) for _, us in calls), text
+    assert len(calls) == 10 and all(math.isfinite(float(us)) for _, us in calls), text
     assert len(launches) == 12 and all(math.isfinite(float(us)) for pair in launches for us in pair), text
