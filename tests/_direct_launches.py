@@ -8,7 +8,6 @@ Run in its own process by ``test_triton_direct_launch.py``: Triton's binder exis
 compiled kernels, and the test session interprets them (``TRITON_INTERPRET=1``).
 """
 
-import dataclasses
 import json
 import os
 
@@ -53,7 +52,7 @@ def facts(launch, capability: int) -> dict:
         """Triton's bound arguments and specialization of a launch, and the key ``DirectLaunch``
         files its compiled kernel under."""
         bound, specialization, _ = binder(*args, **kwargs)
-        moved = dataclasses.replace(launch, args=args, kwargs=kwargs)
+        moved = launch._replace(args=args, kwargs=kwargs)
         return bound, list(map(str, specialization)), launch.direct.key(0, launch.direct.arguments(moved))
 
     bound, specialization, key = variant(launch.args, launch.kwargs)

@@ -12,7 +12,6 @@ Run in its own process by ``test_triton_tracing.py``: only compiled kernels can 
 test session interprets them, ``TRITON_INTERPRET=1``).
 """
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -81,7 +80,7 @@ def main() -> None:
         for name, launch in sorted(_richest_launches().items()):
             try:
                 rebuilt = _as_inductor_writes_it(launch.kernel, folder)
-                ttir = _ttir(dataclasses.replace(launch, kernel=rebuilt))
+                ttir = _ttir(launch._replace(kernel=rebuilt))
             except Exception as error:  # reported, not raised: the test lists every kernel that fails
                 facts[name] = {"compiles": False, "error": f"{type(error).__name__}: {error}"[:2000]}
                 continue

@@ -24,10 +24,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Hashable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, NamedTuple, Optional
 
 import torch
 import triton
@@ -41,12 +40,13 @@ TORCH_TO_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.fl
 INT32_MAX = 2**31 - 1
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelLaunch:
+class KernelLaunch(NamedTuple):
     """``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the constexprs and
     the launch options (``num_warps``, ``num_stages``).  ``direct``: how a
     launch of a template runs its compiled kernel without Triton's binding
-    (:class:`DirectLaunch`), or None."""
+    (:class:`DirectLaunch`), or None.  A named tuple: a prepared call builds
+    its launches anew each time, and a frozen dataclass took 0.7 us to make
+    against 0.3 us."""
 
     kernel: Any
     grid: tuple
@@ -380,9 +380,13 @@ def run_launches(launches: Iterable[KernelLaunch], tensor: torch.Tensor) -> None
         for launch in launches:
             torch.library.wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs)
         return
-    # The usual call needs no device switch, whose guard costs microseconds.
-    on_current_device = not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device()
-    with contextlib.nullcontext() if on_current_device else torch.cuda.device_of(tensor):
+    # The usual call needs no device switch, whose guard costs microseconds (a null context
+    # manager in its place half of one).
+    if not tensor.is_cuda or tensor.get_device() == torch.cuda.current_device():
+        for launch in launches:
+            launch()
+        return
+    with torch.cuda.device_of(tensor):
         for launch in launches:
             launch()
 
