@@ -9,7 +9,8 @@
 * ``LaunchTemplates``: a call's launches worked out once per layout, so later
   calls of that layout only fill in their tensors, and ``DirectLaunch``, which
   runs them on their compiled kernel without Triton's per-call binding;
-  ``TensorLayout``, ``TensorLayouts``: what a prepared call allocates, kept once;
+  ``TensorLayout``, ``TensorLayouts``: what a prepared call allocates, kept once
+  (``strided_layout``: what it compares a call's other tensors by);
   ``WantedGradients``: which gradients a backward call computes.
 * ``KernelConfig``: the tile sizes and launch options of one kernel, and
   ``run_launches``, which runs a call's launches on its tensors' device, or,
@@ -211,6 +212,12 @@ def filled(template: tuple[KernelLaunch, ...], pointers: tuple, call_kwargs: dic
                      {**launch.kwargs, **call_kwargs} if call_kwargs else launch.kwargs, launch.direct)
         for launch in template
     ]
+
+
+def strided_layout(tensor: torch.Tensor) -> tuple:
+    """``tensor``'s shape, strides and dtype: what a prepared call compares an argument it was not
+    built from against (its device is the call plan's)."""
+    return tensor.shape, tensor.stride(), tensor.dtype
 
 
 @dataclasses.dataclass(frozen=True)

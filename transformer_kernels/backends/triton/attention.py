@@ -43,6 +43,7 @@ from ._common import (
     input_precision,
     next_power_of_2,
     run_launches,
+    strided_layout,
 )
 from .attention_kernels import (
     _attention_delta_kernel,
@@ -816,7 +817,7 @@ class _PreparedBackward:
         dq, dk, dv = empty_grads(query, key, value)
         delta = torch.empty_like(lse)
         self.prepared_forward = prepared_forward  # its key bounds template and capability serve here too
-        self.grad_out_layout = (grad_out.shape, grad_out.stride(), grad_out.dtype)
+        self.grad_out_layout = strided_layout(grad_out)
         self.delta = _delta_template(grad_out, out, delta)
         self.grad_key_value = _grad_key_value_templates(query, key, value, grad_out, lse, delta, dk, dv, None, masks)
         self.grad_query = _grad_query_template(query, key, value, grad_out, lse, delta, dq, masks)
@@ -825,7 +826,7 @@ class _PreparedBackward:
         self.delta_layout = TensorLayout.of(delta)
 
     def takes(self, grad_out: torch.Tensor) -> bool:
-        return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout
+        return strided_layout(grad_out) == self.grad_out_layout
 
     def __call__(self, grad_out, query, key, value, out, lse, args: AttentionArgs):
         if not _kept_launches_serve(self.block_config, grad_out, query, key, value, out):

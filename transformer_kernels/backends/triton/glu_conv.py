@@ -64,6 +64,7 @@ from ._common import (
     num_sms,
     row_sum_operand,
     run_launches,
+    strided_layout,
 )
 from ._split_sum import split_sum_template
 
@@ -569,13 +570,14 @@ class _PreparedForward:
         the first of them, where a later one's ``grad_out`` has its layout and it asks for the same
         gradients, else :func:`backward`."""
         wanted = WantedGradients(needs_grad_x, needs_grad_weight, needs_grad_bias and bias is not None)
-        prepared = self.prepared_backward
-        if prepared is None and self.dots_hold(x.dtype):
-            prepared = self.prepared_backward = _PreparedBackward(grad_out, x, weight, bias, packed, args, wanted,
-                                                                  self.dots)
-        if prepared is None or not prepared.takes(grad_out, wanted) or not self.dots_hold(x.dtype):
-            return backward(grad_out, x, weight, bias, packed, args, needs_grad_x, needs_grad_weight, needs_grad_bias)
-        return prepared(grad_out, x, bias, packed, args)
+        if self.dots_hold(x.dtype):
+            prepared = self.prepared_backward
+            if prepared is None:
+                prepared = self.prepared_backward = _PreparedBackward(grad_out, x, weight, bias, packed, args,
+                                                                      wanted, self.dots)
+            if prepared.takes(grad_out, wanted):
+                return prepared(grad_out, x, bias, packed, args)
+        return backward(grad_out, x, weight, bias, packed, args, needs_grad_x, needs_grad_weight, needs_grad_bias)
 
 
 def _preactivation_pointers(x, packed, bias, residual, grad_out, destination) -> tuple:
@@ -792,7 +794,7 @@ class _PreparedBackward:
 
     def __init__(self, grad_out, x, weight, bias, packed, args: GluConvArgs, wanted: WantedGradients,
                  dots: _Dots) -> None:
-        self.grad_out_layout = (grad_out.shape, grad_out.stride(), grad_out.dtype)
+        self.grad_out_layout = strided_layout(grad_out)
         self.wanted = wanted
         self.split = _WeightSplit.of(x, grad_out, weight, dots)
         buffers = _backward_buffers(grad_out, x, weight, wanted, self.split)
@@ -800,7 +802,7 @@ class _PreparedBackward:
         self.buffer_layouts = TensorLayouts(buffers)
 
     def takes(self, grad_out: torch.Tensor, wanted: WantedGradients) -> bool:
-        return (grad_out.shape, grad_out.stride(), grad_out.dtype) == self.grad_out_layout and wanted == self.wanted
+        return strided_layout(grad_out) == self.grad_out_layout and wanted == self.wanted
 
     def __call__(self, grad_out, x, bias, packed, args: GluConvArgs):
         buffers = _BackwardBuffers._make(self.buffer_layouts.empty())

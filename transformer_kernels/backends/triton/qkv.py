@@ -47,6 +47,7 @@ from ._common import (
     filled_all,
     row_sum_operand,
     run_launches,
+    strided_layout,
 )
 # Imported under its own name: tests replace this module attribute to force a tile configuration.
 from ._common import num_sms as multiprocessor_count
@@ -837,7 +838,7 @@ class _PreparedBackward:
     __slots__ = ("grads_layout", "wanted", "num_sms", "tiles", "templates", "buffer_layouts")
 
     def __init__(self, grads4, x, weight, wanted: WantedGradients) -> None:
-        self.grads_layout = _grads_layout(grads4)
+        self.grads_layout = [strided_layout(g) for g in grads4]
         self.wanted, self.num_sms = wanted, multiprocessor_count(x.device)
         self.tiles = _BackwardTiles.of(x.shape[0] * x.shape[1], weight, len(grads4), self.num_sms)
         buffers = _backward_buffers(x, weight, wanted, self.tiles)
@@ -845,7 +846,7 @@ class _PreparedBackward:
         self.buffer_layouts = TensorLayouts(buffers)
 
     def takes(self, grads: list[torch.Tensor], x: torch.Tensor, wanted: WantedGradients) -> bool:
-        return (_grads_layout(grads) == self.grads_layout and wanted == self.wanted
+        return ([strided_layout(g) for g in grads] == self.grads_layout and wanted == self.wanted
                 and multiprocessor_count(x.device) == self.num_sms)
 
     def __call__(self, grads, x, weight):
@@ -857,10 +858,6 @@ class _PreparedBackward:
             check_prepared_launches(launches, expected, "QKV backward")
         run_launches(launches, x)
         return buffers.grad_x, buffers.grad_weight, buffers.grad_bias
-
-
-def _grads_layout(grads: list[torch.Tensor]) -> tuple:
-    return tuple((g.shape, g.stride(), g.dtype) for g in grads)
 
 
 # ---------------------------------------------------------------------------
