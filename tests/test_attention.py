@@ -58,6 +58,8 @@ MASK_KINDS = [
     "bool_2d+pad_holes",
     "float_grad+pad_suffix",
     "causal+pad_left",
+    "causal+bool_2d",  # is_causal with an attn_mask: both apply, as in torch's default CPU path
+    "causal+float_grad+pad_suffix",
     "causal_lower_right+pad_suffix",
     "causal_lower_right+pad_holes",
 ]
@@ -486,6 +488,10 @@ TORCH_PARITY = [
     dict(attn_mask=causal_lower_right(12, 17)),
     dict(enable_gqa=True, is_causal=True),
     dict(scale=0.2, attn_mask="bool"),
+    # torch's default CPU path (its flash kernel) applies both; its math backend, which a float mask
+    # that requires grad takes, refuses the pair.
+    dict(is_causal=True, attn_mask="bool"),
+    dict(is_causal=True, attn_mask="float_fixed"),
 ]
 
 
@@ -503,6 +509,8 @@ def test_parity_with_torch_sdpa(kwargs):
     elif kwargs.get("attn_mask") == "float":
         kwargs["attn_mask"] = torch.randn(1, heads, 12, 17, requires_grad=True)
         inputs.append(kwargs["attn_mask"])
+    elif kwargs.get("attn_mask") == "float_fixed":
+        kwargs["attn_mask"] = torch.randn(1, heads, 12, 17)
     out = tk.scaled_dot_product_attention(q, k, v, **kwargs)
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
@@ -1061,8 +1069,6 @@ def _bad_inputs():
         ("value_heads", dict(value=torch.randn(2, 2, 10, 16)), ValueError, "value must have as many heads as key"),
         ("head_dim", dict(key=torch.randn(2, 4, 10, 8)), ValueError, "key must have query's head dim"),
         ("value_length", dict(value=torch.randn(2, 4, 9, 16)), ValueError, "value must have key's length"),
-        ("head_dim_zero", dict(query=torch.randn(2, 4, 8, 0), key=torch.randn(2, 4, 10, 0)), ValueError,
-         "head dim E >= 1"),
         ("ndim", dict(key=torch.randn(10)), ValueError, r"key must have at least 2 dimensions \[\.\.\., L, E\]"),
         ("dtype", dict(key=k.double()), TypeError, "key must have the same dtype as query"),
         ("integer", dict(query=torch.ones(2, 4, 8, 16, dtype=torch.int64)), TypeError,
@@ -1074,7 +1080,6 @@ def _bad_inputs():
         ("mask_shape", dict(attn_mask=torch.ones(8, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
         ("mask_dtype", dict(attn_mask=torch.zeros(8, 10, dtype=torch.float64)), TypeError, "attn_mask must have dtype"),
         ("mask_int", dict(attn_mask=torch.zeros(8, 10, dtype=torch.int32)), TypeError, "attn_mask must have dtype"),
-        ("mask_and_causal", dict(attn_mask=bool_mask, is_causal=True), ValueError, "cannot both be set"),
         ("causal_bias_and_causal", dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError,
          "cannot both be set"),
         ("causal_bias_lengths", dict(attn_mask=causal_lower_right(8, 11)), ValueError, "CausalBias for Lq=8, Lk=11"),
@@ -1102,6 +1107,52 @@ def test_bad_input_raises_clear_error(overrides, error, match):
     args.update(overrides)
     with pytest.raises(error, match=match):
         tk.scaled_dot_product_attention(**args)
+
+
+# Refusals torch's default path does not make, each with why ours stands.
+TORCH_ACCEPTS = {
+    "value_length": "torch's CPU flash kernel reads value past its length (its math backend refuses)",
+}
+
+
+@pytest.mark.parametrize(("name", "overrides"), [(c[0], c[1]) for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs_are_refused_by_torch_too(name, overrides):
+    """A drop-in refuses only what torch refuses: each bad input that torch's SDPA can take (not
+    our ``key_padding_mask`` or ``backend``) fails there too, but for the listed exceptions."""
+    args = dict(query=torch.randn(2, 4, 8, 16), key=torch.randn(2, 4, 10, 16), value=torch.randn(2, 4, 10, 16))
+    args.update(overrides)
+    if "key_padding_mask" in args or "backend" in args:
+        pytest.skip("an argument of ours alone")
+    try:
+        F.scaled_dot_product_attention(**args)
+    except Exception:
+        assert name not in TORCH_ACCEPTS, "torch refuses it now: drop the exception"
+        return
+    assert name in TORCH_ACCEPTS, "torch accepts this call, so a drop-in must too"
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(attn_mask="float"), dict(scale=3.0)], ids=str)
+def test_zero_head_dim_averages_the_visible_values_as_torch(backend, kwargs):
+    """``E = 0``: every score is an empty sum, so each row averages the values its masks leave
+    (weighted by a float mask), as torch computes it; query and key get empty gradients."""
+    kwargs = dict(kwargs)
+    device = device_for(backend)
+    q, k = torch.randn(2, 3, 5, 0, device=device), torch.randn(2, 3, 7, 0, device=device)
+    v = torch.randn(2, 3, 7, 8, device=device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    if kwargs.get("attn_mask") == "float":
+        kwargs["attn_mask"] = torch.randn(5, 7, device=device, requires_grad=True)
+        inputs.append(kwargs["attn_mask"])
+    out = tk.scaled_dot_product_attention(q, k, v, backend=backend, **kwargs)
+    expected = F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), **{
+        name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()})
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out.cpu())
+    assert [g.shape for g in grads] == [t.shape for t in inputs]  # those of query and key are empty
+    assert_close_to_reference([out.cpu(), *(g.cpu() for g in grads[2:])], [expected, *expected_grads[2:]],
+                              ["out", "grad_value", "grad_mask"][: len(inputs) - 1], tol=1e-5)
 
 
 @requires_cuda

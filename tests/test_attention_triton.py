@@ -181,6 +181,9 @@ CASES = {
     "float_mask_grad": dict(lq=20, lk=40, mask="float", mask_grad=True),
     "float_mask_padding": dict(mask="float", padding="left_and_holes"),
     "float_mask_grad_padding": dict(mask="float", mask_grad=True, padding="suffix_and_all_pad"),
+    # is_causal with an attn_mask: both apply.
+    "top_left_bool_mask_padding": dict(lq=40, lk=47, causal="top_left", mask="bool_2d", padding="left_and_holes"),
+    "top_left_float_mask_grad": dict(lq=47, lk=40, causal="top_left", mask="float", mask_grad=True),
     "bool_mask_heads_broadcast_decode": dict(lq=1, lk=33, mask="bool_heads_broadcast"),
     "gqa": dict(heads=2, kv_heads=1, lk=40),
     "gqa_causal_padding": dict(heads=2, kv_heads=1, lq=40, lk=40, causal="top_left", padding="left_and_holes"),
@@ -209,6 +212,7 @@ CASES = {
     "interior_bottom_right_holes": dict(lq=50, lk=83, head_dim=64, causal="bottom_right", padding="left_and_holes"),
     "interior_bool_mask_empty_rows": dict(lq=40, lk=83, head_dim=64, mask="bool_rows", padding="left_and_right"),
     "interior_float_mask": dict(lq=40, lk=83, head_dim=64, mask="float"),
+    "interior_top_left_bool_mask": dict(lq=70, lk=83, head_dim=64, causal="top_left", mask="bool_rows"),
     "interior_lq1_padding": dict(lq=1, lk=83, head_dim=64, causal="bottom_right", padding="left_and_right"),
 }
 HALF_CASES = (

@@ -193,11 +193,13 @@ def scaled_dot_product_attention(
     ``[4, 4, 3, 8]``), and gradients are summed over the dimensions an input
     was broadcast along.  Heads broadcast like any batch dimension (query's,
     key's or value's count may be 1); with ``enable_gqa``, ``Hk`` divides
-    ``Hq`` instead.  ``E >= 1`` and ``Ev`` may differ (the fused GPU kernels
+    ``Hq`` instead.  ``E`` and ``Ev`` may differ (the fused GPU kernels
     serve up to 256; wider heads run on eager); ``Lq`` and ``Lk`` may differ.
-    Zero-sized batches, heads, lengths and ``Ev`` give what torch gives (no
-    key: rows of 0).  What torch refuses is refused with a ``ValueError`` or
-    ``TypeError`` that names the argument.
+    Zero-sized batches, heads, lengths, ``E`` and ``Ev`` give what torch gives
+    (no key: rows of 0; ``E = 0``: every score 0, whatever the scale).  What
+    torch refuses is refused with a ``ValueError`` or ``TypeError`` that names
+    the argument (and so is a ``value`` whose length is not ``key``'s, which
+    torch's CPU flash kernel reads out of bounds).
 
     Jagged nested tensors (``layout=torch.jagged``, ``[B, H, j, E]`` with the
     sequence dimension ragged, as torch's SDPA takes them) run padded to the
@@ -245,7 +247,11 @@ def scaled_dot_product_attention(
             Like torch, dropout applies whenever ``dropout_p > 0``; pass
             ``dropout_p=0.0`` in evaluation.
         is_causal: top-left causal mask: query ``i`` attends to keys ``j <= i``
-            (torch's convention).  An error together with ``attn_mask``.
+            (torch's convention).  Together with an ``attn_mask`` tensor both
+            apply: a key must pass the causal test and the bool mask, and a
+            float mask is added where the causal mask keeps the key.  That is
+            what torch's default CPU path (its flash kernel) computes for the
+            pair, which its documentation and its math backend refuse.
         scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)``.
             ``scale`` and ``dropout_p`` take a real number or a 0-dim tensor,
             ``is_causal`` and ``enable_gqa`` a bool, as torch's parser does.
@@ -467,8 +473,6 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[torch.Size, t
         raise ValueError(f"value must have key's length Lk={lk} in dimension -2, got shape {tuple(value_shape)}")
     if key_shape[-1] != head_dim:
         raise ValueError(f"key must have query's head dim E={head_dim} in dimension -1, got shape {tuple(key_shape)}")
-    if head_dim == 0:  # torch's default scale 1 / sqrt(0) makes every score NaN
-        raise ValueError(f"query and key must have a head dim E >= 1, got shape {tuple(query_shape)}")
     return shapes
 
 
@@ -490,8 +494,10 @@ def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[flo
     dropout_p = _as_float("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _as_float("scale", scale)
-    return dropout_p, scale
+    if scale is None:
+        # With E = 0 every score is an empty sum, 0 whatever the scale (torch's 1 / sqrt(0) too).
+        return dropout_p, 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    return dropout_p, _as_float("scale", scale)
 
 
 def _causal_and_mask(
@@ -514,10 +520,6 @@ def _causal_and_mask(
     if attn_mask is None:
         return causal, None
     check_tensor("attn_mask", attn_mask)
-    if is_causal:
-        raise ValueError(
-            "attn_mask and is_causal=True cannot both be set (as in torch); fold the causal mask into attn_mask"
-        )
     check_same_device("query", query, attn_mask=attn_mask)
     if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):  # torch's rule
         raise TypeError(
@@ -579,6 +581,10 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     # batch_split and fold return at once for one leading dimension (4-D inputs, the usual call).
     split = inputs.batch_split(lead_shape, [q, k, v, mask], padding_lead_shape)
     q, k, v = inputs.fold(q, split), inputs.fold(k, split), inputs.fold(v, split)
+    if head_dim == 0:
+        # Every score is an empty sum: exactly the scores of E = 1 and zero q and k, which every
+        # backend serves; the sums keep query and key in the graph (their gradients are empty).
+        q, k, scale = q.sum(-1, keepdim=True), k.sum(-1, keepdim=True), 1.0
     if mask is not None:
         mask = inputs.fold(mask, split)
     padding = None
