@@ -20,6 +20,32 @@ def test_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
     assert onednn.speedup() == speedup
 
 
+def test_deterministic_algorithms_take_the_blas_paths_without_timing(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) no timing picks an algorithm: the speed-up is
+    0 (the BLAS paths), whatever was measured, and nothing is measured; off again, the measured
+    value returns."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    def no_timing():
+        raise AssertionError("a timed choice under deterministic algorithms")
+
+    monkeypatch.setattr(onednn, "_speedup", 2.0)
+    x = torch.randn(4, 64, 80)
+    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == ("onednn" if onednn.enabled() else "winograd")
+    monkeypatch.setattr(onednn, "_measure", no_timing)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert onednn.speedup() == 0.0
+        assert eager_glu_conv.algorithm(x, 3, 80, "forward") == "winograd"
+        monkeypatch.setattr(onednn, "_LINEAR", lambda *args: no_timing())  # F.linear's GEMM only
+        a, weight = torch.randn(512, 512), torch.randn(512, 512)
+        assert torch.equal(onednn.linear(a, weight), F.linear(a, weight))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert onednn.speedup() == 2.0
+
+
 @requires_onednn
 @pytest.mark.parametrize("faster", [True, False])
 def test_linear_takes_onednn_only_for_dense_float32_operands_where_it_is_faster(monkeypatch, faster):
