@@ -71,6 +71,8 @@ class _Tile:
     ``causal``: top-left causal inside the tile (row ``i`` of the tile sees
     tile keys ``0..i``).  ``bias``: additive float mask broadcastable to
     ``[batch, heads, rows, keys]`` (``-inf`` = excluded), or None.
+    ``may_hide_rows``: whether ``bias`` may exclude every key of a row (it holds
+    ``attn_mask`` or key padding; the causal band alone leaves every row its first key).
     """
 
     batch: slice
@@ -78,6 +80,7 @@ class _Tile:
     keys: slice
     causal: bool
     bias: Optional[torch.Tensor]
+    may_hide_rows: bool
 
 
 def _slice_bias(bias: torch.Tensor, batch: slice, rows: slice, keys: slice) -> torch.Tensor:
@@ -135,10 +138,10 @@ def _segment_tiles(
         return []
 
     def tile(rows: slice, keys: slice, causal: bool, extra_bias: Optional[torch.Tensor] = None) -> _Tile:
-        bias = bias_for(batch, rows, keys)
+        bias = masks = bias_for(batch, rows, keys)
         if extra_bias is not None:
             bias = extra_bias if bias is None else bias + extra_bias
-        return _Tile(batch, rows, keys, causal, bias)
+        return _Tile(batch, rows, keys, causal, bias, masks is not None)
 
     if shift is None:
         return [tile(slice(0, lq), slice(0, end), False)]
@@ -220,8 +223,9 @@ def plan(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> list[_T
 
 
 def _rows_without_keys(tile: _Tile) -> Optional[torch.Tensor]:
-    """Rows of ``tile`` whose every visible key is ``-inf`` in its bias (the kernel returns lse 0 there)."""
-    if tile.bias is None:
+    """Rows of ``tile`` whose every visible key is ``-inf`` in its bias (the kernel returns lse 0 there);
+    None where none can be."""
+    if not tile.may_hide_rows:
         return None
     visible = ~torch.isneginf(tile.bias)
     if not tile.causal:
