@@ -139,6 +139,7 @@ def test_unavailable_peers_show_why(tiny_run):
 
 
 def test_tiny_run_draws_plots(tiny_run):
+    pytest.importorskip("matplotlib", reason="the plots need the test extra's matplotlib")
     _, out = tiny_run
     for name in ("attention_time_vs_length.png", "speedup_vs_padding.png"):
         data = (out / name).read_bytes()
