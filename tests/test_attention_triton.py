@@ -217,7 +217,7 @@ CASES = {
 }
 HALF_CASES = (
     "no_mask", "negative_scale_mild", "bottom_right_lq_gt_lk", "padding_causal", "float_mask_grad", "gqa",
-    "head_dim_256", "interior_bottom_right_padding",
+    "head_dim_256", "interior_bottom_right_padding", "top_left_float_mask_grad",
 )
 LOW_PRECISION = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 

@@ -320,6 +320,7 @@ ATTENTION_CASES = [
     ((2, 4, 100, 256), 4, 140, 256, Causal.NONE, True, "float", 0.0),
     ((2, 4, 160, 192), 2, 160, 192, Causal.TOP_LEFT, False, None, 0.0),
     ((2, 4, 128, 32), 4, 128, 32, Causal.NONE, True, "float", 0.3),  # the Triton backend's keep-mask
+    ((2, 4, 150, 64), 2, 170, 64, Causal.TOP_LEFT, True, "float", 0.0),  # is_causal with a mask: both apply
 ]
 
 
@@ -349,6 +350,7 @@ def test_attention_agrees_with_triton_and_eager(
         attn_mask = attn_mask.expand(batch, -1, -1, -1)
     elif causal != Causal.NONE:
         attn_mask = (causal_upper_left if causal == Causal.TOP_LEFT else causal_lower_right)(lq, lk)
+    is_causal = mask_kind is not None and causal == Causal.TOP_LEFT
     # Gradients of every input, the float mask's included.
     inputs = [q, k, v] + ([attn_mask] if mask_kind == "float" else [])
     for t in inputs:
@@ -358,7 +360,7 @@ def test_attention_agrees_with_triton_and_eager(
     for name in ("cuda", "triton", "eager"):
         torch.manual_seed(1)  # the same (seed, offset) for every backend
         out = tk.scaled_dot_product_attention(
-            q, k, v, attn_mask, dropout_p=dropout_p, enable_gqa=heads_k != heads_q,
+            q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=heads_k != heads_q,
             key_padding_mask=key_padding_mask, backend=name,
         )
         results[name] = [out, *torch.autograd.grad(out, inputs, grad_out)]
