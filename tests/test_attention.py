@@ -938,11 +938,15 @@ def test_gradcheck_eager_with_dropout():
     head_dim=st.sampled_from([1, 3, 8, 20]),
     mask_kind=st.sampled_from(["none", "bool", "float", "causal", "causal_lower_right"]),
     padding_kind=st.sampled_from([None, "pad_suffix", "pad_left", "pad_holes", "pad_one_all_padding"]),
+    mask_with_causal=st.booleans(),  # a bool or float mask together with is_causal
     seed=st.integers(0, 2**16),
 )
-def test_property_matches_reference(batch, kv_heads, group, lq, lk, head_dim, mask_kind, padding_kind, seed):
+def test_property_matches_reference(batch, kv_heads, group, lq, lk, head_dim, mask_kind, padding_kind,
+                                    mask_with_causal, seed):
     torch.manual_seed(seed)
     kind = "none" if mask_kind in ("none", "bool", "float") else mask_kind
+    if mask_with_causal and mask_kind in ("bool", "float"):
+        kind = "causal"
     if padding_kind is not None:
         kind = padding_kind if kind == "none" else f"{kind}+{padding_kind}"
     case = make_case(kind, batch, kv_heads * group, kv_heads, lq, lk, head_dim)
