@@ -327,6 +327,36 @@ def test_the_prepared_qkv_backward_takes_backward_where_the_call_differs(monkeyp
         torch.autograd.grad(outputs, (x, weight, b), grads)
 
 
+def test_gradients_the_kernels_cannot_read_in_place_are_copied_once(monkeypatch):
+    """Broadcast gradients (those of ``out.sum()``) share no stride set: each backward copies them
+    once (``_shared_layout``), and the forward's plan prepares no backward for them, asking
+    without copying."""
+    from transformer_kernels.backends.triton import qkv as triton_qkv
+    from transformer_kernels.ops import qkv as qkv_op
+    from transformer_kernels.ops._call_plans import CallPlans
+
+    monkeypatch.setattr(qkv_op, "_PLANS", CallPlans())
+    copies = []
+    real_shared_layout = triton_qkv._shared_layout
+
+    def shared_layout(grads):
+        shared = real_shared_layout(grads)
+        copies.extend(s for s, g in zip(shared, grads) if s is not g)
+        return shared
+
+    monkeypatch.setattr(triton_qkv, "_shared_layout", shared_layout)
+    device = device_for("triton")
+    x, weight, b = _inputs((2, 9, 32), 3, torch.float16, True, device)
+    grads = [torch.ones((), dtype=torch.float16, device=device).expand(2, 2, 9, 16)] * 3
+    for _ in range(2):
+        copies.clear()
+        outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend="triton")
+        torch.autograd.grad(outputs, (x, weight, b), grads)
+        assert len(copies) == 3
+    ((_, (_, (_, prepared))),) = qkv_op._PLANS._plans.items()
+    assert isinstance(prepared, triton_qkv._PreparedForward) and prepared.prepared_backward is None
+
+
 @pytest.mark.parametrize("backend", backend_params("qkv"))
 def test_strided_inputs_and_unusual_gradients(backend):
     device, dtype = device_for(backend), working_dtype(backend)

@@ -586,7 +586,7 @@ class _PreparedForward:
         those layouts and it asks for the same gradients, else :func:`backward`."""
         wanted = WantedGradients(needs_grad_x, needs_grad_weight, has_bias and needs_grad_bias)
         prepared = self.prepared_backward
-        if prepared is None and all(shared is grad for shared, grad in zip(_shared_layout(grads), grads)):
+        if prepared is None and _read_in_place(grads):
             prepared = self.prepared_backward = _PreparedBackward(grads, x, weight, wanted)
         if prepared is None or not prepared.takes(grads, x, wanted):
             return backward(grads, x, weight, args, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias)
@@ -600,14 +600,24 @@ def _shared_layout(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     that does not fit (typically a stride-0 broadcast) is copied.
     """
     grads = [_with_one_batch_dim(g, 3) for g in grads]
-    first = grads[0]
-    if (
+    return grads if _one_stride_set(grads) else [g.contiguous() for g in grads]
+
+
+def _one_stride_set(grads4: list[torch.Tensor]) -> bool:
+    """Whether the ``[B, H, L, Dh]`` gradients share one set of strides the kernels index (unit
+    along Dh, int32 offsets)."""
+    first = grads4[0]
+    return (
         first.stride(-1) == 1
-        and all(g.stride() == first.stride() for g in grads[1:])
+        and all(g.stride() == first.stride() for g in grads4[1:])
         and _max_offset(first) <= INT32_MAX
-    ):
-        return grads
-    return [g.contiguous() for g in grads]
+    )
+
+
+def _read_in_place(grads: list[torch.Tensor]) -> bool:
+    """Whether :func:`_shared_layout` returns ``grads`` themselves (4-D, one stride set), which
+    the prepared backward's templates take: asked without the copies it would make otherwise."""
+    return all(g.dim() == 4 for g in grads) and _one_stride_set(grads)
 
 
 def _grad_input_launch(
