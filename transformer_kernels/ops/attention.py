@@ -494,10 +494,11 @@ def _check_scalars(dropout_p: object, scale: object, head_dim: int) -> tuple[flo
     dropout_p = _as_float("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    if scale is None:
-        # With E = 0 every score is an empty sum, 0 whatever the scale (torch's 1 / sqrt(0) too).
-        return dropout_p, 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    return dropout_p, _as_float("scale", scale)
+    if scale is not None:
+        scale = _as_float("scale", scale)
+    if head_dim == 0:  # every score is an empty sum, 0 whatever the scale (torch's 1 / sqrt(0) too)
+        return dropout_p, 1.0
+    return dropout_p, 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def _causal_and_mask(
@@ -584,7 +585,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if head_dim == 0:
         # Every score is an empty sum: exactly the scores of E = 1 and zero q and k, which every
         # backend serves; the sums keep query and key in the graph (their gradients are empty).
-        q, k, scale = q.sum(-1, keepdim=True), k.sum(-1, keepdim=True), 1.0
+        q, k = q.sum(-1, keepdim=True), k.sum(-1, keepdim=True)
     if mask is not None:
         mask = inputs.fold(mask, split)
     padding = None
