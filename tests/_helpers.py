@@ -9,6 +9,7 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
+* :func:`untimed_glu_choices`: the eager GLU convolution's algorithms by its fixed rule, not timed.
 * :func:`script_output`: what a script prints, run with this session's package;
   :func:`json_of_compiled_script`: the JSON a script of this folder prints, run in a process whose
   Triton kernels are compiled rather than interpreted.
@@ -374,3 +375,16 @@ def cuda_include_dir() -> Optional[pathlib.Path]:
     dryrun = subprocess.run([nvcc, "--dryrun", "-c", "x.cu"], capture_output=True, text=True).stderr
     match = re.search(r'INCLUDES="-I([^"\s]+)', dryrun)
     return pathlib.Path(match.group(1)) if match else None
+
+
+def untimed_glu_choices(monkeypatch) -> None:
+    """The eager GLU convolution chooses between Winograd and oneDNN's convolution by its fixed rule
+    (oneDNN where ``onednn.speedup()`` reaches ``_FAST_ONEDNN_SPEEDUP``) instead of timing them, so
+    that a test can name the algorithm a call takes on every CPU by setting ``onednn._speedup``."""
+    from transformer_kernels.backends.eager import _tuning, onednn
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    def by_rule(key, make_runs):
+        return "onednn" if onednn.speedup() >= eager_glu_conv._FAST_ONEDNN_SPEEDUP else "winograd"
+
+    monkeypatch.setattr(_tuning, "fastest", by_rule)

@@ -9,23 +9,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _helpers import (
     assert_close_to_reference, assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params,
-    device_for, outputs_and_grads, precise_dtype, skip_unless_backend,
+    device_for, outputs_and_grads, precise_dtype, skip_unless_backend, untimed_glu_choices,
 )
 from conftest import CUDA, requires_cuda, tf32_setting
 
 import transformer_kernels as tk
+from transformer_kernels.backends.eager import _tuning
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
 SCALE = math.sqrt(0.5)
+TIMED_FASTEST = _tuning.fastest  # the autouse fixture below stands the untimed rule in for it
 requires_triton = skip_unless_backend("triton", "glu_conv")
 
 
 @pytest.fixture(autouse=True)
 def _engines_alike(monkeypatch):
-    """The eager algorithm choices these tests name, on every CPU: oneDNN's convolution no faster
-    than the BLAS (see test_fast_onednn_convolution_replaces_winograd for the other case)."""
+    """The eager algorithm choices these tests name, on every CPU: by the untimed rule, with oneDNN's
+    GEMM no faster than the BLAS (see test_fast_onednn_convolution_replaces_winograd for the other
+    case, and test_winograd_or_onednn_is_timed_once_per_size for the timed choice)."""
     from transformer_kernels.backends.eager import onednn
 
+    untimed_glu_choices(monkeypatch)
     monkeypatch.setattr(onednn, "_speedup", 1.0)
 
 
@@ -134,13 +138,59 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
     )
     if not torch.backends.mkldnn.is_available() and "onednn" in (forward, backward):
         pytest.skip("torch built without oneDNN")
-    assert eager_glu_conv.algorithm(x, k, length, "forward") == forward
-    assert eager_glu_conv.algorithm(x, k, length, "backward") == backward
+    assert eager_glu_conv.algorithm(x, weight, length, "forward") == forward
+    assert eager_glu_conv.algorithm(x, weight, length, "backward") == backward
     out = _assert_matches_reference(
         x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
         padding=padding, pad_value=pad_value, residual_scale=SCALE,
     )
     assert _has_layout(out, channels_last and forward != "onednn")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("faster", ["winograd", "onednn"])
+def test_winograd_or_onednn_is_timed_once_per_size(faster, monkeypatch):
+    """Where both apply (float32, k = 3, past Winograd's few hundred positions), Winograd and
+    oneDNN's convolution are timed against each other on the first call of a size class, forward
+    and backward apart, on real tensors even while tracing, and the faster is kept; sizes from
+    _TIMED_MAX_POSITIONS on share one class; float64 and deterministic algorithms time nothing."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from transformer_kernels.backends.eager import _tuning
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    monkeypatch.setattr(_tuning, "fastest", TIMED_FASTEST)
+    monkeypatch.setattr(_tuning, "_choices", {})
+    timings = []
+
+    def best_times(runs, rounds=3):
+        results = {name: run() for name, run in runs.items()}  # each run runs, on real tensors
+        assert all(not isinstance(t, FakeTensor) for result in results.values() for t in result if t.numel())
+        timings.append(sorted(runs))
+        return {name: 1.0 if name == faster else 2.0 for name in runs}
+
+    monkeypatch.setattr(_tuning, "best_times", best_times)
+    weight = torch.empty(32, 24, 3)
+
+    def choice(batch, length, direction="forward", dtype=torch.float32):
+        return eager_glu_conv.algorithm(torch.empty(batch, 24, length, dtype=dtype), weight.to(dtype), length,
+                                        direction)
+
+    with FakeTensorMode() as mode:  # an op's fake kernel asks first
+        assert eager_glu_conv.algorithm(mode.from_tensor(torch.empty(2, 24, 100)), weight, 100, "forward") == faster
+    assert timings == [["onednn", "winograd"]]
+    assert [choice(2, 100), choice(4, 50), choice(1, 210)] == [faster] * 3  # the same class: timed once
+    assert len(timings) == 1
+    # The backward is timed after the forward's choice at its size, which it is timed on.
+    assert choice(2, 300, "backward") == faster and len(timings) == 3
+    assert choice(2, 300) == faster and len(timings) == 3
+    assert choice(8, 1000) == choice(2, 4000) == choice(1, 9000) == faster and len(timings) == 4
+    assert choice(2, 300, dtype=torch.float64) == "winograd" and len(timings) == 4
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert choice(2, 600) == "winograd" and len(timings) == 4  # oneDNN's speed-up reads 0 untimed
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
@@ -155,12 +205,13 @@ def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
         x = torch.randn(2, 8, 200, dtype=dtype)
         if expected == "onednn" and not torch.backends.mkldnn.is_available():
             continue
-        assert [eager_glu_conv.algorithm(x, 3, 200, d) for d in ("forward", "backward")] == [expected] * 2
+        weight = torch.empty(16, 8, 3, dtype=dtype)
+        assert [eager_glu_conv.algorithm(x, weight, 200, d) for d in ("forward", "backward")] == [expected] * 2
     if torch.backends.mkldnn.is_available():
-        x = torch.randn(2, 8, 50)  # 100 positions
-        assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "onednn"
+        x, weight = torch.randn(2, 8, 50), torch.empty(16, 8, 5)  # 100 positions
+        assert eager_glu_conv.algorithm(x, weight, 50, "backward") == "onednn"
         monkeypatch.setattr(onednn, "_speedup", 1.0)
-        assert eager_glu_conv.algorithm(x, 5, 50, "backward") == "im2col"
+        assert eager_glu_conv.algorithm(x, weight, 50, "backward") == "im2col"
         monkeypatch.setattr(onednn, "_speedup", 2.0)
     # The gradients every way: oneDNN's convolution backward; the im2col GEMM that takes the weight's
     # over from _GEMM_WEIGHT_GRADIENT_MIN_DEPTH (C_in * k) on, here from 1; and the input's too, up
@@ -197,8 +248,8 @@ def test_fp32_error_is_within_twice_the_direct_convolutions(gemm_speedup, algori
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(onednn, "_speedup", gemm_speedup)
     x, weight, bias, _ = _make_inputs(4, 3, 80, 512, 512, dtype=torch.float32, channels_last=True, residual=False)
-    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == algorithm
-    assert eager_glu_conv.algorithm(x, 3, 80, "backward") == algorithm
+    assert eager_glu_conv.algorithm(x, weight, 80, "forward") == algorithm
+    assert eager_glu_conv.algorithm(x, weight, 80, "backward") == algorithm
     gemms = eager_glu_conv._GEMM_INPUT_GRADIENT_MAX_POSITIONS
     assert eager_glu_conv._on_gemms(x, 3 * 512, 80, gemms) == (algorithm == "onednn")
     grad = torch.randn(4, 512, 80)
@@ -234,7 +285,8 @@ def _eager_channel_last(x, kernel_size, direction="forward"):
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 
     channel_last = x.transpose(1, 2).is_contiguous() and not x.is_contiguous()
-    return channel_last and eager_glu_conv.algorithm(x, kernel_size, x.shape[2], direction) != "onednn"
+    weight = torch.empty(2, x.shape[1], kernel_size)
+    return channel_last and eager_glu_conv.algorithm(x, weight, x.shape[2], direction) != "onednn"
 
 
 @pytest.mark.parametrize("backend", backend_params("glu_conv"))
@@ -666,7 +718,7 @@ def test_fake_layouts_match_real(channels_last, length, onednn_speedup, algorith
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(onednn, "_speedup", onednn_speedup)
     x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, channels_last=channels_last)
-    assert eager_glu_conv.algorithm(x, 3, length, "forward") == algorithm
+    assert eager_glu_conv.algorithm(x, weight, length, "forward") == algorithm
 
     def out_and_grad_x(*tensors):
         x, weight, bias, residual = (t.detach().requires_grad_() for t in tensors)

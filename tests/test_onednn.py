@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import untimed_glu_choices
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from transformer_kernels.backends.eager import onednn
@@ -29,15 +30,16 @@ def test_deterministic_algorithms_take_the_blas_paths_without_timing(monkeypatch
     def no_timing():
         raise AssertionError("a timed choice under deterministic algorithms")
 
+    untimed_glu_choices(monkeypatch)
     monkeypatch.setattr(onednn, "_speedup", 2.0)
-    x = torch.randn(4, 64, 80)
-    assert eager_glu_conv.algorithm(x, 3, 80, "forward") == ("onednn" if onednn.enabled() else "winograd")
+    x, weight = torch.randn(4, 64, 80), torch.empty(16, 64, 3)
+    assert eager_glu_conv.algorithm(x, weight, 80, "forward") == ("onednn" if onednn.enabled() else "winograd")
     monkeypatch.setattr(onednn, "_measure", no_timing)
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert onednn.speedup() == 0.0
-        assert eager_glu_conv.algorithm(x, 3, 80, "forward") == "winograd"
+        assert eager_glu_conv.algorithm(x, weight, 80, "forward") == "winograd"
         monkeypatch.setattr(onednn, "_LINEAR", lambda *args: no_timing())  # F.linear's GEMM only
         a, weight = torch.randn(512, 512), torch.randn(512, 512)
         assert torch.equal(onednn.linear(a, weight), F.linear(a, weight))
@@ -95,11 +97,11 @@ def test_linear_and_glu_leave_onednn_when_the_user_turns_it_off(monkeypatch):
     calls = []
     real = onednn._LINEAR
     monkeypatch.setattr(onednn, "_LINEAR", lambda *args: calls.append(1) or real(*args))
-    x = torch.randn(2, 8, 200)
+    x, weight_k3, weight_k5 = torch.randn(2, 8, 200), torch.empty(16, 8, 3), torch.empty(16, 8, 5)
     with torch.backends.mkldnn.flags(enabled=False):
         onednn.linear(torch.randn(5, 8), torch.randn(6, 8))
-        assert glu_conv.algorithm(x, 5, 200, "forward") == "im2col"
-        assert glu_conv.algorithm(x, 3, 200, "forward") == "winograd"
+        assert glu_conv.algorithm(x, weight_k5, 200, "forward") == "im2col"
+        assert glu_conv.algorithm(x, weight_k3, 200, "forward") == "winograd"
     assert not calls
     onednn.linear(torch.randn(5, 8), torch.randn(6, 8))
-    assert calls and glu_conv.algorithm(x, 5, 200, "forward") == "onednn"
+    assert calls and glu_conv.algorithm(x, weight_k5, 200, "forward") == "onednn"

@@ -4,11 +4,11 @@ Three ways to run the convolution, chosen per call by :func:`algorithm` from
 the device, dtype, kernel size and the number of output positions ``B * L_out``:
 
 * **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
-  CPU, past a few hundred positions, unless oneDNN outruns the BLAS by a third
-  or more on this CPU, see :func:`.onednn.speedup`): four GEMMs of half the rows on
-  transformed windows, two thirds of the direct GEMM work, in every direction.
-  The GEMMs are compute bound there, so no implementation doing the direct
-  product count can run faster.
+  CPU, past a few hundred positions, where it outruns oneDNN's convolution: see
+  :func:`algorithm`): four GEMMs of half the rows on transformed windows, two
+  thirds of the direct GEMM work, in every direction.  The GEMMs are compute
+  bound there, so where the BLAS runs as fast as oneDNN's kernels no
+  implementation doing the direct product count can run faster.
 
 * **im2col GEMM** (few output positions, and every other dtype or device):
   one GEMM on unfolded windows, using ``weight`` in the layout ``nn.Conv1d``
@@ -23,7 +23,7 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
   ``grad_xpad`` with ``k`` shifted adds (col2im).
 
 * **oneDNN convolution** (float32 on a CPU with oneDNN, past the im2col
-  GEMM's few positions when Winograd does not apply or does not pay yet):
+  GEMM's few positions where Winograd does not apply or runs slower):
   ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
   reorder the weight into oneDNN's blocked layout on every call.  (Convolving a
   channel-last ``x`` as the channels-last image ``[B, C_in, 1, L]`` it is in
@@ -51,13 +51,15 @@ whole cost, so recomputing them would make training slower than plain PyTorch.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
-from . import onednn, winograd
+from . import _tuning, onednn, winograd
 
 __all__ = [
     "forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last", "algorithm", "padded_rows",
@@ -78,11 +80,18 @@ _IM2COL_MAX_POSITIONS_BACKWARD = 255
 _WINOGRAD_MIN_POSITIONS_FORWARD = 160
 _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
 # Winograd and the im2col GEMM run their GEMMs on the BLAS; oneDNN's convolution runs all of its
-# work on its own kernels.  Where those are this much faster than the BLAS (:func:`.onednn.speedup`),
-# the direct convolution takes over: on the AMD EPYC of this project's CI (oneDNN 2.2x the BLAS),
-# Winograd ran the seeds' layers at 0.62-0.78x the seed's oneDNN convolution and oneDNN at
-# 0.92-0.97x; where both engines use the same vector width, Winograd stays ahead.
+# work on its own kernels.  Which of Winograd and oneDNN is faster depends on the CPU, the thread
+# count and the size (on the CI's AMD EPYC, on one day, Winograd ran the seeds' layers 1.14-1.24x
+# as fast at one thread and 0.53-0.87x at two), so where both apply it is timed per size (see
+# _winograd_or_onednn); without timing (torch.use_deterministic_algorithms), oneDNN takes over
+# where its GEMM kernels outrun the BLAS by this much (:func:`.onednn.speedup`): on the AMD EPYC,
+# on days when oneDNN ran 2.2x the BLAS, Winograd ran the seeds' layers at 0.62-0.78x the seed's
+# oneDNN convolution.  The im2col GEMM's and the oneDNN backward's choices below follow it too.
 _FAST_ONEDNN_SPEEDUP = 1.3
+# The timed choice is made once per size class: output positions in half-octaves, all sizes
+# from this many on in one class, timed at most at this size (the ratios hardly move past it,
+# and a timed run stays within tens of milliseconds at C = 512).
+_TIMED_MAX_POSITIONS = 2048
 # ... and the backward's im2col GEMM keeps only this many positions: a stack of 10 layers of
 # B=4, L=40 (160 positions) fwd+bwd 0.73x the seed with im2col, 0.94x with oneDNN; B=2, L=20
 # (40 positions) 1.13x with im2col either way.
@@ -104,25 +113,69 @@ _GEMM_INPUT_GRADIENT_MAX_POSITIONS = 640
 _INPUT_GRADIENT_BLOCK = 256
 
 
-def algorithm(x: torch.Tensor, kernel_size: int, length_out: int, direction: str) -> str:
-    """How ``direction`` (``"forward"`` or ``"backward"``) convolves ``x`` ``[B, C_in, L]`` into
-    ``L_out`` positions: ``"winograd"``, ``"onednn"`` or ``"im2col"``."""
+def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str) -> str:
+    """How ``direction`` (``"forward"`` or ``"backward"``) convolves ``x`` ``[B, C_in, L]`` with
+    ``weight`` ``[2C, C_in, k]`` (only its shape is read) into ``L_out`` positions:
+    ``"winograd"``, ``"onednn"`` or ``"im2col"``."""
+    kernel_size = weight.shape[2]
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
     onednn_applies = on_cpu and x.dtype == torch.float32 and onednn.enabled()
-    fast_onednn = onednn_applies and _onednn_outruns_blas()
     if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
-            and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)
-            and not fast_onednn):
-        return "winograd"
+            and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)):
+        return _winograd_or_onednn(x, weight, length_out, direction) if onednn_applies else "winograd"
     if forward:
         limit = _IM2COL_MAX_POSITIONS_FORWARD
+    elif onednn_applies and _onednn_outruns_blas():
+        limit = _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN
     else:
-        limit = _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN if fast_onednn else _IM2COL_MAX_POSITIONS_BACKWARD
+        limit = _IM2COL_MAX_POSITIONS_BACKWARD
     if onednn_applies and positions > limit:
         return "onednn"
     return "im2col"
+
+
+def _winograd_or_onednn(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str) -> str:
+    """The faster of ``"winograd"`` and ``"onednn"`` for ``direction`` at this size, timed once
+    per process, thread count and size class (see ``_TIMED_MAX_POSITIONS``) on random tensors of
+    the call's sizes and layout; without timing (:func:`._tuning.enabled`, or symbolic sizes while
+    tracing), the fixed rule of ``_FAST_ONEDNN_SPEEDUP``.
+
+    The backward is timed on what the forward chosen at this size leaves it (its pre-activation's
+    and its output's layouts): each is fast on its own forward's, and the other's layouts made it
+    slower (a small ConvSeq2Seq's training step, Winograd forward and oneDNN backward as timed
+    apart, ran 0.88x the seeds' math, both ways on oneDNN 0.95x)."""
+    batch, channels_in, _ = x.shape
+    if not (_tuning.enabled() and isinstance(batch, int) and isinstance(length_out, int)):
+        return "onednn" if _onednn_outruns_blas() else "winograd"
+    channels_z, _, kernel_size = weight.shape
+    channel_last = is_channels_last(x)
+    forward_choice = None if direction == "forward" else algorithm(x, weight, length_out, "forward")
+    size_class = round(2 * math.log2(min(batch * length_out, _TIMED_MAX_POSITIONS)))
+    timed_length = min(length_out, _TIMED_MAX_POSITIONS)
+    timed_batch = max(1, min(batch, _TIMED_MAX_POSITIONS // timed_length))
+    key = ("glu_conv1d", direction, forward_choice, x.dtype, channels_in, channels_z, kernel_size, channel_last,
+           size_class, torch.get_num_threads())
+
+    def make_runs():
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randn(timed_batch, timed_length + kernel_size - 1, channels_in, generator=generator, dtype=x.dtype)
+        x_timed = rows.transpose(1, 2) if channel_last else rows.transpose(1, 2).contiguous()
+        weight_timed = torch.randn(weight.shape, generator=generator, dtype=x.dtype)
+        bias_timed = torch.randn(channels_z, generator=generator, dtype=x.dtype)
+        args = GluConvArgs(0, 0, 0.0, 1.0)
+        if forward_choice is None:
+            return {chosen: functools.partial(_forward, x_timed, weight_timed, bias_timed, None, args, chosen)
+                    for chosen in ("winograd", "onednn")}
+        _, z = _forward(x_timed, weight_timed, bias_timed, None, args, forward_choice)
+        grad_out = empty_output(x_timed, channels_z // 2, timed_length, _channel_last_result(x_timed, forward_choice))
+        grad_out.normal_(generator=generator)
+        return {chosen: functools.partial(_backward, grad_out, x_timed, weight_timed, bias_timed, z, args, chosen,
+                                          True, True, True)
+                for chosen in ("winograd", "onednn")}
+
+    return _tuning.fastest(key, make_runs)
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
@@ -130,9 +183,8 @@ def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> tor
     ``[B, L_out, 2C]``: contiguous after the im2col GEMM, the first ``L_out`` positions of a
     contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, a transposed contiguous
     ``[B, 2C, L_out]`` after oneDNN."""
-    kernel_size = weight.shape[2]
-    length_out = args.output_length(x.shape[2], kernel_size)
-    chosen = algorithm(x, kernel_size, length_out, "forward")
+    length_out = args.output_length(x.shape[2], weight.shape[2])
+    chosen = algorithm(x, weight, length_out, "forward")
     if chosen == "onednn":
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     if chosen == "winograd":
@@ -145,7 +197,7 @@ def results_channel_last(x: torch.Tensor, weight: torch.Tensor, args: GluConvArg
     in ``x``'s layout, except on the oneDNN path, whose convolutions write and read contiguous
     ``[B, C, L]`` (see :func:`_channel_last_result`)."""
     length_out = args.output_length(x.shape[2], weight.shape[2])
-    return _channel_last_result(x, algorithm(x, weight.shape[2], length_out, direction))
+    return _channel_last_result(x, algorithm(x, weight, length_out, direction))
 
 
 def _channel_last_result(x: torch.Tensor, chosen: str) -> bool:
@@ -194,10 +246,15 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` (strides as
     :func:`empty_saved` states) kept for backward."""
+    length_out = args.output_length(x.shape[2], weight.shape[2])
+    return _forward(x, weight, bias, residual, args, algorithm(x, weight, length_out, "forward"))
+
+
+def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` by the algorithm ``chosen``."""
     channels_z, channels_in, kernel_size = weight.shape
     pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
     length_out = args.output_length(x.shape[2], kernel_size)
-    chosen = algorithm(x, kernel_size, length_out, "forward")
     if chosen == "onednn":
         conv_input, padding = _conv_input(x, pad_left, pad_right, pad_value)
         z = F.conv1d(conv_input, weight, bias, padding=padding)
@@ -255,8 +312,14 @@ def backward(
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor."""
+    chosen = algorithm(x, weight, z.shape[1], "backward")
+    return _backward(grad_out, x, weight, bias, z, args, chosen, needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+def _backward(grad_out, x, weight, bias, z, args: GluConvArgs, chosen: str, needs_grad_x: bool,
+              needs_grad_weight: bool, needs_grad_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward` by the algorithm ``chosen``."""
     needs_grad_bias = needs_grad_bias and bias is not None
-    chosen = algorithm(x, weight.shape[2], z.shape[1], "backward")
     # glu_backward is vectorized only when grad_out has z's layout (the layout
     # of the GEMM's rows): scaling grad_out writes it in that layout.
     grad_out = _scaled(grad_out, args.residual_scale, channel_last=not z.transpose(1, 2).is_contiguous())

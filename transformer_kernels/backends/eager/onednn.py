@@ -20,12 +20,12 @@ contiguous or transposed-contiguous operands.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils._python_dispatch
+
+from . import _tuning
 
 __all__ = ["enabled", "speedup", "linear"]
 
@@ -60,7 +60,7 @@ def speedup() -> float:
     ``torch.use_deterministic_algorithms(True)`` nothing is timed and 0 is returned: the BLAS
     paths, the same in every run, as torch's reproducibility notes ask of cuDNN's benchmarking."""
     global _speedup
-    if torch.are_deterministic_algorithms_enabled():
+    if not _tuning.enabled():
         return 0.0
     if _speedup is None:
         _speedup = _measure() if _LINEAR is not None else 0.0
@@ -68,17 +68,13 @@ def speedup() -> float:
 
 
 def _measure() -> float:
-    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+    with _tuning.real_tensors():
         generator = torch.Generator().manual_seed(0)
         a = torch.randn(512, 512, generator=generator)
         weight = torch.randn(1024, 512, generator=generator)
-        runs = {"onednn": lambda: _LINEAR(a, weight, None, "none", [], ""), "blas": lambda: F.linear(a, weight)}
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(5):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = _tuning.best_times(
+            {"onednn": lambda: _LINEAR(a, weight, None, "none", [], ""), "blas": lambda: F.linear(a, weight)}, rounds=5
+        )
     return best["blas"] / best["onednn"]
 
 

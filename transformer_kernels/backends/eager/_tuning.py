@@ -1,0 +1,63 @@
+"""Choosing between the eager backends' implementations by timing them on this machine, once per
+process and problem size, as cuDNN's benchmark mode chooses its convolution algorithms.
+
+No rule of thumb chooses well on every CPU: on the 2-core AMD EPYC of this project's CI, the GLU
+convolution's Winograd GEMMs (on the BLAS) ran the seeds' layers 1.14-1.24x as fast as oneDNN's
+convolution at one thread and 0.53-0.87x as fast at two, on a day when oneDNN's GEMM ran 1.1x
+the BLAS's (2.3x on earlier days).  Under ``torch.use_deterministic_algorithms(True)`` nothing
+is timed and callers take a fixed choice, the same in every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable, Hashable, Iterator, Mapping
+
+import torch
+import torch.utils._python_dispatch
+
+__all__ = ["enabled", "real_tensors", "best_times", "fastest"]
+
+# Interleaved rounds timed per choice, after one warm-up call of each run; the best round counts.
+_ROUNDS = 5
+_choices: dict[Hashable, str] = {}
+
+
+def enabled() -> bool:
+    """Whether choices may be timed: not under ``torch.use_deterministic_algorithms(True)``."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Real tensors and no autograd, even inside a dispatch mode: an op's fake kernel asks for its
+    backend's choice while tracing, and the timing must run real kernels."""
+    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+        yield
+
+
+def best_times(runs: Mapping[str, Callable[[], object]], rounds: int = _ROUNDS) -> dict[str, float]:
+    """Each run's best time in seconds over ``rounds`` interleaved rounds, after one warm-up call
+    of each (call inside :func:`real_tensors`)."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def fastest(key: Hashable, make_runs: Callable[[], Mapping[str, Callable[[], object]]]) -> str:
+    """The name of the fastest of the runs ``make_runs()`` returns (timed with :func:`best_times`
+    on the first call with ``key``, then kept for the process)."""
+    choice = _choices.get(key)
+    if choice is None:
+        with real_tensors():
+            best = best_times(make_runs())
+        choice = _choices[key] = min(best, key=best.__getitem__)
+    return choice
