@@ -153,7 +153,7 @@ def test_winograd_or_onednn_is_timed_once_per_size(faster, monkeypatch):
     """Where both apply (float32, k = 3, past Winograd's few hundred positions), Winograd and
     oneDNN's convolution are timed against each other on the first call of a size class, forward
     and backward apart, on real tensors even while tracing, and the faster is kept; sizes from
-    _TIMED_MAX_POSITIONS on share one class; float64 and deterministic algorithms time nothing."""
+    the last of _SIZE_CLASSES on share one class; float64 and deterministic algorithms time nothing."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from transformer_kernels.backends.eager import _tuning
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
@@ -191,6 +191,37 @@ def test_winograd_or_onednn_is_timed_once_per_size(faster, monkeypatch):
         assert choice(2, 600) == "winograd" and len(timings) == 4  # oneDNN's speed-up reads 0 untimed
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_timed_choice_under_dynamic_shapes_states_the_real_layouts(monkeypatch):
+    """torch.compile with a symbolic length: the fake kernel times (or finds) the choice of the size
+    class its example falls in, as the real call does, so the layouts it states are the real ones;
+    here oneDNN wins (contiguous results) where the untimed rule would take Winograd (x's layout),
+    and inductor checks every real stride against the fake one."""
+    from transformer_kernels.backends.eager import _tuning
+
+    monkeypatch.setattr(_tuning, "fastest", TIMED_FASTEST)
+    monkeypatch.setattr(_tuning, "_choices", {})
+    monkeypatch.setattr(_tuning, "best_times", lambda runs, rounds=3: {name: float(name != "onednn") for name in runs})
+
+    def layer(x_blc, weight, bias):
+        h = x_blc.transpose(1, 2)
+        return tk.glu_conv1d(h, weight, bias, residual=h, residual_scale=SCALE, backend="eager")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    weight, bias = torch.randn(16, 8, 3, requires_grad=True), torch.randn(16, requires_grad=True)
+    for length in (100, 120, 300):  # 200 and 240 positions share a class; 600 does not
+        x = torch.randn(2, length, 8, requires_grad=True)
+        expected, got = layer(x, weight, bias), compiled(x, weight, bias)
+        assert got.is_contiguous() and expected.is_contiguous()  # oneDNN's layout, not x's
+        torch.testing.assert_close(got, expected)
+        grad = torch.randn_like(expected)
+        for want, have in zip(torch.autograd.grad(expected, (x, weight, bias), grad),
+                              torch.autograd.grad(got, (x, weight, bias), grad)):
+            torch.testing.assert_close(have, want)
+    assert {key[8] for key in _tuning._choices} == {181, 512}  # the two classes' choices, timed once each
 
 
 def test_fast_onednn_convolution_replaces_winograd(monkeypatch):

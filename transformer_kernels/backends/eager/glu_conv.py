@@ -88,10 +88,13 @@ _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
 # on days when oneDNN ran 2.2x the BLAS, Winograd ran the seeds' layers at 0.62-0.78x the seed's
 # oneDNN convolution.  The im2col GEMM's and the oneDNN backward's choices below follow it too.
 _FAST_ONEDNN_SPEEDUP = 1.3
-# The timed choice is made once per size class: output positions in half-octaves, all sizes
-# from this many on in one class, timed at most at this size (the ratios hardly move past it,
-# and a timed run stays within tens of milliseconds at C = 512).
-_TIMED_MAX_POSITIONS = 2048
+# The timed choice is made once per size class: the largest of these output position counts (half
+# octaves) that a call reaches, timed at about that many positions (the ratios hardly move past
+# the last, and a timed run stays within tens of milliseconds at C = 512).  Found by comparisons
+# alone, so that symbolic sizes while tracing guard on their class, as on the thresholds here.
+_SIZE_CLASSES = tuple(round(2 ** (half_octave / 2)) for half_octave in range(14, 23))  # 128 ... 2048
+# ... at the call's length where it is known, else (symbolic while tracing) at this one.
+_TIMED_LENGTH = 64
 # ... and the backward's im2col GEMM keeps only this many positions: a stack of 10 layers of
 # B=4, L=40 (160 positions) fwd+bwd 0.73x the seed with im2col, 0.94x with oneDNN; B=2, L=20
 # (40 positions) 1.13x with im2col either way.
@@ -138,31 +141,32 @@ def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction:
 
 def _winograd_or_onednn(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str) -> str:
     """The faster of ``"winograd"`` and ``"onednn"`` for ``direction`` at this size, timed once
-    per process, thread count and size class (see ``_TIMED_MAX_POSITIONS``) on random tensors of
-    the call's sizes and layout; without timing (:func:`._tuning.enabled`, or symbolic sizes while
-    tracing), the fixed rule of ``_FAST_ONEDNN_SPEEDUP``.
+    per process, thread count and size class (see ``_SIZE_CLASSES``) on random tensors of the
+    call's channels and layout; without timing (:func:`._tuning.enabled`), the fixed rule of
+    ``_FAST_ONEDNN_SPEEDUP``.  A fake kernel while tracing and the real call find the same choice
+    (the same key), so the layouts the fake kernel states are the real ones.
 
     The backward is timed on what the forward chosen at this size leaves it (its pre-activation's
     and its output's layouts): each is fast on its own forward's, and the other's layouts made it
     slower (a small ConvSeq2Seq's training step, Winograd forward and oneDNN backward as timed
     apart, ran 0.88x the seeds' math, both ways on oneDNN 0.95x)."""
-    batch, channels_in, _ = x.shape
-    if not (_tuning.enabled() and isinstance(batch, int) and isinstance(length_out, int)):
+    if not _tuning.enabled():
         return "onednn" if _onednn_outruns_blas() else "winograd"
-    channels_z, _, kernel_size = weight.shape
+    channels_z, channels_in, kernel_size = (int(size) for size in weight.shape)
+    positions = x.shape[0] * length_out
+    size_class = max(c for c in _SIZE_CLASSES if positions >= c)
     channel_last = is_channels_last(x)
     forward_choice = None if direction == "forward" else algorithm(x, weight, length_out, "forward")
-    size_class = round(2 * math.log2(min(batch * length_out, _TIMED_MAX_POSITIONS)))
-    timed_length = min(length_out, _TIMED_MAX_POSITIONS)
-    timed_batch = max(1, min(batch, _TIMED_MAX_POSITIONS // timed_length))
     key = ("glu_conv1d", direction, forward_choice, x.dtype, channels_in, channels_z, kernel_size, channel_last,
            size_class, torch.get_num_threads())
+    timed_length = min(length_out if isinstance(length_out, int) else _TIMED_LENGTH, size_class)
+    timed_batch = size_class // timed_length
 
     def make_runs():
         generator = torch.Generator().manual_seed(0)
         rows = torch.randn(timed_batch, timed_length + kernel_size - 1, channels_in, generator=generator, dtype=x.dtype)
         x_timed = rows.transpose(1, 2) if channel_last else rows.transpose(1, 2).contiguous()
-        weight_timed = torch.randn(weight.shape, generator=generator, dtype=x.dtype)
+        weight_timed = torch.randn(channels_z, channels_in, kernel_size, generator=generator, dtype=x.dtype)
         bias_timed = torch.randn(channels_z, generator=generator, dtype=x.dtype)
         args = GluConvArgs(0, 0, 0.0, 1.0)
         if forward_choice is None:
