@@ -9,7 +9,8 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
-* :func:`untimed_glu_choices`: the eager GLU convolution's algorithms by its fixed rule, not timed.
+* :func:`glu_choices`: the eager GLU convolution's algorithms the same on every CPU: its fixed rule,
+  or timings that find one of them fastest.
 * :func:`script_output`: what a script prints, run with this session's package;
   :func:`json_of_compiled_script`: the JSON a script of this folder prints, run in a process whose
   Triton kernels are compiled rather than interpreted.
@@ -377,14 +378,16 @@ def cuda_include_dir() -> Optional[pathlib.Path]:
     return pathlib.Path(match.group(1)) if match else None
 
 
-def untimed_glu_choices(monkeypatch) -> None:
-    """The eager GLU convolution chooses between Winograd and oneDNN's convolution by its fixed rule
-    (oneDNN where ``onednn.speedup()`` reaches ``_FAST_ONEDNN_SPEEDUP``) instead of timing them, so
-    that a test can name the algorithm a call takes on every CPU by setting ``onednn._speedup``."""
-    from transformer_kernels.backends.eager import _tuning, onednn
-    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+def glu_choices(monkeypatch, fastest: Optional[str] = None) -> None:
+    """The eager GLU convolution's algorithms, the same on every CPU: with ``fastest`` None, its
+    fixed rule (no timing: Winograd where it applies, else oneDNN past the im2col GEMM's few
+    positions); else its timed choices, with timings that find ``fastest`` the fastest wherever it
+    is a candidate (timing stays off under deterministic algorithms)."""
+    from transformer_kernels.backends.eager import _tuning
 
-    def by_rule(key, make_runs):
-        return "onednn" if onednn.speedup() >= eager_glu_conv._FAST_ONEDNN_SPEEDUP else "winograd"
-
-    monkeypatch.setattr(_tuning, "fastest", by_rule)
+    if fastest is None:
+        monkeypatch.setattr(_tuning, "enabled", lambda: False)
+        return
+    monkeypatch.setattr(_tuning, "enabled", lambda: not torch.are_deterministic_algorithms_enabled())
+    monkeypatch.setattr(_tuning, "_choices", {})
+    monkeypatch.setattr(_tuning, "best_times", lambda runs, rounds=0: {name: float(name != fastest) for name in runs})

@@ -291,7 +291,7 @@ def test_opcheck(backend):
     xc = torch.randn(2, 16, 20, device="cuda", dtype=torch.float16)
     weight_c = torch.randn(16, 16, 3, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.transformer_kernels.glu_conv1d_forward,
-                          (xc, weight_c, None, None, 1, 1, 0.0, 1.0, "cuda"))
+                          (xc, weight_c, None, None, 1, 1, 0.0, 1.0, False, "cuda"))
 
 
 @pytest.mark.parametrize("backend", [_cuda_case(op="qkv", id="cuda")])

@@ -9,27 +9,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _helpers import (
     assert_close_to_reference, assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params,
-    device_for, outputs_and_grads, precise_dtype, skip_unless_backend, untimed_glu_choices,
+    device_for, glu_choices, outputs_and_grads, precise_dtype, skip_unless_backend,
 )
 from conftest import CUDA, requires_cuda, tf32_setting
 
 import transformer_kernels as tk
-from transformer_kernels.backends.eager import _tuning
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
 SCALE = math.sqrt(0.5)
-TIMED_FASTEST = _tuning.fastest  # the autouse fixture below stands the untimed rule in for it
 requires_triton = skip_unless_backend("triton", "glu_conv")
 
 
 @pytest.fixture(autouse=True)
 def _engines_alike(monkeypatch):
-    """The eager algorithm choices these tests name, on every CPU: by the untimed rule, with oneDNN's
-    GEMM no faster than the BLAS (see test_fast_onednn_convolution_replaces_winograd for the other
-    case, and test_winograd_or_onednn_is_timed_once_per_size for the timed choice)."""
+    """The eager algorithm choices these tests name, on every CPU: by the fixed rule, with oneDNN's
+    GEMM no faster than the BLAS (test_timed_onednn_convolution_replaces_winograd takes the other
+    algorithms; test_algorithms_are_timed_once_per_size times them)."""
     from transformer_kernels.backends.eager import onednn
 
-    untimed_glu_choices(monkeypatch)
+    glu_choices(monkeypatch)
     monkeypatch.setattr(onednn, "_speedup", 1.0)
 
 
@@ -148,62 +146,69 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("faster", ["winograd", "onednn"])
-def test_winograd_or_onednn_is_timed_once_per_size(faster, monkeypatch):
-    """Where both apply (float32, k = 3, past Winograd's few hundred positions), Winograd and
-    oneDNN's convolution are timed against each other on the first call of a size class, forward
-    and backward apart, on real tensors even while tracing, and the faster is kept; sizes from
-    the last of _SIZE_CLASSES on share one class; float64 and deterministic algorithms time nothing."""
+@pytest.mark.parametrize("fastest", ["blas", "onednn"])
+def test_algorithms_are_timed_once_per_size(fastest, monkeypatch):
+    """float32 past the im2col GEMM's few positions: where the rule takes Winograd (k = 3, from a
+    few hundred positions) or a short backward's im2col GEMM, that and oneDNN's convolution are
+    timed against each other on the first call of a size class, forward and backward apart, on
+    real tensors even while tracing, and the faster is kept; sizes from the last of _SIZE_CLASSES
+    on share one class; oneDNN alone, float64, untimed calls and deterministic algorithms time
+    nothing."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from transformer_kernels.backends.eager import _tuning
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 
-    monkeypatch.setattr(_tuning, "fastest", TIMED_FASTEST)
-    monkeypatch.setattr(_tuning, "_choices", {})
+    glu_choices(monkeypatch, "onednn")  # timing on; the timings are the test's
     timings = []
 
-    def best_times(runs, rounds=3):
+    def best_times(runs, rounds=0):
         results = {name: run() for name, run in runs.items()}  # each run runs, on real tensors
         assert all(not isinstance(t, FakeTensor) for result in results.values() for t in result if t.numel())
         timings.append(sorted(runs))
-        return {name: 1.0 if name == faster else 2.0 for name in runs}
+        return {name: float((name == "onednn") == (fastest == "blas")) for name in runs}
 
     monkeypatch.setattr(_tuning, "best_times", best_times)
-    weight = torch.empty(32, 24, 3)
 
-    def choice(batch, length, direction="forward", dtype=torch.float32):
-        return eager_glu_conv.algorithm(torch.empty(batch, 24, length, dtype=dtype), weight.to(dtype), length,
-                                        direction)
+    def choice(batch, length, direction="forward", dtype=torch.float32, kernel_size=3, timed=True):
+        weight = torch.empty(32, 24, kernel_size, dtype=dtype)
+        return eager_glu_conv.algorithm(torch.empty(batch, 24, length, dtype=dtype), weight, length, direction, timed)
+
+    def faster(blas_path):
+        return blas_path if fastest == "blas" else "onednn"
 
     with FakeTensorMode() as mode:  # an op's fake kernel asks first
-        assert eager_glu_conv.algorithm(mode.from_tensor(torch.empty(2, 24, 100)), weight, 100, "forward") == faster
+        x, weight = mode.from_tensor(torch.empty(2, 24, 100)), mode.from_tensor(torch.empty(32, 24, 3))
+        assert eager_glu_conv.algorithm(x, weight, 100, "forward") == faster("winograd")
     assert timings == [["onednn", "winograd"]]
-    assert [choice(2, 100), choice(4, 50), choice(1, 210)] == [faster] * 3  # the same class: timed once
+    assert {choice(2, 100), choice(4, 50), choice(1, 210)} == {faster("winograd")}  # one class: timed once
     assert len(timings) == 1
-    # The backward is timed after the forward's choice at its size, which it is timed on.
-    assert choice(2, 300, "backward") == faster and len(timings) == 3
-    assert choice(2, 300) == faster and len(timings) == 3
-    assert choice(8, 1000) == choice(2, 4000) == choice(1, 9000) == faster and len(timings) == 4
-    assert choice(2, 300, dtype=torch.float64) == "winograd" and len(timings) == 4
+    # The backward is timed after the forward's choice at its size, on what that forward leaves it.
+    assert choice(2, 300, "backward") == faster("winograd") and len(timings) == 3
+    assert choice(2, 300) == faster("winograd") and len(timings) == 3
+    assert {choice(8, 1000), choice(2, 4000), choice(1, 9000)} == {faster("winograd")} and len(timings) == 4
+    # A short backward: the im2col GEMM or oneDNN (its forward is oneDNN's by the rule: untimed).
+    assert choice(2, 50, "backward") == faster("im2col") and timings[-1] == ["im2col", "onednn"]
+    assert choice(2, 50, kernel_size=5) == "onednn" and len(timings) == 5
+    assert choice(2, 20, "backward") == "im2col" and len(timings) == 5  # 40 positions: untimed
+    assert choice(2, 300, dtype=torch.float64) == "winograd" and len(timings) == 5
+    assert choice(2, 700, timed=False) == "winograd" and len(timings) == 5
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert choice(2, 600) == "winograd" and len(timings) == 4  # oneDNN's speed-up reads 0 untimed
+        assert choice(2, 700) == "winograd" and len(timings) == 5
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_timed_choice_under_dynamic_shapes_states_the_real_layouts(monkeypatch):
-    """torch.compile with a symbolic length: the fake kernel times (or finds) the choice of the size
-    class its example falls in, as the real call does, so the layouts it states are the real ones;
-    here oneDNN wins (contiguous results) where the untimed rule would take Winograd (x's layout),
-    and inductor checks every real stride against the fake one."""
+def test_traced_calls_take_the_fixed_rule(monkeypatch):
+    """torch.compile (dynamic sizes, and the graph that FX caches may hand to another process) takes
+    the fixed rule, timing nothing, so that the layouts its fake kernels state are the real ones on
+    any machine: Winograd's x layout, where the eager calls' timings here chose oneDNN (contiguous
+    results); inductor checks every real stride against the fake one."""
     from transformer_kernels.backends.eager import _tuning
 
-    monkeypatch.setattr(_tuning, "fastest", TIMED_FASTEST)
-    monkeypatch.setattr(_tuning, "_choices", {})
-    monkeypatch.setattr(_tuning, "best_times", lambda runs, rounds=3: {name: float(name != "onednn") for name in runs})
+    glu_choices(monkeypatch, "onednn")
 
     def layer(x_blc, weight, bias):
         h = x_blc.transpose(1, 2)
@@ -212,38 +217,38 @@ def test_timed_choice_under_dynamic_shapes_states_the_real_layouts(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)
     weight, bias = torch.randn(16, 8, 3, requires_grad=True), torch.randn(16, requires_grad=True)
-    for length in (100, 120, 300):  # 200 and 240 positions share a class; 600 does not
+    for length in (100, 120, 300):
         x = torch.randn(2, length, 8, requires_grad=True)
-        expected, got = layer(x, weight, bias), compiled(x, weight, bias)
-        assert got.is_contiguous() and expected.is_contiguous()  # oneDNN's layout, not x's
-        torch.testing.assert_close(got, expected)
+        got = compiled(x, weight, bias)
+        assert not _tuning._choices and got.transpose(1, 2).is_contiguous()  # untimed: Winograd, x's layout
+        expected = layer(x, weight, bias)
+        assert _tuning._choices and expected.is_contiguous()  # timed: oneDNN
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # Winograd's rounding and oneDNN's
         grad = torch.randn_like(expected)
         for want, have in zip(torch.autograd.grad(expected, (x, weight, bias), grad),
                               torch.autograd.grad(got, (x, weight, bias), grad)):
-            torch.testing.assert_close(have, want)
-    assert {key[8] for key in _tuning._choices} == {181, 512}  # the two classes' choices, timed once each
+            torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+        _tuning._choices.clear()
 
 
-def test_fast_onednn_convolution_replaces_winograd(monkeypatch):
-    """Where oneDNN's convolution outruns the BLAS (AVX-512 AMD CPUs), float32 takes it instead of
-    Winograd's BLAS GEMMs, and the backward from fewer positions instead of the im2col GEMM;
-    float64, which oneDNN does not convolve, keeps Winograd."""
+def test_timed_onednn_convolution_replaces_winograd(monkeypatch):
+    """Where oneDNN's convolution times faster, float32 takes it instead of Winograd's BLAS GEMMs,
+    and a short backward instead of the im2col GEMM; float64, which oneDNN does not convolve, keeps
+    Winograd.  Where oneDNN's GEMM also outruns the BLAS, its backward computes the weight's (and a
+    short call's input) gradient as im2col GEMMs on oneDNN's GEMM kernels."""
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
     from transformer_kernels.backends.eager import onednn
 
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    glu_choices(monkeypatch, "onednn")
     monkeypatch.setattr(onednn, "_speedup", 2.0)
     for dtype, expected in ((torch.float32, "onednn"), (torch.float64, "winograd")):
-        x = torch.randn(2, 8, 200, dtype=dtype)
-        if expected == "onednn" and not torch.backends.mkldnn.is_available():
-            continue
-        weight = torch.empty(16, 8, 3, dtype=dtype)
+        x, weight = torch.randn(2, 8, 200, dtype=dtype), torch.empty(16, 8, 3, dtype=dtype)
         assert [eager_glu_conv.algorithm(x, weight, 200, d) for d in ("forward", "backward")] == [expected] * 2
-    if torch.backends.mkldnn.is_available():
-        x, weight = torch.randn(2, 8, 50), torch.empty(16, 8, 5)  # 100 positions
-        assert eager_glu_conv.algorithm(x, weight, 50, "backward") == "onednn"
-        monkeypatch.setattr(onednn, "_speedup", 1.0)
-        assert eager_glu_conv.algorithm(x, weight, 50, "backward") == "im2col"
-        monkeypatch.setattr(onednn, "_speedup", 2.0)
+    x, weight = torch.randn(2, 8, 50), torch.empty(16, 8, 5)  # 100 positions
+    assert eager_glu_conv.algorithm(x, weight, 50, "backward") == "onednn"
+    assert eager_glu_conv.algorithm(x, weight, 50, "backward", timed=False) == "im2col"
     # The gradients every way: oneDNN's convolution backward; the im2col GEMM that takes the weight's
     # over from _GEMM_WEIGHT_GRADIENT_MIN_DEPTH (C_in * k) on, here from 1; and the input's too, up
     # to _GEMM_INPUT_GRADIENT_MAX_POSITIONS (here 400 positions: with it, or from 0 without).
@@ -277,6 +282,8 @@ def test_fp32_error_is_within_twice_the_direct_convolutions(gemm_speedup, algori
 
     if algorithm == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
+    if algorithm == "onednn":
+        glu_choices(monkeypatch, "onednn")
     monkeypatch.setattr(onednn, "_speedup", gemm_speedup)
     x, weight, bias, _ = _make_inputs(4, 3, 80, 512, 512, dtype=torch.float32, channels_last=True, residual=False)
     assert eager_glu_conv.algorithm(x, weight, 80, "forward") == algorithm
@@ -692,18 +699,22 @@ def test_the_prepared_glu_calls_fail_where_their_launches_differ(fresh_glu_plans
 # --------------------------------------------------------------------------- registration
 
 
-def _opcheck(backend, device, channels_last, length=7):
-    x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, device=device,
+def _opcheck(backend, device, channels_last, length=7, kernel_size=3):
+    x, weight, bias, residual = _make_inputs(2, kernel_size, length, 4, 6, dtype=torch.float32, device=device,
                                              channels_last=channels_last)
     x, weight, bias, residual = _leaves(x, weight, bias, residual)
     op = torch.ops.transformer_kernels.glu_conv1d_forward.default
-    torch.library.opcheck(op, (x, weight, bias, residual, 1, 1, 0.5, SCALE, backend))
-    torch.library.opcheck(op, (x, weight, None, None, 2, 0, 0.0, 1.0, backend))
-    saved = op(x, weight, bias, residual, 2, 0, 1.0, SCALE, backend)[1].detach()
+    # (..., pad_left, pad_right, pad_value, residual_scale, timed_choices, backend): not timed, as
+    # the public functions pass a call that torch traces (opcheck traces with dynamic sizes too).
+    pads = (kernel_size // 2, (kernel_size - 1) // 2)
+    torch.library.opcheck(op, (x, weight, bias, residual, *pads, 0.5, SCALE, False, backend))
+    torch.library.opcheck(op, (x, weight, None, None, kernel_size - 1, 0, 0.0, 1.0, False, backend))
+    saved = op(x, weight, bias, residual, kernel_size - 1, 0, 1.0, SCALE, False, backend)[1].detach()
     grad_out = torch.randn(2, 6, length, device=device)
     torch.library.opcheck(
         torch.ops.transformer_kernels.glu_conv1d_backward.default,
-        (grad_out, x.detach(), weight.detach(), bias.detach(), saved, 2, 0, 1.0, SCALE, True, True, True, backend),
+        (grad_out, x.detach(), weight.detach(), bias.detach(), saved, kernel_size - 1, 0, 1.0, SCALE, False,
+         True, True, True, backend),
     )
 
 
@@ -725,31 +736,30 @@ def test_opcheck_eager_winograd(length):
 @pytest.mark.parametrize("length", [20, 200], ids=["conv1d_im2col_backward", "channels_last_both_ways"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
 def test_opcheck_eager_onednn(channels_last, length, monkeypatch):
-    """oneDNN forward (a fast oneDNN takes kernel size 3 from Winograd): z channel-first after
-    F.conv1d, whatever x's layout; backward on oneDNN (400 positions) or the im2col GEMM (40)."""
+    """oneDNN forward (kernel size 5): z channel-first after F.conv1d, whatever x's layout; backward
+    on oneDNN (400 positions) or the im2col GEMM (40), with its gradients on oneDNN's GEMMs."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     from transformer_kernels.backends.eager import onednn
 
     monkeypatch.setattr(onednn, "_speedup", 2.0)
-    _opcheck("eager", "cpu", channels_last, length)
+    _opcheck("eager", "cpu", channels_last, length, kernel_size=5)
 
 
-@pytest.mark.parametrize("length,onednn_speedup,algorithm", [(7, 1.0, "im2col"), (101, 1.0, "winograd"),
-                                                             (101, 2.0, "onednn")])
+@pytest.mark.parametrize("length,kernel_size,algorithm", [(7, 3, "im2col"), (101, 3, "winograd"), (101, 5, "onednn")])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
-def test_fake_layouts_match_real(channels_last, length, onednn_speedup, algorithm, monkeypatch):
-    """The output's and grad_x's strides under FakeTensorMode are the real ones: x's layout, except
+def test_fake_layouts_match_real(channels_last, length, kernel_size, algorithm):
+    """The output's and grad_x's strides under FakeTensorMode are those of a call that torch traces
+    (the fixed rule's algorithm, see GluConvArgs.timed_choices) run for real: x's layout, except
     after oneDNN's convolution (contiguous)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
-    from transformer_kernels.backends.eager import onednn
 
     if algorithm == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr(onednn, "_speedup", onednn_speedup)
-    x, weight, bias, residual = _make_inputs(2, 3, length, 4, 6, dtype=torch.float32, channels_last=channels_last)
-    assert eager_glu_conv.algorithm(x, weight, length, "forward") == algorithm
+    x, weight, bias, residual = _make_inputs(2, kernel_size, length, 4, 6, dtype=torch.float32,
+                                             channels_last=channels_last)
+    assert eager_glu_conv.algorithm(x, weight, length, "forward", timed=False) == algorithm
 
     def out_and_grad_x(*tensors):
         x, weight, bias, residual = (t.detach().requires_grad_() for t in tensors)
@@ -761,8 +771,9 @@ def test_fake_layouts_match_real(channels_last, length, onednn_speedup, algorith
         fake = out_and_grad_x(*(mode.from_tensor(t) for t in (x, weight, bias, residual)))
     for real_tensor, fake_tensor in zip(real, fake):
         assert fake_tensor.shape == real_tensor.shape and fake_tensor.stride() == real_tensor.stride()
-    expected = channels_last and algorithm != "onednn"
-    for tensor in real:
+    backward = eager_glu_conv.algorithm(x, weight, length, "backward", timed=False)
+    for tensor, chosen in zip(real, (algorithm, backward)):
+        expected = channels_last and chosen != "onednn"
         assert _has_layout(tensor, expected) and not _has_layout(tensor, not expected)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import untimed_glu_choices
+from _helpers import glu_choices
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from transformer_kernels.backends.eager import onednn
@@ -25,16 +25,19 @@ def test_deterministic_algorithms_take_the_blas_paths_without_timing(monkeypatch
     """Under torch.use_deterministic_algorithms(True) no timing picks an algorithm: the speed-up is
     0 (the BLAS paths), whatever was measured, and nothing is measured; off again, the measured
     value returns."""
+    from transformer_kernels.backends.eager import _tuning
     from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
 
-    def no_timing():
+    def no_timing(*args, **kwargs):
         raise AssertionError("a timed choice under deterministic algorithms")
 
-    untimed_glu_choices(monkeypatch)
+    glu_choices(monkeypatch, "onednn")
     monkeypatch.setattr(onednn, "_speedup", 2.0)
     x, weight = torch.randn(4, 64, 80), torch.empty(16, 64, 3)
     assert eager_glu_conv.algorithm(x, weight, 80, "forward") == ("onednn" if onednn.enabled() else "winograd")
     monkeypatch.setattr(onednn, "_measure", no_timing)
+    monkeypatch.setattr(_tuning, "best_times", no_timing)
+    monkeypatch.setattr(_tuning, "_choices", {})
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

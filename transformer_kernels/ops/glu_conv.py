@@ -37,15 +37,28 @@ _PADDINGS = ("same", "causal")
 class GluConvArgs:
     """A GLU convolution's arguments besides its tensors: ``pad_left``/``pad_right`` positions of
     ``pad_value`` around ``x`` (explicit, so one op serves "same", "causal" and the unpadded
-    window of :func:`glu_conv1d_step`), and ``residual_scale``."""
+    window of :func:`glu_conv1d_step`), and ``residual_scale``.
+
+    ``timed_choices``: whether the backend may choose how to compute the call by timing the ways
+    on this machine (the eager backend does).  The public functions set it for plain eager calls
+    only: a call that torch traces (torch.compile, export, a dispatch mode, a functorch transform)
+    takes a fixed rule that depends on nothing measured, so that the layouts its fake kernel
+    states are the real ones in every process that runs the traced graph, whatever sizes it
+    meets.  A timed choice is kept per process and size class, so within one process a fake
+    kernel of fixed sizes states the real layouts either way.
+    """
 
     pad_left: int
     pad_right: int
     pad_value: float
     residual_scale: float
+    timed_choices: bool = False
 
     def output_length(self, length_in: int, kernel_size: int) -> int:
         return self.pad_left + length_in + self.pad_right - kernel_size + 1
+
+    def untimed(self) -> "GluConvArgs":
+        return GluConvArgs(self.pad_left, self.pad_right, self.pad_value, self.residual_scale, False)
 
 
 def is_channels_last(x: torch.Tensor) -> bool:
@@ -164,14 +177,15 @@ def glu_conv1d(
         scalars = _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale)
         _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
         pads = ((kernel_size - 1) // 2, kernel_size // 2) if padding == "same" else (kernel_size - 1, 0)
-        args = GluConvArgs(*pads, *scalars)
+        args = GluConvArgs(*pads, *scalars, timed_choices=True)
         return args, select_backend("glu_conv", "glu_conv1d", backend, x, x, weight, bias, residual, args)
 
     (args, name), forward = _PLANS.decide(
         _plan_key((x, weight, bias, residual), padding, pad_value, residual_scale, backend), checked,
         lambda decision: _prepared_forward(decision, x, weight, bias, residual),
     )
-    out, _ = glu_conv1d_forward.call_planned(forward, x, weight, bias, residual, args, name)
+    out, _ = glu_conv1d_forward.call_planned(forward, x, weight, bias, residual, _traced_untimed(forward, args),
+                                             name)
     return out
 
 
@@ -229,7 +243,7 @@ def glu_conv1d_step(
                 )
             check_same_dtype_device("x_t", x_t, state=state)
         _check_residual(residual, (batch, channels_out), "x_t", x_t)
-        args = GluConvArgs(0, 0, *scalars)
+        args = GluConvArgs(0, 0, *scalars, timed_choices=True)
         window = _empty_window(x_t, weight)
         return args, select_backend("glu_conv", "glu_conv1d_step", backend, window, window, weight, bias,
                                     None if residual is None else residual.unsqueeze(2), args)
@@ -243,7 +257,8 @@ def glu_conv1d_step(
         state = x_t.new_full((*x_t.shape, weight.shape[2] - 1), args.pad_value)
     window = torch.cat([state, x_t.unsqueeze(2)], dim=2)
     residual = None if residual is None else residual.unsqueeze(2)
-    out, _ = glu_conv1d_forward.call_planned(forward, window, weight, bias, residual, args, name)
+    out, _ = glu_conv1d_forward.call_planned(forward, window, weight, bias, residual,
+                                             _traced_untimed(forward, args), name)
     return out.squeeze(2), window[:, :, 1:]
 
 
@@ -259,6 +274,12 @@ def _prepared_forward(decision: tuple[GluConvArgs, str], x, weight, bias, residu
     backend's forward prepared for it, where the backend prepares one (``prepared_forward``)."""
     args, backend = decision
     return prepared_forward("glu_conv", backend, _glu_conv1d_forward, x, weight, bias, residual, args)
+
+
+def _traced_untimed(forward: Optional[Callable], args: GluConvArgs) -> GluConvArgs:
+    """``args`` for the op: without timed choices (``GluConvArgs.timed_choices``) for a call without
+    a plan: every call that torch traces (and a plain call whose scalars are not floats)."""
+    return args if forward is not None else args.untimed()
 
 
 def _empty_window(x_t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

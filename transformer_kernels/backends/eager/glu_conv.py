@@ -1,14 +1,17 @@
 """GLU convolution composed of PyTorch ops: the CPU path and the fallback.
 
 Three ways to run the convolution, chosen per call by :func:`algorithm` from
-the device, dtype, kernel size and the number of output positions ``B * L_out``:
+the device, dtype, kernel size and the number of output positions ``B * L_out``,
+and where oneDNN competes, by timing the ways on this machine (plain eager calls
+only: a call that torch traces takes the fixed rule, see
+``GluConvArgs.timed_choices``):
 
 * **Winograd F(2, 3)** (:mod:`.winograd`; kernel size 3, float32 or float64 on a
-  CPU, past a few hundred positions, where it outruns oneDNN's convolution: see
-  :func:`algorithm`): four GEMMs of half the rows on transformed windows, two
-  thirds of the direct GEMM work, in every direction.  The GEMMs are compute
-  bound there, so where the BLAS runs as fast as oneDNN's kernels no
-  implementation doing the direct product count can run faster.
+  CPU, past a few hundred positions, unless oneDNN's convolution times faster):
+  four GEMMs of half the rows on transformed windows, two thirds of the direct
+  GEMM work, in every direction.  The GEMMs are compute bound there, so where
+  the BLAS runs as fast as oneDNN's kernels no implementation doing the direct
+  product count can run faster.
 
 * **im2col GEMM** (few output positions, and every other dtype or device):
   one GEMM on unfolded windows, using ``weight`` in the layout ``nn.Conv1d``
@@ -23,7 +26,7 @@ the device, dtype, kernel size and the number of output positions ``B * L_out``:
   ``grad_xpad`` with ``k`` shifted adds (col2im).
 
 * **oneDNN convolution** (float32 on a CPU with oneDNN, past the im2col
-  GEMM's few positions where Winograd does not apply or runs slower):
+  GEMM's few positions where Winograd does not apply or times slower):
   ``F.conv1d`` forward and ``aten.convolution_backward`` backward, which
   reorder the weight into oneDNN's blocked layout on every call.  (Convolving a
   channel-last ``x`` as the channels-last image ``[B, C_in, 1, L]`` it is in
@@ -79,26 +82,23 @@ _IM2COL_MAX_POSITIONS_BACKWARD = 255
 # 1.3x both ways at 2048.
 _WINOGRAD_MIN_POSITIONS_FORWARD = 160
 _WINOGRAD_MIN_POSITIONS_BACKWARD = 256
+# The backward's im2col GEMM keeps this many positions untimed; past them, up to
+# _IM2COL_MAX_POSITIONS_BACKWARD, it is timed against oneDNN's convolution (a stack of 10 layers of
+# B=4, L=40, 160 positions, fwd+bwd ran 0.73x the seed with im2col and 0.94x with oneDNN where
+# oneDNN's GEMM outran the BLAS 2.2x; B=2, L=20, 40 positions, 1.13x with im2col either way).
+_IM2COL_MAX_POSITIONS_BACKWARD_UNTIMED = 64
 # Winograd and the im2col GEMM run their GEMMs on the BLAS; oneDNN's convolution runs all of its
-# work on its own kernels.  Which of Winograd and oneDNN is faster depends on the CPU, the thread
-# count and the size (on the CI's AMD EPYC, on one day, Winograd ran the seeds' layers 1.14-1.24x
-# as fast at one thread and 0.53-0.87x at two), so where both apply it is timed per size (see
-# _winograd_or_onednn); without timing (torch.use_deterministic_algorithms), oneDNN takes over
-# where its GEMM kernels outrun the BLAS by this much (:func:`.onednn.speedup`): on the AMD EPYC,
-# on days when oneDNN ran 2.2x the BLAS, Winograd ran the seeds' layers at 0.62-0.78x the seed's
-# oneDNN convolution.  The im2col GEMM's and the oneDNN backward's choices below follow it too.
+# work on its own kernels.  Which is faster depends on the CPU, the thread count and the size (on
+# the CI's AMD EPYC, on one day, Winograd ran the seeds' layers 1.14-1.24x as fast as oneDNN at
+# one thread and 0.53-0.87x at two; on days when oneDNN's GEMM ran 2.2x the BLAS, 0.62-0.78x), so
+# where oneDNN and another apply they are timed (see algorithm), once per size class: the largest
+# of these output position counts (half octaves) that a call reaches, timed at about that many
+# positions (the ratios hardly move past the last, and a timed run stays within tens of
+# milliseconds at C = 512).
+_SIZE_CLASSES = tuple(round(2 ** (half_octave / 2)) for half_octave in range(12, 23))  # 64 ... 2048
+# Where oneDNN's GEMM kernels outrun the BLAS by this much (:func:`.onednn.speedup`), the oneDNN
+# backward computes some gradients as im2col GEMMs on them:
 _FAST_ONEDNN_SPEEDUP = 1.3
-# The timed choice is made once per size class: the largest of these output position counts (half
-# octaves) that a call reaches, timed at about that many positions (the ratios hardly move past
-# the last, and a timed run stays within tens of milliseconds at C = 512).  Found by comparisons
-# alone, so that symbolic sizes while tracing guard on their class, as on the thresholds here.
-_SIZE_CLASSES = tuple(round(2 ** (half_octave / 2)) for half_octave in range(14, 23))  # 128 ... 2048
-# ... at the call's length where it is known, else (symbolic while tracing) at this one.
-_TIMED_LENGTH = 64
-# ... and the backward's im2col GEMM keeps only this many positions: a stack of 10 layers of
-# B=4, L=40 (160 positions) fwd+bwd 0.73x the seed with im2col, 0.94x with oneDNN; B=2, L=20
-# (40 positions) 1.13x with im2col either way.
-_IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN = 64
 # ... and past those, the weight gradient leaves oneDNN's convolution backward for the im2col GEMM
 # on oneDNN's GEMM kernels (the input gradient stays): C = 512, k = 3, the backward against the
 # seed's 1.36x at 160 positions, 1.18x at 320, 1.05x at 640, 0.8x at 2048 (its windows and the
@@ -115,69 +115,74 @@ _GEMM_INPUT_GRADIENT_MAX_POSITIONS = 640
 # 1.4x, in the same time.
 _INPUT_GRADIENT_BLOCK = 256
 
-
-def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str) -> str:
+def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str, timed: bool = True) -> str:
     """How ``direction`` (``"forward"`` or ``"backward"``) convolves ``x`` ``[B, C_in, L]`` with
     ``weight`` ``[2C, C_in, k]`` (only its shape is read) into ``L_out`` positions:
-    ``"winograd"``, ``"onednn"`` or ``"im2col"``."""
-    kernel_size = weight.shape[2]
+    ``"winograd"``, ``"onednn"`` or ``"im2col"``.
+
+    A fixed rule first: Winograd where it applies (kernel size 3, float32 or float64 on a CPU,
+    from ``_WINOGRAD_MIN_POSITIONS_*``), else oneDNN's convolution (float32 on a CPU with oneDNN)
+    past the im2col GEMM's few positions, else the im2col GEMM.  Where oneDNN applies and the rule
+    chose another past ``_IM2COL_MAX_POSITIONS_FORWARD`` / ``_IM2COL_MAX_POSITIONS_BACKWARD_UNTIMED``,
+    the faster of the two, timed (:func:`_timed_choice`), unless not ``timed``
+    (``GluConvArgs.timed_choices``) or under ``torch.use_deterministic_algorithms(True)``."""
     positions = x.shape[0] * length_out
     on_cpu = x.device.type == "cpu"
     forward = direction == "forward"
     onednn_applies = on_cpu and x.dtype == torch.float32 and onednn.enabled()
-    if (on_cpu and kernel_size == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
+    if (on_cpu and weight.shape[2] == winograd.KERNEL_SIZE and x.dtype in (torch.float32, torch.float64)
             and positions >= (_WINOGRAD_MIN_POSITIONS_FORWARD if forward else _WINOGRAD_MIN_POSITIONS_BACKWARD)):
-        return _winograd_or_onednn(x, weight, length_out, direction) if onednn_applies else "winograd"
-    if forward:
-        limit = _IM2COL_MAX_POSITIONS_FORWARD
-    elif onednn_applies and _onednn_outruns_blas():
-        limit = _IM2COL_MAX_POSITIONS_BACKWARD_FAST_ONEDNN
+        ruled = "winograd"
+    elif onednn_applies and positions > (_IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD):
+        ruled = "onednn"
     else:
-        limit = _IM2COL_MAX_POSITIONS_BACKWARD
-    if onednn_applies and positions > limit:
-        return "onednn"
-    return "im2col"
+        ruled = "im2col"
+    untimed_positions = _IM2COL_MAX_POSITIONS_FORWARD if forward else _IM2COL_MAX_POSITIONS_BACKWARD_UNTIMED
+    if ruled == "onednn" or not (onednn_applies and timed and _tuning.enabled() and positions > untimed_positions):
+        return ruled
+    return _timed_choice(x, weight, length_out, direction, (ruled, "onednn"))
 
 
-def _winograd_or_onednn(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str) -> str:
-    """The faster of ``"winograd"`` and ``"onednn"`` for ``direction`` at this size, timed once
-    per process, thread count and size class (see ``_SIZE_CLASSES``) on random tensors of the
-    call's channels and layout; without timing (:func:`._tuning.enabled`), the fixed rule of
-    ``_FAST_ONEDNN_SPEEDUP``.  A fake kernel while tracing and the real call find the same choice
-    (the same key), so the layouts the fake kernel states are the real ones.
+def _call_algorithm(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs, direction: str) -> str:
+    return algorithm(x, weight, args.output_length(x.shape[2], weight.shape[2]), direction, args.timed_choices)
+
+
+def _timed_choice(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str,
+                  candidates: tuple[str, ...]) -> str:
+    """The fastest of ``candidates`` for ``direction`` at this size, timed once per process,
+    thread count and size class (``_SIZE_CLASSES``) on random tensors of the call's channels and
+    layout, at about the class's positions.  (Only calls of concrete sizes are timed: a traced
+    call takes the fixed rule, ``GluConvArgs.timed_choices``.)
 
     The backward is timed on what the forward chosen at this size leaves it (its pre-activation's
     and its output's layouts): each is fast on its own forward's, and the other's layouts made it
     slower (a small ConvSeq2Seq's training step, Winograd forward and oneDNN backward as timed
     apart, ran 0.88x the seeds' math, both ways on oneDNN 0.95x)."""
-    if not _tuning.enabled():
-        return "onednn" if _onednn_outruns_blas() else "winograd"
-    channels_z, channels_in, kernel_size = (int(size) for size in weight.shape)
-    positions = x.shape[0] * length_out
-    size_class = max(c for c in _SIZE_CLASSES if positions >= c)
-    channel_last = is_channels_last(x)
+    channels_z, channels_in, kernel_size = weight.shape
+    dtype, channel_last = x.dtype, is_channels_last(x)
+    size_class = max(c for c in _SIZE_CLASSES if x.shape[0] * length_out >= c)
     forward_choice = None if direction == "forward" else algorithm(x, weight, length_out, "forward")
-    key = ("glu_conv1d", direction, forward_choice, x.dtype, channels_in, channels_z, kernel_size, channel_last,
-           size_class, torch.get_num_threads())
-    timed_length = min(length_out if isinstance(length_out, int) else _TIMED_LENGTH, size_class)
+    key = ("glu_conv1d", direction, candidates, forward_choice, dtype, channels_in, channels_z, kernel_size,
+           channel_last, size_class, torch.get_num_threads())
+    timed_length = min(length_out, size_class)
     timed_batch = size_class // timed_length
 
     def make_runs():
         generator = torch.Generator().manual_seed(0)
-        rows = torch.randn(timed_batch, timed_length + kernel_size - 1, channels_in, generator=generator, dtype=x.dtype)
+        rows = torch.randn(timed_batch, timed_length + kernel_size - 1, channels_in, generator=generator, dtype=dtype)
         x_timed = rows.transpose(1, 2) if channel_last else rows.transpose(1, 2).contiguous()
-        weight_timed = torch.randn(channels_z, channels_in, kernel_size, generator=generator, dtype=x.dtype)
-        bias_timed = torch.randn(channels_z, generator=generator, dtype=x.dtype)
+        weight_timed = torch.randn(channels_z, channels_in, kernel_size, generator=generator, dtype=dtype)
+        bias_timed = torch.randn(channels_z, generator=generator, dtype=dtype)
         args = GluConvArgs(0, 0, 0.0, 1.0)
         if forward_choice is None:
             return {chosen: functools.partial(_forward, x_timed, weight_timed, bias_timed, None, args, chosen)
-                    for chosen in ("winograd", "onednn")}
+                    for chosen in candidates}
         _, z = _forward(x_timed, weight_timed, bias_timed, None, args, forward_choice)
         grad_out = empty_output(x_timed, channels_z // 2, timed_length, _channel_last_result(x_timed, forward_choice))
         grad_out.normal_(generator=generator)
         return {chosen: functools.partial(_backward, grad_out, x_timed, weight_timed, bias_timed, z, args, chosen,
                                           True, True, True)
-                for chosen in ("winograd", "onednn")}
+                for chosen in candidates}
 
     return _tuning.fastest(key, make_runs)
 
@@ -188,7 +193,7 @@ def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> tor
     contiguous ``[B, 2 * ceil(L_out / 2), 2C]`` after Winograd, a transposed contiguous
     ``[B, 2C, L_out]`` after oneDNN."""
     length_out = args.output_length(x.shape[2], weight.shape[2])
-    chosen = algorithm(x, weight, length_out, "forward")
+    chosen = _call_algorithm(x, weight, args, "forward")
     if chosen == "onednn":
         return x.new_empty(x.shape[0], weight.shape[0], length_out).transpose(1, 2)
     if chosen == "winograd":
@@ -200,8 +205,7 @@ def results_channel_last(x: torch.Tensor, weight: torch.Tensor, args: GluConvArg
     """Whether the output (``direction="forward"``) and ``grad_x`` (``"backward"``) are channel-last:
     in ``x``'s layout, except on the oneDNN path, whose convolutions write and read contiguous
     ``[B, C, L]`` (see :func:`_channel_last_result`)."""
-    length_out = args.output_length(x.shape[2], weight.shape[2])
-    return _channel_last_result(x, algorithm(x, weight, length_out, direction))
+    return _channel_last_result(x, _call_algorithm(x, weight, args, direction))
 
 
 def _channel_last_result(x: torch.Tensor, chosen: str) -> bool:
@@ -250,8 +254,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` (strides as
     :func:`empty_saved` states) kept for backward."""
-    length_out = args.output_length(x.shape[2], weight.shape[2])
-    return _forward(x, weight, bias, residual, args, algorithm(x, weight, length_out, "forward"))
+    return _forward(x, weight, bias, residual, args, _call_algorithm(x, weight, args, "forward"))
 
 
 def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +319,7 @@ def backward(
     needs_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor."""
-    chosen = algorithm(x, weight, z.shape[1], "backward")
+    chosen = _call_algorithm(x, weight, args, "backward")
     return _backward(grad_out, x, weight, bias, z, args, chosen, needs_grad_x, needs_grad_weight, needs_grad_bias)
 
 

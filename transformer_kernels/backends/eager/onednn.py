@@ -6,7 +6,8 @@ AVX2 kernels and oneDNN AVX-512 (on the 2-core AMD EPYC of this project's CI, on
 ``mkldnn::_linear_pointwise``, the one inductor's CPU backend calls, ran 230 against the BLAS's
 105 GFLOP/s at one thread, from 16 to 2048 rows of the seeds' QKV projection); on Intel CPUs
 both use AVX-512.  :func:`speedup` measures the ratio once per process, and the eager backends
-choose by it: :func:`linear` for the QKV projection's GEMMs, and the GLU convolution's algorithm.
+choose by it: :func:`linear` for the QKV projection's GEMMs, and the GLU convolution's oneDNN
+backward, for its gradients' GEMMs.
 
 oneDNN's GEMM sums each output over the whole contraction in one pass, where MKL blocks it: its
 float32 error is about 1.7x MKL's (RMS) at a depth of K = 512-1024, and past twice MKL's deeper
@@ -55,12 +56,12 @@ def speedup() -> float:
     dispatch mode; 0 without oneDNN.
 
     A timing can land on either side of a threshold from one process to the next (on the CI's
-    AMD EPYC eight processes measured 1.21-1.34 around the GLU convolution's 1.3), and with it
-    the algorithms the eager backend picks, so their rounding.  Under
+    AMD EPYC eight processes measured 1.21-1.34 around 1.3), and with it the algorithms the eager
+    backend picks, so their rounding.  Under
     ``torch.use_deterministic_algorithms(True)`` nothing is timed and 0 is returned: the BLAS
     paths, the same in every run, as torch's reproducibility notes ask of cuDNN's benchmarking."""
     global _speedup
-    if not _tuning.enabled():
+    if torch.are_deterministic_algorithms_enabled():
         return 0.0
     if _speedup is None:
         _speedup = _measure() if _LINEAR is not None else 0.0
