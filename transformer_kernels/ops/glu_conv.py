@@ -413,6 +413,9 @@ def _setup_context(ctx, tensors, args: GluConvArgs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.has_bias = bias is not None
     ctx.args = args
+    # The seeds' layers add their input back (residual=x): its two gradients are then summed here, in
+    # one pass, instead of the residual's scaled (a pass) and added to x's by autograd (another).
+    ctx.residual_is_x = tensors[3] is x
 
 
 def _backward(ctx, grad_out, _grad_saved):
@@ -427,8 +430,10 @@ def _backward(ctx, grad_out, _grad_saved):
             runner, grad_out, x, weight, bias, saved, ctx.args, needs_x, needs_weight, needs_bias and ctx.has_bias,
             ctx.backend,
         )
-    if needs_residual:
-        scale = ctx.args.residual_scale
+    scale = ctx.args.residual_scale
+    if needs_residual and ctx.residual_is_x:  # x's gradient is the sum of both
+        grad_x = grad_x.add_(grad_out, alpha=scale)
+    elif needs_residual:
         grad_residual = grad_out if scale == 1.0 else grad_out * scale
     grads = (grad_x if needs_x else None, grad_weight if needs_weight else None, grad_bias if needs_bias else None)
     return (*grads, grad_residual), {}
