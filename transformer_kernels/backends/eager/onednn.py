@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import _tuning
 
-__all__ = ["enabled", "speedup", "linear"]
+__all__ = ["enabled", "speedup", "serves", "linear"]
 
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN's GEMM serves the QKV projection from this speed-up over the BLAS on: a near tie keeps
@@ -97,16 +97,9 @@ def _dense(tensor: torch.Tensor) -> bool:
     return tensor.is_contiguous() or _depth_major(tensor)
 
 
-def linear(
-    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, max_depth: int = _MAX_DEPTH
-) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
-    for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
-    the BLAS and is :func:`enabled`; else ``F.linear``.  A contraction deeper than ``max_depth``
-    of operands stored contraction-major (``input.t()`` and ``weight.t()`` contiguous) is summed in
-    blocks of that depth; callers that want oneDNN's accuracy bounded hand it those or shallow
-    ones.  Not differentiable: for the backends' kernels, below autograd."""
-    if (
+def serves(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` multiplies ``input`` by ``weight`` on oneDNN's GEMM."""
+    return (
         input.dtype == torch.float32
         and input.device.type == "cpu"
         and input.numel() * weight.shape[0] >= _LINEAR_MIN_MACS
@@ -116,7 +109,19 @@ def linear(
         and _LINEAR is not None
         and enabled()
         and speedup() >= _LINEAR_MIN_SPEEDUP
-    ):
+    )
+
+
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, max_depth: int = _MAX_DEPTH
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` (``input [..., K]``, ``weight [N, K]``) on oneDNN's GEMM
+    for float32 CPU operands it reads densely, of ``_LINEAR_MIN_MACS`` or more, where it outruns
+    the BLAS and is :func:`enabled`; else ``F.linear``.  A contraction deeper than ``max_depth``
+    of operands stored contraction-major (``input.t()`` and ``weight.t()`` contiguous) is summed in
+    blocks of that depth; callers that want oneDNN's accuracy bounded hand it those or shallow
+    ones.  Not differentiable: for the backends' kernels, below autograd."""
+    if serves(input, weight):
         depth = weight.shape[1]
         if depth <= max_depth or not (_depth_major(input) and _depth_major(weight)):
             return _LINEAR(input, weight, bias, "none", [], "")

@@ -7,16 +7,20 @@ returns; chunk by chunk of tokens, so the split reads what the GEMM just wrote
 from the cache.  The seeds' path does the same copy per projection on top of
 three GEMMs.
 
-Backward needs the head-split gradients as ``[T, E]`` matrices.  When the
-strides allow views (gradients laid out ``[*batch, L, H, Dh]``) it multiplies
-them in place; otherwise (the usual contiguous ``[*batch, H, L, Dh]``) one
-copy packs them into one ``[n, T, E]`` tensor.  Either way each projection's
-gradient is its own GEMM operand: ``grad_x`` accumulates the n products of
-depth ``E``, and the row blocks of ``grad_weight`` (depth ``T``) read the
-gradients and ``x`` transposed, contraction-major, which :func:`.onednn.linear`
-sums in blocks.  (One ``[T, n*E]`` product for ``grad_x``, of depth ``3E``,
-erred 2.2x torch's float32 (RMS) on oneDNN's GEMM at the seeds' sizes, and
-ran 4-9% slower; these err at most 1.7x.)
+Backward needs the head-split gradients as token matrices.  When the strides
+allow views (gradients laid out ``[*batch, L, H, Dh]``) it multiplies them in
+place, each projection's gradient its own ``[T, E]`` GEMM operand: ``grad_x``
+accumulates the n products of depth ``E``, and the row blocks of
+``grad_weight`` (depth ``T``) read the gradients and ``x`` transposed,
+contraction-major, which :func:`.onednn.linear` sums in blocks.  Otherwise (the
+usual contiguous ``[*batch, H, L, Dh]``) one copy packs them: for oneDNN's
+GEMM into one ``[n, T, E]`` tensor, multiplied projection by projection as
+above (one ``[T, n*E]`` product for ``grad_x``, of depth ``3E``, erred 2.2x
+torch's float32 (RMS) on oneDNN's GEMM at the seeds' sizes, and ran 4-9%
+slower; these err at most 1.7x); for the BLAS into one ``[T, n*E]`` matrix
+``G``, whose two products ``G @ W`` and ``G.T @ x`` are those of torch's own
+``F.linear`` backward (1.24-1.36x the per-projection products at the small
+Transformer's T = 640, E = 128; 1.02-1.05x at the seeds' T = 5120, E = 512).
 
 The GEMMs run through :func:`.onednn.linear`: oneDNN's GEMM where it outruns
 the BLAS on this CPU, else ``F.linear``.  (A 1x1 ``F.conv2d`` on the tokens
@@ -107,6 +111,18 @@ def _pack(grads: list[torch.Tensor], embed_dim: int) -> torch.Tensor:
     return torch.stack([g.transpose(-3, -2) for g in grads]).reshape(len(grads), -1, embed_dim)
 
 
+def _packed_backward(grads: list[torch.Tensor], x2d: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                     needs_grad_x: bool, needs_grad_weight: bool, needs_grad_bias: bool, x_shape: torch.Size):
+    """:func:`backward` on the BLAS from one ``[T, n*E]`` copy ``G`` of the head-split gradients:
+    ``grad_x = G @ W``, ``grad_weight = G.T @ x``, ``grad_bias = G.sum(0)``."""
+    embed_dim = x2d.shape[1]
+    packed = torch.stack([g.transpose(-3, -2) for g in grads], dim=-3).reshape(-1, len(grads) * embed_dim)
+    grad_x = torch.mm(packed, weight).view(x_shape) if needs_grad_x else x2d.new_empty(0)
+    grad_weight = torch.mm(packed.t(), x2d) if needs_grad_weight else x2d.new_empty(0)
+    grad_bias = packed.sum(0) if has_bias and needs_grad_bias else x2d.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
 def backward(
     grads: list[torch.Tensor],
     x: torch.Tensor,
@@ -122,6 +138,9 @@ def backward(
     matrices = [_as_token_matrix(g, embed_dim) for g in grads]
     if any(m is None for m in matrices):
         # Contiguous [*batch, H, L, Dh] gradients (what attention's backward returns): one copy.
+        if not onednn.serves(x2d, weight[:embed_dim]):
+            return _packed_backward(grads, x2d, weight, has_bias, needs_grad_x, needs_grad_weight, needs_grad_bias,
+                                    x.shape)
         matrices = _pack(grads, embed_dim).unbind()
     blocks = [(m, weight[i * embed_dim : (i + 1) * embed_dim]) for i, m in enumerate(matrices)]
 
