@@ -55,7 +55,6 @@ whole cost, so recomputing them would make training slower than plain PyTorch.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -114,6 +113,7 @@ _GEMM_INPUT_GRADIENT_MAX_POSITIONS = 640
 # oneDNN's input gradient erred 2.1x its convolution backward's (RMS, C = 512), in blocks of 256
 # 1.4x, in the same time.
 _INPUT_GRADIENT_BLOCK = 256
+
 
 def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str, timed: bool = True) -> str:
     """How ``direction`` (``"forward"`` or ``"backward"``) convolves ``x`` ``[B, C_in, L]`` with
