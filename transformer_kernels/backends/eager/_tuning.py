@@ -1,11 +1,10 @@
 """Choosing between the eager backends' implementations by timing them on this machine, once per
 process and problem size, as cuDNN's benchmark mode chooses its convolution algorithms.
 
-No rule of thumb chooses well on every CPU: on the 2-core AMD EPYC of this project's CI, the GLU
-convolution's Winograd GEMMs (on the BLAS) ran the seeds' layers 1.14-1.24x as fast as oneDNN's
-convolution at one thread and 0.53-0.87x as fast at two, on a day when oneDNN's GEMM ran 1.1x
-the BLAS's (2.3x on earlier days).  Under ``torch.use_deterministic_algorithms(True)`` nothing
-is timed and callers take a fixed choice, the same in every run.
+No rule of thumb chooses well on every CPU (the GLU convolution's algorithms, in
+:mod:`.glu_conv`, flip with the thread count and the day's engines).  Under
+``torch.use_deterministic_algorithms(True)`` nothing is timed and callers take a fixed choice, the
+same in every run.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ whole cost, so recomputing them would make training slower than plain PyTorch.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Optional
 
@@ -160,7 +161,7 @@ def _timed_choice(x: torch.Tensor, weight: torch.Tensor, length_out: int, direct
     apart, ran 0.88x the seeds' math, both ways on oneDNN 0.95x)."""
     channels_z, channels_in, kernel_size = weight.shape
     dtype, channel_last = x.dtype, is_channels_last(x)
-    size_class = max(c for c in _SIZE_CLASSES if x.shape[0] * length_out >= c)
+    size_class = _SIZE_CLASSES[bisect.bisect_right(_SIZE_CLASSES, x.shape[0] * length_out) - 1]
     forward_choice = None if direction == "forward" else algorithm(x, weight, length_out, "forward")
     key = ("glu_conv1d", direction, candidates, forward_choice, dtype, channels_in, channels_z, kernel_size,
            channel_last, size_class, torch.get_num_threads())
