@@ -146,6 +146,26 @@ def test_eager_fp32_paths_match_reference(k, length, forward, backward, padding,
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("forward,backward", [("winograd", "onednn"), ("onednn", "winograd")])
+@pytest.mark.parametrize("padding,pad_value", [("same", 0.0), ("causal", 1.0)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+def test_eager_fp32_timed_pairs_match_reference(forward, backward, padding, pad_value, channels_last, monkeypatch):
+    """Pairs no fixed rule makes, but timing can (each direction is timed on its own): Winograd
+    forward with oneDNN's backward, which gets Winograd's channel-last pre-activation, and the
+    reverse, whose backward gets oneDNN's transposed one."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    chosen = {"forward": forward, "backward": backward}
+    monkeypatch.setattr(eager_glu_conv, "algorithm", lambda x, weight, length, direction, timed=True: chosen[direction])
+    x, weight, bias, residual = _make_inputs(2, 3, 21, 24, 16, dtype=torch.float32, channels_last=channels_last)
+    out = _assert_matches_reference(
+        x, weight, bias, residual, backend="eager", atol=1e-4, rtol=1e-4,
+        padding=padding, pad_value=pad_value, residual_scale=SCALE,
+    )
+    assert _has_layout(out, channels_last and forward != "onednn")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("fastest", ["blas", "onednn"])
 def test_algorithms_are_timed_once_per_size(fastest, monkeypatch):
     """float32 past the im2col GEMM's few positions: where the rule takes Winograd (k = 3, from a
