@@ -58,7 +58,7 @@ class GluConvArgs:
         return self.pad_left + length_in + self.pad_right - kernel_size + 1
 
     def untimed(self) -> "GluConvArgs":
-        return GluConvArgs(self.pad_left, self.pad_right, self.pad_value, self.residual_scale, False)
+        return dataclasses.replace(self, timed_choices=False)
 
 
 def is_channels_last(x: torch.Tensor) -> bool:
