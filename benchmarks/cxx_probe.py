@@ -8,9 +8,14 @@ input the way the raw ops do (``TORCH_CHECK`` with a message formatted from an i
 a dtype) once per compiler, and calls it in a child process, so that a crash is reported, not
 suffered:
 
-    python benchmarks/cxx_probe.py [COMPILER ...]   # default: $CXX, c++ and g++, those that exist
+    python benchmarks/cxx_probe.py [--pick] [COMPILER ...]   # default: $CXX, c++ and g++, those that exist
 
-Each line: the compiler, its version, and ``raised: <message>`` or ``died: signal N``.
+Each line: the compiler, its version, and ``raised: <message>`` or ``died: signal N``.  With
+``--pick`` those lines go to stderr, and stdout gets the first compiler whose extension raised
+(nothing, and exit status 1, if none did): benchmarks/gpu_check.sh builds the extension with it.
+The H200 of 2026-11-27 confirmed the cause: there the probe built by ``/opt/gcc/bin/g++`` (13.3.0,
+the ``$CXX`` set) died of signal 11, the one built by ``/usr/bin/g++`` (the same version,
+Ubuntu's package) raised.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ def probe(compiler: str, index: int, directory: str) -> str:
 
 
 def main() -> None:
-    candidates = sys.argv[1:] or [os.environ.get("CXX", ""), "c++", "g++"]
+    arguments = sys.argv[1:]
+    pick = "--pick" in arguments
+    candidates = [a for a in arguments if a != "--pick"] or [os.environ.get("CXX", ""), "c++", "g++"]
     compilers = []
     for candidate in candidates:
         path = shutil.which(candidate) if candidate else None
@@ -79,9 +86,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory, concurrent.futures.ThreadPoolExecutor() as pool:
         # The builds side by side: each is one compiler process, and gpu_check gives the step 2 minutes.
         results = [pool.submit(probe, compiler, index, directory) for index, compiler in enumerate(compilers)]
+        raising = []
         for compiler, result in zip(compilers, results):
             version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-            print(f"{compiler} ({version}): {result.result()}", flush=True)
+            print(f"{compiler} ({version}): {result.result()}", file=sys.stderr if pick else sys.stdout, flush=True)
+            if result.result().startswith("raised:"):
+                raising.append(compiler)
+    if pick:
+        if not raising:
+            sys.exit(1)
+        print(raising[0])
 
 
 if __name__ == "__main__":

@@ -161,6 +161,16 @@ if wanted install; then
     if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
         step cutlass 60 python3 -m pip install --no-index --no-deps .whl/nvidia_cutlass-*.whl
     fi
+    # The extension built by a compiler whose extensions raise their errors: on the device tool's
+    # H100 and H200 machines, one built by $CXX (/opt/gcc/bin/g++) dies of a segmentation fault at
+    # its first refusal, one built by the system's g++ raises (benchmarks/cxx_probe.py).  CC, nvcc's
+    # host compiler, follows.
+    if cxx=$(python3 benchmarks/cxx_probe.py --pick ${CXX:-} c++ g++ 2>>"$log") && [ "$cxx" != "${CXX:-}" ]; then
+        cc=$(dirname "$cxx")/$(basename "$cxx" | sed 's/g++/gcc/; s/^c++$/cc/')
+        [ -x "$cc" ] && export CC=$cc
+        echo "=== extension compiler: CXX=$cxx CC=${CC:-} (was CXX=${CXX:-})" | tee -a "$log"
+        export CXX=$cxx
+    fi
     # Forced: a missing CUTLASS or nvcc fails the install instead of skipping the extension.
     TRANSFORMER_KERNELS_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} step install "${limit[install]}" \
         python3 -m pip install --no-build-isolation --no-deps -v -e .

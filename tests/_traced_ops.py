@@ -118,6 +118,10 @@ def cases(fake: FakeTensorMode) -> dict:
 
 
 def main() -> None:
+    if torch.cuda.is_available():
+        # On a GPU machine: CUDA initialized before the stand-in's properties are patched in (its
+        # lazy initialization reads them, and a fake CUDA tensor initializes it).
+        torch.cuda.init()
     with mock.patch.object(_backend, "_cuda_capability", lambda index: (9, 0)), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda device: _H100Properties()):
         print(json.dumps(cases(FakeTensorMode())))
