@@ -813,7 +813,9 @@ def test_rows_without_keys_give_zero_output_and_zero_gradient(backend, kind, lq,
     rows_without_keys = expected.outputs[0].abs().amax(-1) == 0
     assert rows_without_keys.any()
     assert (out[rows_without_keys] == 0).all()
-    assert (out[~rows_without_keys] != 0).all()
+    # Rows, not elements: a row that sees one key is that key's value row, which may hold a zero
+    # (torch 2.11's float16 randn draws exact zeros).
+    assert (out[~rows_without_keys].abs().amax(-1) != 0).all()
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][rows_without_keys] == 0).all()
     # With an all-ones output gradient, a key's value gradient is its total weight over the rows.
