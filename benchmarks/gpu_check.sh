@@ -86,7 +86,10 @@ if [[ $steps == ",budget-both," ]]; then
 fi
 if [[ $steps == ",budget-triton," ]]; then
     steps=",tests,sanitizers,"
-    limit=([tests]=240 [sanitizer]=80)
+    # memcheck of gpu_smoke.py took 61 s alone on an H100; beside the extension's build it did not
+    # finish in 80 s, twice (H100 2026-11-26, H200 2026-11-27).  The report after it still got
+    # through every group in what is left.
+    limit=([tests]=240 [sanitizer]=140)
     workers=6
     test_paths=(tests --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py
                 --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_host.py

@@ -154,6 +154,12 @@ _SM90_CONFIGS: dict[tuple[str, str, int], KernelConfig] = {
     # twin does not without causal or padding, and with them 8 warps hold it.  Chosen by compiling
     # (0 stack, wgmma, operands 3 deep under triton 3.6 and 3.9), not timed themselves.
     ("dense", "grad_key_value", 64): KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    # dK/dV at head dim 128 with causal or padding, whose shared tile owns 64 keys: on the H200
+    # (2026-11-27 report) it made the causal backward slower than the dense one (the SM90 dense tile
+    # above) where it should take half the time.  128 keys, the dense tile's, with 16-query steps
+    # (the d64 sweep's fastest shape), is the one such tile that compiles without spilling under
+    # triton 3.6 (stack 0 at 255 registers) and 3.9; chosen by compiling, not yet timed.
+    ("fast", "grad_key_value", 128): KernelConfig(block_m=16, block_n=128, num_warps=8, num_stages=2),
     ("fast", "grad_key_value", 64): KernelConfig(block_m=16, block_n=128, num_warps=8, num_stages=3),
     # ... and 64 keys for SHORT inputs (an entry "short" is looked up before the SHORT table).
     ("short", "grad_key_value", 64): KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2),
