@@ -12,7 +12,8 @@ import torch
 from _helpers import assert_close_to_reference, backend_param
 
 import transformer_kernels as tk
-from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, _auto_reason
+import transformer_kernels.backends.cuda as cuda_backend
+from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, MEASURED_FASTER, _auto_reason
 from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
@@ -76,8 +77,23 @@ def test_attention_reasons():
     assert "head dims up to 256, got 264" in cuda_attention.unsupported_reason(wider, wider, wider, args)
     many = torch.empty(1, 1, 9, 64, dtype=torch.float16).expand(300, 300, 9, 64)
     assert "B * Hq up to 65535, got 90000" in cuda_attention.unsupported_reason(many, kv, kv, args)
-    # auto never picks it for attention (no GPU measurement), whatever the architecture.
-    assert "prefers triton for attention" in _auto_reason("attention", torch.device("cuda", 0))
+    # auto never picks it for attention (measured slower), whatever the architecture.
+    assert "prefers triton for attention" in _auto_reason("attention", "scaled_dot_product_attention",
+                                                          torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+def test_auto_takes_the_cuda_backend_per_function_and_architecture(capability, monkeypatch):
+    """On sm_80 every op but attention; on sm_90 only the GLU decoding step, which the H200 measured
+    faster than Triton's; elsewhere nothing (no measurement)."""
+    monkeypatch.setattr(cuda_backend, "cuda_capability", lambda device: capability)
+    chosen = {name for op, name in [("qkv", "qkv_projection"), ("glu_conv", "glu_conv1d"),
+                                    ("glu_conv", "glu_conv1d_step"), ("attention", "scaled_dot_product_attention")]
+              if _auto_reason(op, name, torch.device("cuda", 0)) is None}
+    assert chosen == {(8, 0): {"qkv_projection", "glu_conv1d", "glu_conv1d_step"}, (9, 0): {"glu_conv1d_step"},
+                      (10, 0): set()}[capability]
+    if capability == (10, 0):
+        assert "no GPU measurement" in _auto_reason("qkv", "qkv_projection", torch.device("cuda", 0))
 
 
 class _HostAttentionOps:
@@ -214,12 +230,14 @@ def test_attention_python_layer_on_a_host_stand_in_of_the_raw_ops(
 def test_auto_prefers_cuda_only_where_measured(backend, monkeypatch):
     from _helpers import ForwardSpy
 
-    spy = ForwardSpy(monkeypatch, ops=["qkv"], names=["cuda", "triton"])
+    spy = ForwardSpy(monkeypatch, ops=["qkv", "glu_conv"], names=["cuda", "triton"])
     x = torch.randn(2, 64, 128, device="cuda", dtype=torch.float16)
     weight = torch.randn(384, 128, device="cuda", dtype=torch.float16)
     tk.qkv_projection(x, weight, num_heads=4)
+    tk.glu_conv1d_step(x[:, 0], None, torch.randn(256, 128, 3, device="cuda", dtype=torch.float16))
     major = torch.cuda.get_device_capability()[0]
-    assert spy.backends == ["cuda" if major in AUTO_PREFERRED_MAJORS else "triton"]
+    assert spy.backends == ["cuda" if major in AUTO_PREFERRED_MAJORS or name in MEASURED_FASTER.get(major, ())
+                            else "triton" for name in ("qkv_projection", "glu_conv1d_step")]
     tk.qkv_projection(x, weight, num_heads=4, backend="cuda")  # explicit: any architecture
     assert spy.backends[-1] == "cuda"
 

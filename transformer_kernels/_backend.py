@@ -60,7 +60,7 @@ class Backend:
     device_reason: Callable[[torch.device, torch.dtype], Optional[str]]
     ops: tuple[str, ...]
     load: Callable[[str], ModuleType]
-    auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None
+    auto_reason: Optional[Callable[[str, str, torch.device], Optional[str]]] = None
     traces_into_kernels: Optional[Callable[[torch.device], bool]] = None
 
 
@@ -76,7 +76,7 @@ def register_backend(
     ops: tuple[str, ...],
     load: Callable[[str], ModuleType],
     auto_device_types: Optional[tuple[str, ...]] = None,
-    auto_reason: Optional[Callable[[str, torch.device], Optional[str]]] = None,
+    auto_reason: Optional[Callable[[str, str, torch.device], Optional[str]]] = None,
     traces_into_kernels: Optional[Callable[[torch.device], bool]] = None,
 ) -> None:
     """Register backend ``name``.
@@ -94,9 +94,11 @@ def register_backend(
             dependencies only once the backend is chosen.
         auto_device_types: the device types ``"auto"`` may choose it for;
             ``None`` for every device.
-        auto_reason: ``(op, device) -> reason or None``: why ``"auto"`` should pass
-            it over for ``op`` on this device although it could serve the call
-            (another backend measured faster there); explicit requests ignore it.
+        auto_reason: ``(op, public_name, device) -> reason or None``: why ``"auto"``
+            should pass it over for ``op`` (called as the public function
+            ``public_name``: one op may serve several) on this device although it
+            could serve the call (another backend measured faster there);
+            explicit requests ignore it.
         traces_into_kernels: ``device -> bool``: whether torch.compile may trace
             the op modules' ``forward`` and ``backward`` on tensors of this device
             (see :func:`traces_into_kernels`); ``None``: never.
@@ -214,7 +216,7 @@ def select_backend(op: str, public_name: str, backend: Optional[str], reference:
     for candidate in candidates:
         why_not = _reason(candidate, op, public_name, reference, forward_args)
         if why_not is None and requested == "auto" and candidate.auto_reason is not None:
-            why_not = candidate.auto_reason(op, reference.device)
+            why_not = candidate.auto_reason(op, public_name, reference.device)
         if why_not is None:
             return candidate.name
         if requested != "auto":

@@ -6,10 +6,13 @@ the registered ops of ``transformer_kernels.ops``, which keep the autograd and f
 op module's ``unsupported_reason`` says which calls it cannot serve (float32, sizes its kernels do not
 handle), and ``backend="auto"`` moves on to Triton.
 
-``"auto"`` prefers these kernels over Triton per (op, architecture) only where a measurement says
-so; until GPU measurements are committed, it prefers them on sm_80 (mma.sync is what both emit
-there) and Triton on sm_90 (whose Triton kernels use wgmma, these do not yet).  Attention is never
-auto's choice yet: it runs here only when named, ``backend="cuda"``.
+``"auto"`` prefers these kernels over Triton per (public function, architecture) only where a
+measurement says so.  On sm_90 the H200 report of 2026-11-27
+(``benchmarks/results/nvidia-h200-2026-11-27-c3c60f6``) timed the GLU decoding step's kernel ahead
+of Triton's at every batch it tried, and every other kernel here behind Triton's (which use wgmma;
+these use sm_80's mma.sync): there auto takes only the decoding step.  On sm_80, not yet measured,
+it prefers them (mma.sync is what both emit there).  Attention is never auto's choice: it runs
+here only when named, ``backend="cuda"``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from ..._backend import cuda_capability, register_backend
 
 # The compute capabilities (major) on which "auto" prefers this backend to Triton.
 AUTO_PREFERRED_MAJORS = (8,)
+# Elsewhere, the public functions a committed GPU measurement shows faster here, by major.
+MEASURED_FASTER = {9: ("glu_conv1d_step",)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,13 +59,13 @@ def _device_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _auto_reason(op: str, device: torch.device) -> Optional[str]:
+def _auto_reason(op: str, public_name: str, device: torch.device) -> Optional[str]:
     if op == "attention":
-        return "auto prefers triton for attention until a GPU measurement shows the CUDA kernels faster"
+        return "auto prefers triton for attention: the CUDA kernels measured slower"
     major, minor = cuda_capability(device)
-    if major not in AUTO_PREFERRED_MAJORS:
-        return f"auto prefers triton on sm_{major}{minor} until a GPU measurement shows the CUDA kernels faster"
-    return None
+    if major in AUTO_PREFERRED_MAJORS or public_name in MEASURED_FASTER.get(major, ()):
+        return None
+    return f"auto prefers triton for {public_name} on sm_{major}{minor}: no GPU measurement shows the CUDA kernels faster"
 
 
 _modules: dict[str, ModuleType] = {}
