@@ -146,6 +146,20 @@ def test_eager_forward_in_token_chunks(monkeypatch, shape, chunk_tokens, gemm_en
     assert_close_to_reference(outputs, expected, rtol=1e-5, atol=1e-5, same_dtype=True)
 
 
+def test_eager_forward_off_the_cpu_in_one_piece(monkeypatch):
+    """Off the CPU (here the meta device, which stands in for a GPU) the forward makes the packed
+    product in one piece, however large: chunks only pay on a CPU, whose cache holds a chunk from
+    the GEMM to the head split."""
+    from transformer_kernels.backends.eager import qkv as eager_qkv
+
+    monkeypatch.setattr(eager_qkv, "_CHUNK_ELEMENTS", 4)
+    x, weight, b = (t.to("meta") for t in _inputs((2, 9, 16), 3))
+    calls = []
+    monkeypatch.setattr(eager_qkv, "_token_chunks", lambda *a: calls.append(a) or iter(()))
+    outputs = eager_qkv.forward(x, weight, b, QkvProjectionArgs(4))
+    assert calls == [] and [tuple(o.shape) for o in outputs] == [(2, 4, 9, 4)] * 3
+
+
 def test_eager_gradcheck_float64():
     x, weight, b = _inputs((2, 3, 6), 3, torch.float64)
     assert torch.autograd.gradcheck(lambda *a: tk.qkv_projection(*a, num_heads=3, backend="eager"), (x, weight, b))

@@ -3,8 +3,8 @@
 Forward is a GEMM with the packed weight, ``[T, E] @ [E, n*E] + bias``,
 whose ``[T, n*E]`` result is then split into heads, copied once into each
 output's contiguous ``[*batch, H, L, Dh]`` tensor, the layout every backend
-returns; chunk by chunk of tokens, so the split reads what the GEMM just wrote
-from the cache.  The seeds' path does the same copy per projection on top of
+returns; on a CPU chunk by chunk of tokens, so the split reads what the GEMM just
+wrote from the cache.  The seeds' path does the same copy per projection on top of
 three GEMMs.
 
 Backward needs the head-split gradients as token matrices.  When the strides
@@ -56,8 +56,10 @@ def forward(
     num_heads = args.num_heads
     head_dim = embed_dim // num_heads
     chunk_tokens = max(1, _CHUNK_ELEMENTS // weight.shape[0])
-    if x.numel() <= chunk_tokens * embed_dim:
-        # One chunk (a decoding step, the seeds' short batches): the fewest host-side ops.
+    if x.numel() <= chunk_tokens * embed_dim or x.device.type != "cpu":
+        # One piece (a decoding step, the seeds' short batches, any GPU input): the fewest host-side
+        # ops.  On a GPU the chunks keep nothing in a cache and each costs launches: on an H200
+        # (2026-11-27 report, bfloat16) the chunked path took 3-6x the one-piece path's time.
         packed = onednn.linear(x, weight, bias).view(num_seqs, seq_len, num_proj, num_heads, head_dim)
         if num_proj == 1:
             return [packed.select(2, 0).transpose(1, 2).contiguous().view(*batch, num_heads, seq_len, head_dim)]
