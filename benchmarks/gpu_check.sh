@@ -13,8 +13,9 @@
 # (default: all), and toolchain, tune and pack (only when named; toolchain: the compilers, the C++
 # runtime the process loads and a raw op's refusal under cuda-gdb, see toolchain() below; pack: the
 # plots as one plots.tar, for the device tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
-# against its candidates, on long sequences and on the seeds' short ones (tiles chosen by compiling
-# await this; about 8 minutes).
+# against its candidates, on long sequences and on the seeds' short ones, and benchmarks/tune_glu.py
+# each GLU convolution kernel's (tiles chosen by compiling await this; about 12 minutes: a lease of
+# its own).
 # All of them take about 25 minutes on one H100; where one command may run only 10 minutes (the
 # device tool), run "install,nvcc,tests,sanitizers,cuda-sanitizers" and then "install,check,graphs,benchmarks,pack" (the
 # second install is a no-op rebuild check on a warm machine).
@@ -215,6 +216,7 @@ wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transform
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
     step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210
+    step tune-glu 270 python3 benchmarks/tune_glu.py --out "$out/tune" --budget 210
 fi
 if wanted pack && compgen -G "$out/*.png" >/dev/null; then
     (cd "$out" && tar cf plots.tar ./*.png && rm ./*.png)  # unpack with: tar xf plots.tar
