@@ -21,7 +21,6 @@ from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
-from transformer_kernels.reference.qkv import qkv_projection as reference_qkv
 
 
 def _cuda_case(*values, op, id=None):
