@@ -1053,7 +1053,6 @@ def _bad_inputs():
     """(id, overrides of the valid arguments below, error type, message pattern)."""
     k = torch.randn(2, 4, 10, 16)
     pad = torch.zeros(2, 10, dtype=torch.bool)
-    bool_mask = torch.ones(8, 10, dtype=torch.bool)
 
     def kv(*shape):
         return dict(key=torch.randn(*shape), value=torch.randn(*shape))
