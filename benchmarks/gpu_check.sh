@@ -9,7 +9,7 @@
 # what gets committed:
 #   gpu_check.log  tests.xml  check.md  graphed_step.json  report.md  results.json  *.png
 #   (tune/: with the tune step)
-# STEPS: a comma-separated subset of install,nvcc,tests,cuda-tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks
+# STEPS: a comma-separated subset of install,nvcc,tests,cuda-tests,sanitizers,cuda-sanitizers,check,graphs,profile,benchmarks
 # (default: all), and toolchain, tune and pack (only when named; toolchain: the compilers, the C++
 # runtime the process loads and a raw op's refusal under cuda-gdb, see toolchain() below; pack: the
 # plots as one plots.tar, for the device tool, which brings back at most 8 files): benchmarks/tune_attention.py times each attention table's tile
@@ -27,14 +27,15 @@
 # its start included (the device tool's present limit), about 9 minutes at most, each step cut off at
 # its own limit: the package without the CUDA extension (building it alone takes minutes), the GPU
 # tests (the cuda backend's skip without it), the Triton kernels under compute-sanitizer memcheck,
-# the graphed step, and a --quick report of every suite (the groups with a target first; cut off, it
-# still writes what it measured), then pack.  The extension's build, tests and sanitizers need a
+# the graphed step, the seeds-sized steps under torch.profiler (benchmarks/profile_seeds.py, into the
+# log) and a --quick report of every suite (the groups with a target first; cut off, it still writes
+# what it measured), then pack.  The extension's build, tests and sanitizers need a
 # lease of their own.
 # STEPS "budget-both": both of the above within one command, for a lease with room for one: the
 # extension's build, tests and sanitizers (budget-cuda, into OUTDIR/cuda) beside the Triton tests and
 # sanitizer (budget-triton, into OUTDIR/triton), which run from a copy of the tree that never sees the
 # extension (so "auto" stays on Triton there); the GPU is shared, so neither times anything.  Then,
-# alone on the GPU, a --quick report (into OUTDIR) until about 9 minutes after the start, from this
+# alone on the GPU, the profile and a --quick report (into OUTDIR) until about 9 minutes after the start, from this
 # tree, so that it times the extension's kernels beside Triton's where the build succeeded (each op's
 # targeted groups first, taking turns between the ops).
 # The extension needs the CUTLASS headers (the nvidia-cutlass wheel).  Without network, bring the
@@ -47,8 +48,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:uppe
       | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 # Absolute: the budget-both halves run from other folders.
 out=$(realpath -m "${1:-benchmarks/results/$gpu-$(date -u +%F)}")
-steps=",${2:-install,nvcc,tests,sanitizers,cuda-sanitizers,check,graphs,benchmarks},"
-# Step limits in seconds: the full run's, or the budget run's (together 8.5 minutes).
+steps=",${2:-install,nvcc,tests,sanitizers,cuda-sanitizers,check,graphs,profile,benchmarks},"
+# Step limits in seconds: the full run's, or the budget run's (together 9 minutes with the profile's 60 s).
 declare -A limit=([install]=420 [tests]=300 [sanitizer]=120 [cuda-memcheck]=120 [cuda-racecheck]=180 [graphs]=120
                   [benchmarks]=360)
 bench_size=--full
@@ -97,13 +98,14 @@ if [[ $steps == ",budget-triton," ]]; then
                 -k "not cuda or (graphs and triton)")
 fi
 if [[ $steps == ",benchmarks-quick," ]]; then
-    steps=",benchmarks,pack,"
-    limit=([benchmarks]=${3:-130})
+    steps=",profile,benchmarks,pack,"
+    # The report gets what the profile leaves of the time given.
+    bench_deadline=$((SECONDS + ${3:-130}))
     bench_size=--quick
 fi
 if [[ $steps == ",budget," ]]; then
-    steps=",install-python,tests,sanitizers,graphs,benchmarks,pack,"
-    limit=([install]=45 [tests]=200 [sanitizer]=80 [graphs]=55 [benchmarks]=130)
+    steps=",install-python,tests,sanitizers,graphs,profile,benchmarks,pack,"
+    limit=([install]=45 [tests]=200 [sanitizer]=80 [graphs]=55 [benchmarks]=100)
     bench_size=--quick
     graph_args=()
     # Compile-only tests (CI runs them on every push) need no GPU: leave the time to those that do.
@@ -212,6 +214,9 @@ wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_
 wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out" "${graph_args[@]}"
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
+# The seeds-sized steps under torch.profiler, into the log (the device tool brings back 8 files).
+wanted profile && step profile 60 python3 benchmarks/profile_seeds.py
+[ -n "${bench_deadline:-}" ] && limit[benchmarks]=$((bench_deadline - SECONDS))
 wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210

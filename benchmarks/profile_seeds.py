@@ -1,0 +1,103 @@
+"""Where a training step's share of each op goes at the seeds' sizes on the present GPU.
+
+    python benchmarks/profile_seeds.py [--out FILE]
+
+The H200 report of 2026-11-27 (benchmarks/results/nvidia-h200-2026-11-27-c3c60f6) timed the Triton
+attention's forward+backward at the seeds' padded batches at about twice torch SDPA's, and about
+as long at 16 tokens as at 64: a cost that does not grow with the work, which on the CPU (launches
+stubbed, benchmarks/host_time.py) the host path does not account for.  For attention, the QKV
+projection and the GLU convolution at the seeds' sizes (bfloat16), ours on the Triton backend and
+torch's counterpart each run a few forward+backward steps under ``torch.profiler``: the wall time
+per step, then the ops by their own CPU time and by their GPU time, so a step's time can be split
+into host work, kernels and waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import transformer_kernels as tk
+
+STEPS = 10
+ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
+BATCH, HEADS, HEAD_DIM, EMBED, CHANNELS = 128, 8, 64, 512, 512
+
+
+def _cases(device: torch.device, dtype: torch.dtype) -> dict:
+    """name -> (leaves, {implementation: forward})."""
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype).requires_grad_()
+
+    cases = {}
+    for length in (16, 64):
+        q, k, v = (leaf(BATCH, length, HEADS, HEAD_DIM).transpose(1, 2) for _ in range(3))
+        lengths = torch.randint(length // 4, length + 1, (BATCH,), generator=generator)
+        padding = (torch.arange(length) >= lengths[:, None]).to(device)
+        cases[f"attention_B{BATCH}_L{length}_padded"] = ([q, k, v], {
+            "triton": lambda q=q, k=k, v=v, p=padding: tk.scaled_dot_product_attention(
+                q, k, v, key_padding_mask=p, backend="triton"),
+            "torch_sdpa": lambda q=q, k=k, v=v, p=padding: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~p[:, None, None, :]),
+        })
+    x, weight = leaf(BATCH, 16, EMBED), leaf(3 * EMBED, EMBED, scale=EMBED**-0.5)
+    cases[f"qkv_B{BATCH}_L16_E{EMBED}"] = ([x, weight], {
+        "triton": lambda: tk.qkv_projection(x, weight, num_heads=HEADS, backend="triton"),
+        "torch_linear": lambda: F.linear(x, weight).view(BATCH, 16, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0),
+    })
+    h, conv_weight = leaf(BATCH, 40, CHANNELS).transpose(1, 2), leaf(2 * CHANNELS, CHANNELS, 3, scale=0.03)
+    cases[f"glu_B{BATCH}_C{CHANNELS}_L40"] = ([h, conv_weight], {
+        "triton": lambda: tk.glu_conv1d(h, conv_weight, residual=h, residual_scale=math.sqrt(0.5), backend="triton"),
+        "torch_conv1d": lambda: (F.glu(F.conv1d(h, conv_weight, padding=1), dim=1) + h) * math.sqrt(0.5),
+    })
+    return cases
+
+
+def _step(forward, leaves) -> None:
+    outputs = forward()
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    torch.autograd.grad(outputs, leaves, [torch.ones_like(out) for out in outputs])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args()
+    device, dtype = DEVICE, DTYPE
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype}, {STEPS} steps each"]
+    for name, (leaves, implementations) in _cases(device, dtype).items():
+        for implementation, forward in implementations.items():
+            for _ in range(5):
+                _step(forward, leaves)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(STEPS):
+                _step(forward, leaves)
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - started) / STEPS * 1e6
+            with profile(activities=ACTIVITIES) as prof:
+                for _ in range(STEPS):
+                    _step(forward, leaves)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            lines.append(f"\n=== {name} {implementation}: {wall_us:.0f} us per forward+backward (unprofiled)")
+            for sort in ("self_cpu_time_total", "self_device_time_total"):
+                lines.append(events.table(sort_by=sort, row_limit=12, max_name_column_width=60))
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
