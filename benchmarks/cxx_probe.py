@@ -88,7 +88,8 @@ def main() -> None:
         results = [pool.submit(probe, compiler, index, directory) for index, compiler in enumerate(compilers)]
         raising = []
         for compiler, result in zip(compilers, results):
-            version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+            version = (subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()
+                       or ["version unknown"])[0]
             print(f"{compiler} ({version}): {result.result()}", file=sys.stderr if pick else sys.stdout, flush=True)
             if result.result().startswith("raised:"):
                 raising.append(compiler)

@@ -69,14 +69,18 @@ def test_without_the_extension_the_cuda_backend_explains(monkeypatch):
     )
 
 
-def test_cxx_probe_builds_an_extension_that_raises_with_the_host_compiler():
-    """benchmarks/cxx_probe.py, which gpu_check.sh's toolchain step runs on the GPU machine (its
-    compiler killed the process where the extension refused an input): here it must build its probe
-    and report the refusal raised, or the probe itself is broken."""
-    compiler = shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cxx_probe.py"), compiler],
+def test_cxx_probe_picks_the_first_compiler_whose_extension_raises():
+    """benchmarks/cxx_probe.py, with which gpu_check.sh picks the extension's compiler on the GPU
+    machine (its $CXX builds extensions that die at their first refusal): a "compiler" that cannot
+    build (``false``) is passed over, and the host compiler's probe must build and raise, or the
+    probe itself is broken."""
+    compiler, unusable = shutil.which("c++"), shutil.which("false")
+    if compiler is None or unusable is None:
+        pytest.skip("no host C++ compiler, or no false")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cxx_probe.py"), "--pick", unusable, compiler],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("raised: refuse: x must be 99-d, got n = 4, shape [2, 3], dtype Float")
+    assert result.stdout.strip() == compiler
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(unusable) and "build failed" in lines[0]
+    assert lines[1].endswith("raised: refuse: x must be 99-d, got n = 4, shape [2, 3], dtype Float")
