@@ -212,11 +212,11 @@ if wanted cuda-sanitizers; then
 fi
 wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_kernels.bench --check | tee '$out/check.md'"
 wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out" "${graph_args[@]}"
-# results.json is rewritten after every group; stopped by its time limit, the command still
-# writes report.md and the plots from what it measured.
 # The seeds-sized steps under torch.profiler, into the log (the device tool brings back 8 files).
 wanted profile && step profile 60 python3 benchmarks/profile_seeds.py
 [ -n "${bench_deadline:-}" ] && limit[benchmarks]=$((bench_deadline - SECONDS))
+# results.json is rewritten after every group; stopped by its time limit, the command still
+# writes report.md and the plots from what it measured.
 wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
