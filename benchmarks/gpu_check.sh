@@ -214,7 +214,7 @@ wanted check && step check 120 bash -c "set -o pipefail; python3 -m transformer_
 wanted graphs && step graphs "${limit[graphs]}" python3 benchmarks/graphed_step.py --out "$out" "${graph_args[@]}"
 # The seeds-sized steps under torch.profiler, into the log (the device tool brings back 8 files).
 wanted profile && step profile 60 python3 benchmarks/profile_seeds.py
-[ -n "${bench_deadline:-}" ] && limit[benchmarks]=$((bench_deadline - SECONDS))
+[ -n "${bench_deadline:-}" ] && limit[benchmarks]=$((bench_deadline - SECONDS > 10 ? bench_deadline - SECONDS : 10))
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
 wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"
