@@ -22,8 +22,9 @@ import torch
 import triton.testing
 
 import transformer_kernels as tk
+from _sweep import summary, time_tiles
 from transformer_kernels.backends.triton import attention as triton_attention
-from transformer_kernels.backends.triton._common import KernelConfig, compute_capability
+from transformer_kernels.backends.triton._common import compute_capability
 
 # The KernelConfig fields a candidate sets, in the order of the CANDIDATES tuples.
 FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
@@ -93,7 +94,6 @@ def main() -> None:
     shapes, candidates = (SHORT_SHAPES, SHORT_CANDIDATES) if args.short else (SHAPES, CANDIDATES)
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    table_config = triton_attention.block_config
     started = time.perf_counter()
     with open(args.out / "tune_attention.csv", "w", newline="") as f:
         rows = csv.writer(f)
@@ -105,32 +105,19 @@ def main() -> None:
                         print("budget spent; stopping")
                         return
                     q, k, v = _inputs(head_dim, batch, heads, length, dtype, kernel != "forward")
-                    current = table_config(kernel, head_dim, head_dim, dtype, "fast" if causal else "dense", length,
-                                           compute_capability(q.device))
+                    current = triton_attention.block_config(kernel, head_dim, head_dim, dtype,
+                                                            "fast" if causal else "dense", length,
+                                                            compute_capability(q.device))
                     sdpa_ms = _sdpa_ms(kernel, q, k, v, causal)
-                    results = []
-                    for block in [tuple(getattr(current, field) for field in FIELDS)] + candidates[kernel]:
-                        candidate = KernelConfig(**dict(zip(FIELDS, block)))
 
-                        def patched(name, *rest, _candidate=candidate, _kernel=kernel):
-                            return _candidate if name == _kernel else table_config(name, *rest)
-
-                        triton_attention.block_config = patched
-                        try:
-                            ms = _timed(kernel, q, k, v, causal)
-                        except Exception as error:  # out of shared memory, too many registers
-                            ms = float("nan")
-                            print(f"  {kernel} {block}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-                        finally:
-                            triton_attention.block_config = table_config
-                        results.append((ms, block))
-                        rows.writerow([kernel, head_dim, causal, block, f"{ms:.4f}", f"{sdpa_ms:.4f}",
-                                       candidate == current])
+                    def record(ms, tile, is_table_entry):
+                        rows.writerow([kernel, head_dim, causal, tile, f"{ms:.4f}", f"{sdpa_ms:.4f}", is_table_entry])
                         f.flush()
-                    timed = sorted(r for r in results if r[0] == r[0])
-                    print(f"{kernel} d{head_dim} L{length} causal={causal}: sdpa {sdpa_ms:.3f} ms; table "
-                          f"{results[0][1]} {results[0][0]:.3f} ms; best {timed[0][1]} {timed[0][0]:.3f} ms; "
-                          + ", ".join(f"{b}:{m:.3f}" for m, b in timed[1:4]))
+
+                    results = time_tiles(triton_attention, "block_config", kernel, current, candidates[kernel],
+                                         FIELDS, lambda: _timed(kernel, q, k, v, causal), record)
+                    print(f"{kernel} d{head_dim} L{length} causal={causal}: sdpa {sdpa_ms:.3f} ms; "
+                          + summary(results))
 
 
 if __name__ == "__main__":

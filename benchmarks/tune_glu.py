@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import transformer_kernels as tk
+from _sweep import summary, time_tiles
 from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
 from transformer_kernels.ops import glu_conv as glu_op
 from transformer_kernels.ops._call_plans import CallPlans
@@ -90,7 +91,6 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    table_config = triton_glu_conv.kernel_config
     started = time.perf_counter()
     with open(args.out / "tune_glu.csv", "w", newline="") as f:
         rows = csv.writer(f)
@@ -101,31 +101,20 @@ def main() -> None:
                     print("budget spent; stopping")
                     return
                 x, weight, bias = _inputs(*shape, dtype)
-                current = table_config(kernel, dtype, torch.cuda.get_device_capability()[0] * 10)
+                current = triton_glu_conv.kernel_config(kernel, dtype, torch.cuda.get_device_capability()[0] * 10)
                 peer_ms = _ms(kernel, _conv_tbc, x, weight, bias)
-                results = []
-                for block in [tuple(getattr(current, field) for field in FIELDS)] + CANDIDATES[kernel]:
-                    candidate = type(current)(**dict(zip(FIELDS, block)))
 
-                    def patched(name, *rest, _candidate=candidate, _kernel=kernel, **options):
-                        return _candidate if name == _kernel else table_config(name, *rest, **options)
-
-                    triton_glu_conv.kernel_config = patched
+                def timed():
                     glu_op._PLANS = CallPlans()  # no forward prepared with another candidate's tiles
-                    try:
-                        ms = _ms(kernel, _ours, x, weight, bias)
-                    except Exception as error:  # out of shared memory, too many registers
-                        ms = float("nan")
-                        print(f"  {kernel} {block}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-                    finally:
-                        triton_glu_conv.kernel_config = table_config
-                    results.append((ms, block))
-                    rows.writerow([kernel, shape, block, f"{ms:.4f}", f"{peer_ms:.4f}", candidate == current])
+                    return _ms(kernel, _ours, x, weight, bias)
+
+                def record(ms, tile, is_table_entry):
+                    rows.writerow([kernel, shape, tile, f"{ms:.4f}", f"{peer_ms:.4f}", is_table_entry])
                     f.flush()
-                timed = sorted(r for r in results if r[0] == r[0])
-                print(f"{kernel} B{shape[0]} C{shape[1]} L{shape[2]}: conv_tbc {peer_ms:.3f} ms; table "
-                      f"{results[0][1]} {results[0][0]:.3f} ms; best {timed[0][1]} {timed[0][0]:.3f} ms; "
-                      + ", ".join(f"{b}:{m:.3f}" for m, b in timed[1:4]))
+
+                results = time_tiles(triton_glu_conv, "kernel_config", kernel, current, CANDIDATES[kernel], FIELDS,
+                                     timed, record)
+                print(f"{kernel} B{shape[0]} C{shape[1]} L{shape[2]}: conv_tbc {peer_ms:.3f} ms; " + summary(results))
     glu_op._PLANS = CallPlans()
 
 
