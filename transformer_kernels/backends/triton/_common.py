@@ -520,7 +520,7 @@ def row_sum_operand(BLOCK_K: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def float32(value):
+def as_float32(value):
     """A float argument as float32.  Triton types a Python float argument float32, but Inductor,
     which launches these kernels from a compiled graph's own code, types it float64: every product
     with it would then be float64, and a loop-carried accumulator that changes type fails to

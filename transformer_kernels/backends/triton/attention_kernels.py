@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ...ops.attention import Causal
-from ._common import float32, multiple_of_16
+from ._common import as_float32, multiple_of_16
 
 LOG2E = tl.constexpr(1.4426950408889634)
 FP32_LOWEST = tl.constexpr(-3.4028234663852886e38)
@@ -405,7 +405,7 @@ def _attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    qk_scale, dropout_scale = float32(qk_scale), float32(dropout_scale)
+    qk_scale, dropout_scale = as_float32(qk_scale), as_float32(dropout_scale)
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL
@@ -635,7 +635,7 @@ def _attention_grad_key_value_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, GRAD_KEY: tl.constexpr = True, GRAD_VALUE: tl.constexpr = True,
 ):
-    scale, qk_scale, dropout_scale = float32(scale), float32(qk_scale), float32(dropout_scale)
+    scale, qk_scale, dropout_scale = as_float32(scale), as_float32(qk_scale), as_float32(dropout_scale)
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     kv_head_batch = tl.program_id(1) + head_batch_start
     batch = kv_head_batch // num_kv_heads
@@ -824,7 +824,7 @@ def _attention_grad_query_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
-    scale, qk_scale, dropout_scale = float32(scale), float32(qk_scale), float32(dropout_scale)
+    scale, qk_scale, dropout_scale = as_float32(scale), as_float32(qk_scale), as_float32(dropout_scale)
     dropout_seed, dropout_offset = _dropout_seed_and_offset(dropout_seed_ptr, HAS_DROPOUT)
     block_m, head_batch, batch, head, kv_head, causal_shift = _query_block_program(
         head_batch_start, num_q_heads, group_size, seq_len_q, seq_len_k, CAUSAL

@@ -54,12 +54,12 @@ from ._common import (
     TensorLayout,
     TensorLayouts,
     WantedGradients,
+    as_float32,
     cdiv,
     check_prepared_launches,
     compute_capability,
     filled,
     filled_all,
-    float32,
     fp32_conv_allows_tf32,
     input_precision,
     num_sms,
@@ -133,7 +133,7 @@ def _glu_conv_forward_kernel(
 ):
     # out_ptr / stride_o*: the tensor written, ``out`` [B, C, L_out] in the
     # forward; with COMPUTE_GRAD ``grad_z`` [B, 2C, L_out] (gate half at +C).
-    pad_value, residual_scale = float32(pad_value), float32(residual_scale)
+    pad_value, residual_scale = as_float32(pad_value), as_float32(residual_scale)
     pid_row = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_row * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -304,7 +304,7 @@ def _glu_conv_grad_weight_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pad_value = float32(pad_value)
+    pad_value = as_float32(pad_value)
     pid_tile = tl.program_id(0)
     tap = tl.program_id(1)
     split = tl.program_id(2)
