@@ -1,9 +1,24 @@
-"""What the tile sweeps (tune_attention.py, tune_glu.py) share: timing a kernel's table entry and
-its candidate tiles, each put in turn behind the backend's tile lookup."""
+"""What the tile sweeps (tune_attention.py, tune_glu.py) share: timing a call forward or backward,
+and a kernel's table entry and candidate tiles, each put in turn behind the backend's tile lookup."""
 
 from __future__ import annotations
 
 from typing import Callable
+
+import torch
+import triton.testing
+
+
+def median_ms(forward: Callable[[], torch.Tensor], leaves: tuple, backward: bool, **bench_options) -> float:
+    """Median milliseconds (``triton.testing.do_bench``) of ``forward()`` under ``no_grad``, or with
+    ``backward``, of the gradient with respect to ``leaves`` of its output, computed once."""
+    if not backward:
+        with torch.no_grad():
+            return triton.testing.do_bench(forward, return_mode="median", **bench_options)
+    out = forward()
+    grad_out = torch.randn_like(out)
+    return triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True),
+                                   return_mode="median", **bench_options)
 
 
 def time_tiles(module, lookup: str, kernel: str, current, candidates: list[tuple], fields: tuple[str, ...],

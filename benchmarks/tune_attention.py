@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-import triton.testing
 
 import transformer_kernels as tk
-from _sweep import summary, time_tiles
+from _sweep import median_ms, summary, time_tiles
 from transformer_kernels.backends.triton import attention as triton_attention
 from transformer_kernels.backends.triton._common import compute_capability
 
@@ -58,30 +57,13 @@ def _inputs(head_dim: int, batch: int, heads: int, length: int, dtype: torch.dty
 
 
 def _timed(kernel: str, q, k, v, causal: bool) -> float:
-    if kernel == "forward":
-        with torch.no_grad():
-            return triton.testing.do_bench(
-                lambda: tk.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton"),
-                warmup=10, rep=60, return_mode="median",
-            )
-    out = tk.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton")
-    grad_out = torch.randn_like(out)
-    return triton.testing.do_bench(
-        lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
-        warmup=10, rep=60, return_mode="median",
-    )
+    return median_ms(lambda: tk.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton"),
+                     (q, k, v), kernel != "forward", warmup=10, rep=60)
 
 
 def _sdpa_ms(kernel: str, q, k, v, causal: bool) -> float:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if kernel == "forward":
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal), return_mode="median")
-    out = sdpa(q, k, v, is_causal=causal)
-    grad_out = torch.randn_like(out)
-    return triton.testing.do_bench(
-        lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True), return_mode="median"
-    )
+    return median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                     (q, k, v), kernel != "forward")
 
 
 def main() -> None:

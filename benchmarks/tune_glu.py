@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 import transformer_kernels as tk
-from _sweep import summary, time_tiles
+from _sweep import median_ms, summary, time_tiles
 from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
+from transformer_kernels.backends.triton._common import compute_capability
 from transformer_kernels.ops import glu_conv as glu_op
 from transformer_kernels.ops._call_plans import CallPlans
 
@@ -64,23 +64,15 @@ def _ours(x, weight, bias):
     return tk.glu_conv1d(x, weight, bias, residual=x, residual_scale=SCALE, backend="triton")
 
 
-def _conv_tbc(x, weight, bias):
+def _conv_tbc(x, weight_tbc, bias):
+    """fairseq's ConvTBC layer: ``weight_tbc`` ``[k, C_in, 2C]``, its own parameter there."""
     h = x.permute(2, 0, 1)  # [T, B, C]
-    z = torch.conv_tbc(h.contiguous(), weight.permute(2, 1, 0).contiguous(), bias, (weight.shape[2] - 1) // 2)
+    z = torch.conv_tbc(h.contiguous(), weight_tbc, bias, (weight_tbc.shape[0] - 1) // 2)
     return (F.glu(z, dim=2) + h) * SCALE
 
 
-def _ms(kernel: str, function, x, weight, bias) -> float:
-    if kernel == "forward":
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: function(x, weight, bias), warmup=10, rep=60,
-                                           return_mode="median")
-    out = function(x, weight, bias)
-    grad_out = torch.randn_like(out)
-    return triton.testing.do_bench(
-        lambda: torch.autograd.grad(out, (x, weight, bias), grad_out, retain_graph=True),
-        warmup=10, rep=60, return_mode="median",
-    )
+def _ms(kernel: str, function, *leaves) -> float:
+    return median_ms(lambda: function(*leaves), leaves, kernel != "forward", warmup=10, rep=60)
 
 
 def main() -> None:
@@ -101,8 +93,9 @@ def main() -> None:
                     print("budget spent; stopping")
                     return
                 x, weight, bias = _inputs(*shape, dtype)
-                current = triton_glu_conv.kernel_config(kernel, dtype, torch.cuda.get_device_capability()[0] * 10)
-                peer_ms = _ms(kernel, _conv_tbc, x, weight, bias)
+                current = triton_glu_conv.kernel_config(kernel, dtype, compute_capability(x.device))
+                weight_tbc = weight.detach().permute(2, 1, 0).contiguous().requires_grad_()
+                peer_ms = _ms(kernel, _conv_tbc, x, weight_tbc, bias)
 
                 def timed():
                     glu_op._PLANS = CallPlans()  # no forward prepared with another candidate's tiles
@@ -115,7 +108,6 @@ def main() -> None:
                 results = time_tiles(triton_glu_conv, "kernel_config", kernel, current, CANDIDATES[kernel], FIELDS,
                                      timed, record)
                 print(f"{kernel} B{shape[0]} C{shape[1]} L{shape[2]}: conv_tbc {peer_ms:.3f} ms; " + summary(results))
-    glu_op._PLANS = CallPlans()
 
 
 if __name__ == "__main__":
