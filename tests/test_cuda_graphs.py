@@ -1,4 +1,5 @@
-"""A training step of the fused ops captured in one CUDA graph and replayed (issue 9).
+"""A training step of the fused ops captured in one CUDA graph and replayed (issue 9), and the seed
+models' decoding steps, which ``generate`` replays from a graph.
 
 At the seeds' short sequences the host path, not the kernels, sets a step's wall-clock; a CUDA graph
 removes it.  That works only if no call syncs with the host, reads a value back, or takes anything
@@ -10,10 +11,14 @@ with key padding, a GLU convolution with a residual, and the gradients of every 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+from transformer_kernels import use_backend
 from transformer_kernels.bench.graphs import SeedLayer, captured
+from transformer_kernels.models import ConvSeq2Seq, Transformer
 
 from _helpers import backend_params
 from conftest import CUDA
@@ -50,3 +55,31 @@ def test_replays_draw_new_dropout_masks(backend):
         graph.replay()
         losses.append(replayed[0].item())
     assert len(set(losses)) == 3, f"replays of one input drew the same dropout masks: losses {losses}"
+
+
+@pytest.mark.parametrize("beam_size", [1, 2])
+@pytest.mark.parametrize("family", ["transformer", "convs2s"])
+@pytest.mark.parametrize("backend", backend_params(names=("triton", "cuda")))
+def test_generation_replayed_from_a_graph_gives_the_eager_tokens(monkeypatch, backend, family, beam_size):
+    """``generate`` captures the decoder's second step and replays it for the rest (no fallback warning),
+    with the tokens of eager steps."""
+    torch.manual_seed(0)
+    if family == "transformer":
+        model = Transformer(64, 64, d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=2,
+                            dim_feedforward=128, dropout=0.0, max_len=16, pad_index=0)
+    else:
+        model = ConvSeq2Seq(64, 64, emb_dim=32, hid_dim=64, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
+                            max_len=16, pad_index=0)
+    model = model.cuda().eval()
+    src = torch.randint(3, 64, (5, 9), device="cuda")
+    src[2, 5:] = 0
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or real_replay(graph))
+    kwargs = dict(max_len=12, bos_index=1, eos_index=2, beam_size=beam_size)
+    with use_backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        replayed = model.generate(src, cuda_graph=True, **kwargs)
+        eager = model.generate(src, cuda_graph=False, **kwargs)
+    assert len(replays) == replayed.shape[1] - 2  # every step after the first
+    assert torch.equal(replayed, eager)

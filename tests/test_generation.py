@@ -1,9 +1,13 @@
-"""The shared search of ``transformer_kernels.models.generate`` against a plain-Python beam search."""
+"""The shared search of ``transformer_kernels.models.generate`` against a plain-Python beam search, and
+the models' decoders checked on the CPU for what replaying them from a CUDA graph needs."""
+
+import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer_kernels.models import generate
+from transformer_kernels.models import ConvSeq2Seq, Transformer, generate, generation
 
 VOCAB, PAD, BOS, EOS = 7, 0, 1, 2
 
@@ -20,10 +24,9 @@ class MarkovDecoder:
         self.table = self.table.log_softmax(-1)
         self.steps = 0
 
-    def step(self, prefix, rows):
+    def step(self, tokens, position, rows):
         self.steps += 1
-        position = prefix.shape[1] - 1
-        return self.table[rows, position, prefix[:, -1]], rows
+        return self.table[rows, position, tokens]
 
     def reorder(self, rows, indices, *, same_sources=False):
         if same_sources:  # the search's promise: every hypothesis keeps its source row
@@ -113,3 +116,95 @@ def test_rejects_bad_arguments(kwargs, message):
     args = dict(batch_size=1, max_len=3, bos_index=BOS, eos_index=EOS, pad_index=PAD) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(decoder, torch.arange(1), **args)
+
+
+# ----------------------------------------------------------------------------
+# CUDA-graph readiness of the models' decoders, checked on the CPU
+# ----------------------------------------------------------------------------
+
+# Ops that read a tensor's value back to the host: each one would break a CUDA graph's capture.
+READBACK_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "item"}
+
+
+class ReadbackSpy(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.readbacks: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in READBACK_OPS:
+            self.readbacks.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor a decoder state holds (dataclasses, named tuples and tuples, walked)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if dataclasses.is_dataclass(state):
+        state = [getattr(state, field.name) for field in dataclasses.fields(state)]
+    if isinstance(state, (tuple, list)):
+        return [t for item in state for t in state_tensors(item)]
+    return []
+
+
+class CaptureStandIn:
+    """What ``generate`` replays from a CUDA graph, run eagerly on the CPU and checked for what a
+    capture needs: a step reads no value back, and the state's tensors stay the same ones from the
+    first step on (steps and same-source reorders write into them)."""
+
+    def __init__(self, decoder, device) -> None:
+        self.decoder = decoder
+        self.storage: list[int] = []
+        self.steps = 0
+
+    def __call__(self, tokens, position, state):
+        storage = [t.data_ptr() for t in state_tensors(state)]
+        assert storage and storage == (self.storage or storage), "the state's tensors were replaced"
+        self.storage = storage
+        with ReadbackSpy() as spy:
+            log_probs = self.decoder.step(tokens, position, state)
+        assert spy.readbacks == [], f"step {self.steps} read values back: {spy.readbacks}"
+        assert [t.data_ptr() for t in state_tensors(state)] == storage, "the step replaced its state's tensors"
+        self.steps += 1
+        return log_probs
+
+
+def test_readback_spy_sees_a_readback():
+    with ReadbackSpy() as spy:
+        bool(torch.tensor([1.0]).gt(0).all())
+    assert spy.readbacks
+
+
+def small_model(family: str, impl: str):
+    torch.manual_seed(0)
+    if family == "transformer":
+        return Transformer(40, 40, d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=64,
+                           dropout=0.0, max_len=12, pad_index=PAD, impl=impl)
+    return ConvSeq2Seq(40, 40, emb_dim=16, hid_dim=32, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
+                       max_len=12, pad_index=PAD, impl=impl)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("family", ["transformer", "convs2s"])
+def test_model_decoders_can_be_captured(monkeypatch, family, impl, beam_size):
+    model = small_model(family, impl)
+    stand_ins = []
+    monkeypatch.setattr(generation, "_captures", lambda decoder, device, cuda_graph: decoder.capturable)
+    monkeypatch.setattr(generation, "_CapturedStep", lambda *a: stand_ins.append(CaptureStandIn(*a)) or stand_ins[-1])
+    src = torch.randint(3, 40, (3, 7))
+    src[1, 4:] = PAD
+    captured = model.generate(src, max_len=10, bos_index=BOS, eos_index=EOS, beam_size=beam_size)
+    assert len(stand_ins) == 1 and stand_ins[0].steps >= 2
+    monkeypatch.undo()
+    assert torch.equal(captured, model.generate(src, max_len=10, bos_index=BOS, eos_index=EOS, beam_size=beam_size))
+
+
+def test_cuda_graph_needs_a_cuda_device_and_a_capturable_decoder():
+    kwargs = dict(batch_size=1, max_len=3, bos_index=BOS, eos_index=EOS, pad_index=PAD, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device.*the device is cpu"):
+        generate(MarkovDecoder(1, 3, seed=0), torch.arange(1), **kwargs)
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+        small_model("convs2s", "fused").generate(torch.randint(3, 40, (1, 4)), max_len=3, bos_index=BOS,
+                                                  eos_index=EOS, cuda_graph=True)

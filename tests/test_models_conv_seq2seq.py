@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import ForwardSpy, assert_close_to_reference
 
-from transformer_kernels.models import ConvSeq2Seq, generate
+from transformer_kernels.models import ConvSeq2Seq, RedecodingDecoder, generate
 
 SRC_VOCAB, TGT_VOCAB, PAD, BOS = 23, 29, 1, 2
 TINY = dict(emb_dim=8, hid_dim=16, num_encoder_layers=2, num_decoder_layers=2, max_len=12)
@@ -260,20 +260,6 @@ def test_a_source_of_padding_only_attends_nowhere(impl):
 # ----------------------------------------------------------------------------
 
 
-class RedecodingDecoder:
-    """``step`` re-runs the whole model on the prefix; the state is the source rows."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def step(self, prefix, src):
-        logits, _ = self.model(src, prefix)
-        return torch.log_softmax(logits[:, -1], dim=-1), src
-
-    def reorder(self, src, indices, *, same_sources=False):
-        return src[indices]
-
-
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 @pytest.mark.parametrize("beam_size", [1, 2, 3, 4])
 def test_cached_generation_gives_the_tokens_of_redecoding(impl, beam_size):
@@ -281,7 +267,7 @@ def test_cached_generation_gives_the_tokens_of_redecoding(impl, beam_size):
     model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, impl=impl, **TINY).double().eval()
     src, _ = make_batch(batch=4, src_lengths=(7, 5, 3, 6))
     max_len = model.max_len + 1
-    redecoding = RedecodingDecoder(model)
+    redecoding = RedecodingDecoder(lambda src, tgt: model(src, tgt)[0])
     kwargs = dict(batch_size=src.shape[0], max_len=max_len, bos_index=BOS, pad_index=PAD, beam_size=beam_size)
     # eos: the token greedy decoding emits most after the first step, so hypotheses do end early.
     greedy = generate(redecoding, src, eos_index=-1, **(kwargs | {"beam_size": 1}))

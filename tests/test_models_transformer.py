@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import ForwardSpy, assert_close_to_reference
 
-from transformer_kernels.models import Transformer, generate
+from transformer_kernels.models import RedecodingDecoder, Transformer, generate
 from transformer_kernels.models.transformer import _CachedDecoder
 from transformer_kernels.ops.attention import Causal
 
@@ -187,20 +187,6 @@ def test_padded_rows_match_unpadded(impl):
 # ----------------------------------------------------------------------------
 
 
-class FullDecoder:
-    """The uncached decoder: each step re-runs ``Transformer.forward`` on the whole prefix.
-    Its state is the source rows of the hypotheses."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
-
-    def step(self, prefix, src):
-        return self.model(src, prefix)[:, -1].log_softmax(-1), src
-
-    def reorder(self, src, indices, *, same_sources=False):
-        return src[indices]
-
-
 def eos_prone_model(impl: str) -> Transformer:
     """A model whose hypotheses end at different steps (the eos logit raised)."""
     model = tiny_model(impl).eval()
@@ -217,7 +203,7 @@ def test_cached_generation_matches_rerunning_forward(impl, beam_size):
     src, _ = batch(src_lengths=(9, 4, 6, 2, 7, 5), tgt_lengths=(1,) * 6)
     max_len = 10
     cached = model.generate(src, max_len=max_len, bos_index=BOS, eos_index=EOS, beam_size=beam_size)
-    full = generate(FullDecoder(model), src, batch_size=src.shape[0], max_len=max_len, bos_index=BOS,
+    full = generate(RedecodingDecoder(model), src, batch_size=src.shape[0], max_len=max_len, bos_index=BOS,
                     eos_index=EOS, pad_index=PAD, beam_size=beam_size)
     assert cached.dtype == torch.long and cached[:, 0].eq(BOS).all()
     assert torch.equal(cached, full)
@@ -252,7 +238,8 @@ def test_fused_decoding_steps_call_the_registered_ops_directly(monkeypatch):
     scale = 1.0 / math.sqrt(TINY["d_model"] // TINY["nhead"])  # the public function's default
     for args in step_args:
         assert (args.causal, args.attn_mask, args.dropout_p, args.scale) == (Causal.NONE, None, 0.0, scale)
-    assert [args.key_padding_mask is None for args in step_args[:2]] == [True, False]
+    # The first step's self-attention sees cache position 0 of max_len = 4; its cross-attention the source.
+    assert step_args[0].key_padding_mask.tolist() == [[False, True, True, True]] * src.shape[0]
     assert torch.equal(step_args[1].key_padding_mask, src.eq(PAD))
 
 
@@ -266,11 +253,11 @@ def test_cached_step_log_probs_match_forward(impl):
         expected = model(src, tgt).log_softmax(-1)
         padding = src.eq(PAD)
         state = model.transformer.decoder.initial_state(
-            model.transformer.encoder(model._embed(model.src_embedding, src), padding), padding
+            model.transformer.encoder(model._embed(model.src_embedding, src), padding), padding, tgt.shape[1]
         )
         decoder = _CachedDecoder(model)
         for t in range(tgt.shape[1]):
-            log_probs, state = decoder.step(tgt[:, : t + 1], state)
+            log_probs = decoder.step(tgt[:, t], torch.tensor(t), state)
             assert_close_to_reference(log_probs, expected[:, t], f"step {t}", tol=TOL)
 
 

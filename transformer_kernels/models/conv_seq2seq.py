@@ -189,30 +189,38 @@ class ConvDecoder(torch.nn.Module):
         batch = encoder.conved.shape[0]
         return DecoderState(encoder, tuple(conv.initial_state(batch) for conv in self.convs))
 
-    def step(self, prefix: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """``prefix`` ``[N, t]`` (the state holds ``prefix[:, :-1]``) -> the log-probabilities
-        ``[N, V]`` of token ``t`` and the state holding ``prefix``: the last position of
-        ``log_softmax(forward(prefix)[0])``, from the last token and the cache alone."""
-        position = prefix.shape[1] - 1
-        embedded = self.dropout(self.tok_embedding(prefix[:, -1]) + self.pos_embedding.weight[position])
+    # generate() may replay step() from a CUDA graph: its state's tensors are updated in place and
+    # the position is read on the device only.
+    capturable = True
+
+    def step(self, tokens: Tensor, position: Tensor, state: DecoderState) -> Tensor:
+        """``tokens`` ``[N]`` at ``position`` (0-dim; the state holds the positions before it) -> the
+        log-probabilities ``[N, V]`` of the next token, the last position of
+        ``log_softmax(forward(prefix)[0])``, from the last token and the cache alone.  ``state``'s
+        convolution windows move on by this position, in place."""
+        embedded = self.dropout(self.tok_embedding(tokens) + self.pos_embedding(position))
         hidden = self.emb2hid(embedded)
-        conv_states = []
         for conv, conv_state in zip(self.convs, state.conv_states):
             conv_input = self.dropout(hidden)
-            conved, conv_state = self._conv_step(conv, conv_input, conv_state)
-            conv_states.append(conv_state)
+            conved, new_state = self._conv_step(conv, conv_input, conv_state)
+            conv_state.copy_(new_state)
             query = (self.attn_hid2emb(conved) + embedded) * _SCALE
             attended = _attention(query[:, None, :], state.encoder, self.impl)[:, 0]
             conved = (conved + self.attn_emb2hid(attended)) * _SCALE
             hidden = (conved + conv_input) * _SCALE
         logits = self.fc_out(self.dropout(self.hid2emb(hidden)))
-        return torch.log_softmax(logits, dim=-1), DecoderState(state.encoder, tuple(conv_states))
+        return torch.log_softmax(logits, dim=-1)
 
     def reorder(self, state: DecoderState, indices: Tensor, *, same_sources: bool = False) -> DecoderState:
-        """The state of rows ``indices`` (LongTensor ``[N']``), in that order; the encoder's output
-        kept as it is when every row keeps its source (:meth:`IncrementalDecoder.reorder`)."""
-        encoder = state.encoder if same_sources else state.encoder.index_select(indices)
-        return DecoderState(encoder, tuple(s.index_select(0, indices) for s in state.conv_states))
+        """The state of rows ``indices`` (LongTensor ``[N']``), in that order.  When every row keeps
+        its source (:meth:`IncrementalDecoder.reorder`), the encoder's output stays as it is and the
+        windows are gathered into their own tensors, which a captured step writes."""
+        if same_sources:
+            for window in state.conv_states:
+                window.copy_(window.index_select(0, indices))
+            return state
+        return DecoderState(state.encoder.index_select(indices),
+                            tuple(s.index_select(0, indices) for s in state.conv_states))
 
     def _conv_step(self, conv: GLUConv1d, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         """One causal position of ``conv``: ``x`` ``[N, C_in]`` -> ``(out [N, C], new state)``."""
@@ -358,14 +366,17 @@ class ConvSeq2Seq(torch.nn.Module):
         return self.decoder(tgt, encoder)
 
     @torch.no_grad()
-    def generate(self, src: Tensor, *, max_len: int, bos_index: int, eos_index: int, beam_size: int = 1) -> Tensor:
+    def generate(
+        self, src: Tensor, *, max_len: int, bos_index: int, eos_index: int, beam_size: int = 1,
+        cuda_graph: Optional[bool] = None,
+    ) -> Tensor:
         """Decode ``src`` greedily (``beam_size=1``) or by beam search, with caches.
 
         The encoder runs once; its output is carried with the beams.  Each decoder layer keeps a
         rolling window of its last ``kernel_size - 1`` inputs (:meth:`GLUConv1d.step`), so a step
         costs one position, and the tokens are exactly those of re-running the decoder on the
-        whole prefix every step.  Runs in evaluation mode (no dropout) whatever the module's mode,
-        which it restores.
+        whole prefix every step.  On a GPU the steps after the first replay a CUDA graph.  Runs in
+        evaluation mode (no dropout) whatever the module's mode, which it restores.
 
         Args:
             src: ``[B, S]`` token ids.
@@ -373,6 +384,8 @@ class ConvSeq2Seq(torch.nn.Module):
                 ``max_len - 1`` tokens, whose positions the model's ``max_len`` must cover.
             bos_index, eos_index: the first token of every output, and the token that ends one.
             beam_size: hypotheses kept per row; see :func:`transformer_kernels.models.generate`.
+            cuda_graph: None (replay the steps from a CUDA graph on a GPU), True (insist) or
+                False (run every step eagerly).
 
         Returns:
             LongTensor ``[B, T]``, ``T <= max_len``: each row starts with ``bos_index``; after its
@@ -392,7 +405,7 @@ class ConvSeq2Seq(torch.nn.Module):
             return generate(
                 self.decoder, self.decoder.initial_state(encoder), batch_size=src.shape[0], max_len=max_len,
                 bos_index=bos_index, eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size,
-                device=src.device,
+                device=src.device, cuda_graph=cuda_graph,
             )
         finally:
             self.train(was_training)

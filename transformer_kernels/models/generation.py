@@ -1,35 +1,139 @@
 """Greedy and beam-search decoding over an incremental decoder, shared by the seed models.
 
-A model plugs in through :class:`IncrementalDecoder`: ``step`` maps the prefixes decoded so far
-to the next token's log-probabilities, carrying whatever it caches (keys and values, rolling
-convolution states) in a state object, and ``reorder`` gathers that state along its batch
-dimension.  The search itself never looks inside the state, so a model's cached ``step`` and a
-``step`` that re-runs the whole decoder on the prefix go through exactly the same search and
-therefore pick exactly the same tokens (up to the rounding of their log-probabilities).
+A model plugs in through :class:`IncrementalDecoder`: ``step`` maps each hypothesis's newest token
+and its position to the next token's log-probabilities, updating whatever it caches (keys and
+values, rolling convolution states) in a state object, and ``reorder`` gathers that state along its
+batch dimension.  The search itself never looks inside the state, so a model's cached ``step`` and a
+``step`` that re-runs the whole decoder on the prefix (:class:`RedecodingDecoder`) go through exactly
+the same search and therefore pick exactly the same tokens (up to the rounding of their
+log-probabilities).
+
+On a GPU, at the seeds' sizes, a step's kernels take microseconds and its host path (hundreds of
+small ops) sets the pace.  A decoder whose step has static shapes and never reads a value back
+(``capturable = True``) is therefore captured in a CUDA graph at its second step and replayed for
+the rest: a replay launches every kernel of the step at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import warnings
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["IncrementalDecoder", "generate"]
+__all__ = ["IncrementalDecoder", "RedecodingDecoder", "generate"]
 
 
 class IncrementalDecoder(Protocol):
-    """What :func:`generate` needs from a model."""
+    """What :func:`generate` needs from a model.
 
-    def step(self, prefix: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """``prefix`` ``[N, t]`` (``t >= 1``, starting with the bos token) -> the log-probabilities
-        ``[N, V]`` of token ``t`` and the state for the next call."""
+    ``capturable`` (optional, default False): ``step`` may be captured in a CUDA graph: it reads its
+    arguments' values only on the device (no ``.item()``, no shape that depends on them), allocates
+    its state's tensors before the first step and updates them in place, and ``reorder`` with
+    ``same_sources=True`` writes into those same tensors."""
+
+    def step(self, tokens: Tensor, position: Tensor, state: Any) -> Tensor:
+        """``tokens`` ``[N]`` (int64), each hypothesis's token at ``position`` (a 0-dim int64 tensor
+        on the decoding device; the bos token is at 0) -> the log-probabilities ``[N, V]`` of the
+        token after it.  Updates ``state`` in place to hold the prefixes through ``position``."""
 
     def reorder(self, state: Any, indices: Tensor, *, same_sources: bool = False) -> Any:
         """The state of rows ``indices`` (a LongTensor ``[N']``), in that order.  ``same_sources``:
         each row of ``indices`` holds a hypothesis of the same source as the row it replaces (the
         beams of one sentence trading places), so state that depends on the source alone (encoder
         outputs, cross-attention keys and values) may be kept as it is instead of gathered."""
+
+
+class RedecodingDecoder:
+    """The uncached :class:`IncrementalDecoder`: every step re-runs ``forward(source, prefix)`` ->
+    logits ``[N, t, V]`` on the whole prefix and takes its last position.  What cached decoding must
+    reproduce, and what it is measured against.  Its state is ``source``, one row per hypothesis,
+    which :func:`generate` starts from (``state=source``)."""
+
+    def __init__(self, forward: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.forward = forward
+
+    def step(self, tokens: Tensor, position: Tensor, state: "_Prefixes") -> Tensor:
+        state.prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)
+        return self.forward(state.source, state.prefix)[:, -1].log_softmax(-1)
+
+    def reorder(self, state: "_Prefixes | Tensor", indices: Tensor, *, same_sources: bool = False) -> "_Prefixes":
+        if isinstance(state, Tensor):
+            return _Prefixes(state[indices], state.new_empty(len(indices), 0))
+        source = state.source if same_sources else state.source[indices]
+        return _Prefixes(source, state.prefix[indices])
+
+
+class _Prefixes:
+    """:class:`RedecodingDecoder`'s state: the source rows and the prefixes decoded so far."""
+
+    def __init__(self, source: Tensor, prefix: Tensor) -> None:
+        self.source, self.prefix = source, prefix
+
+
+class _CapturedStep:
+    """``decoder.step``, run eagerly at the first step and replayed from a CUDA graph after.
+
+    The first step runs on a side stream, the one the capture will use, so that what it sets up
+    lazily (Triton's compilation, cuBLAS's workspace for that stream) exists before the capture.
+    The second step is captured with this object's static token and position tensors as its
+    inputs, then replayed; every later step copies its inputs in and replays.  The log-probabilities
+    returned are the graph's own output tensor, overwritten by the next replay.
+
+    A step that cannot be captured (one of its ops reads a value back, as the eager backend's
+    attention may) raises during the capture, before anything ran: a warning names the error and
+    the steps run eagerly from then on."""
+
+    def __init__(self, decoder: IncrementalDecoder, device: torch.device) -> None:
+        self.decoder = decoder
+        self.stream = torch.cuda.Stream(device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.eager = False
+        self.tokens: Optional[Tensor] = None
+        self.position: Optional[Tensor] = None
+        self.log_probs: Optional[Tensor] = None
+
+    def __call__(self, tokens: Tensor, position: Tensor, state: Any) -> Tensor:
+        if self.eager:
+            return self.decoder.step(tokens, position, state)
+        if self.tokens is None:
+            self.tokens, self.position = tokens.clone(), position.clone()
+            return self._on_side_stream(lambda: self.decoder.step(tokens, position, state))
+        self.tokens.copy_(tokens)
+        self.position.copy_(position)
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            try:
+                self.log_probs = self._on_side_stream(self._capture, state)
+            except RuntimeError as error:
+                warnings.warn(f"generate: the decoder's step could not be captured in a CUDA graph, so every "
+                              f"step runs eagerly ({error})", RuntimeWarning, stacklevel=3)
+                self.eager, self.graph = True, None
+                return self.decoder.step(tokens, position, state)
+        self.graph.replay()
+        return self.log_probs
+
+    def _capture(self, state: Any) -> Tensor:
+        self.graph.capture_begin()
+        try:
+            log_probs = self.decoder.step(self.tokens, self.position, state)
+        except BaseException:
+            try:
+                self.graph.capture_end()
+            except RuntimeError:
+                pass  # the step's own error is the one to report
+            raise
+        self.graph.capture_end()
+        return log_probs
+
+    def _on_side_stream(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = fn(*args)
+        current.wait_stream(self.stream)
+        return out
 
 
 @torch.no_grad()
@@ -44,6 +148,7 @@ def generate(
     pad_index: int,
     beam_size: int = 1,
     device: torch.device | str | None = None,
+    cuda_graph: Optional[bool] = None,
 ) -> Tensor:
     r"""Decode ``batch_size`` sequences, greedily (``beam_size=1``) or by beam search.
 
@@ -58,6 +163,10 @@ def generate(
             empty caches); :func:`generate` expands it to ``batch_size * beam_size`` rows, beam
             ``j`` of row ``b`` at ``b * beam_size + j``, through ``decoder.reorder``.
         max_len: the longest output, ``bos_index`` included (``>= 1``).
+        device: where the search's tensors live: the decoder's device.
+        cuda_graph: replay the decoder's steps from a CUDA graph (see the module's docstring).
+            None (the default) does where it can: on a CUDA ``device`` with a ``capturable``
+            decoder.  True insists (a ValueError where it cannot); False runs every step eagerly.
 
     Returns:
         LongTensor ``[batch_size, T]``, ``T <= max_len``: ``T`` is ``max_len``, or one more than
@@ -67,23 +176,29 @@ def generate(
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    step = decoder.step
+    if _captures(decoder, device, cuda_graph):
+        step = _CapturedStep(decoder, device)
     rows = batch_size * beam_size
     state = decoder.reorder(state, torch.arange(batch_size, device=device).repeat_interleave(beam_size))
     prefix = torch.full((rows, 1), bos_index, dtype=torch.long, device=device)
+    positions = torch.arange(max_len, device=device)
     # Only beam 0 is alive at the start, so the first top-k does not pick one token per copy.
     scores = torch.full((batch_size, beam_size), float("-inf"), device=device)
     scores[:, 0] = 0.0
     scores = scores.view(rows)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     row_base = torch.arange(batch_size, device=device).repeat_interleave(beam_size) * beam_size
-    for _ in range(max_len - 1):
-        log_probs, state = decoder.step(prefix, state)
+    for position in positions[:-1]:
+        log_probs = step(prefix[:, -1], position, state)
         # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
         log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
         vocab_size = log_probs.shape[-1]
-        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.
-        log_probs[finished] = float("-inf")
-        log_probs[finished, pad_index] = 0.0
+        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (Masks,
+        # not boolean indexing, which would read the mask back to the host every step.)
+        log_probs.masked_fill_(finished[:, None], float("-inf"))
+        log_probs.select(1, pad_index).masked_fill_(finished, 0.0)
         candidates = (scores.to(log_probs.dtype)[:, None] + log_probs).view(batch_size, beam_size * vocab_size)
         top_scores, top_indices = candidates.topk(beam_size, dim=1)
         source_rows = row_base + (top_indices // vocab_size).view(rows)
@@ -97,3 +212,14 @@ def generate(
             state = decoder.reorder(state, source_rows, same_sources=True)
     best = row_base[::beam_size] + scores.view(batch_size, beam_size).argmax(dim=1)
     return prefix[best]
+
+
+def _captures(decoder: IncrementalDecoder, device: torch.device, cuda_graph: Optional[bool]) -> bool:
+    """Whether :func:`generate` replays ``decoder``'s steps from a CUDA graph."""
+    capturable = getattr(decoder, "capturable", False)
+    if cuda_graph is None:
+        return capturable and device.type == "cuda"
+    if cuda_graph and not (capturable and device.type == "cuda"):
+        why = f"the device is {device}" if device.type != "cuda" else f"{type(decoder).__name__} is not capturable"
+        raise ValueError(f"cuda_graph=True needs a CUDA device and a capturable decoder, but {why}")
+    return cuda_graph

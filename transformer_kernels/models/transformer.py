@@ -170,15 +170,19 @@ class Transformer(nn.Module):
         return self.output_projection(out)
 
     @torch.no_grad()
-    def generate(self, src: Tensor, *, max_len: int, bos_index: int, eos_index: int, beam_size: int = 1) -> Tensor:
+    def generate(
+        self, src: Tensor, *, max_len: int, bos_index: int, eos_index: int, beam_size: int = 1,
+        cuda_graph: Optional[bool] = None,
+    ) -> Tensor:
         r"""Decode a target for each source, greedily (``beam_size=1``) or by beam search.
 
         Runs in evaluation mode (no dropout) whatever the module's mode, which it restores.
         The encoder runs once; the decoder runs one position per step, with each layer's
-        self-attention keys and values cached and its cross-attention keys and values projected
-        once from the encoder output.  The tokens are those of a search that re-runs
-        :meth:`forward` on the whole prefix at every step (see
-        :func:`transformer_kernels.models.generate` for the search and its tie-breaking).
+        self-attention keys and values cached (in buffers of ``max_len`` positions, allocated
+        once) and its cross-attention keys and values projected once from the encoder output.
+        The tokens are those of a search that re-runs :meth:`forward` on the whole prefix at
+        every step (see :func:`transformer_kernels.models.generate` for the search and its
+        tie-breaking).  On a GPU the steps after the first replay a CUDA graph.
 
         Args:
             src: ``[B, S]`` source token ids, padded with ``pad_index``.
@@ -186,6 +190,8 @@ class Transformer(nn.Module):
             bos_index: the first token of every output.
             eos_index: the token that ends a hypothesis; after it a row holds ``pad_index``.
             beam_size: 1 for greedy search, else the number of beams.
+            cuda_graph: None (replay the steps from a CUDA graph on a GPU), True (insist) or
+                False (run every step eagerly).
 
         Returns:
             LongTensor ``[B, T]``, ``T <= max_len``, on ``src``'s device.
@@ -204,17 +210,20 @@ class Transformer(nn.Module):
         try:
             padding = src.eq(self.pad_index)
             memory = self.transformer.encoder(self._embed(self.src_embedding, src), padding)
-            state = self.transformer.decoder.initial_state(memory, padding)
+            state = self.transformer.decoder.initial_state(memory, padding, max_len)
             return generation.generate(
                 _CachedDecoder(self), state, batch_size=src.shape[0], max_len=max_len, bos_index=bos_index,
                 eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size, device=src.device,
+                cuda_graph=cuda_graph,
             )
         finally:
             self.train(was_training)
 
-    def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
-        """``tokens [B, L]`` at positions ``start, ..., start + L - 1`` -> ``[B, L, E]``."""
-        positions = self.positional_encoding[start : start + tokens.shape[1]]
+    def _embed(self, embedding: nn.Embedding, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``tokens [B, L]`` -> ``[B, L, E]``, at positions ``0, ..., L - 1``, or with ``positions``
+        ``[L, E]``, the rows of :attr:`positional_encoding` to add."""
+        if positions is None:
+            positions = self.positional_encoding[: tokens.shape[1]]
         return self.dropout(embedding(tokens) * math.sqrt(self.d_model) + positions)
 
     def _check_tokens(self, name: str, tokens: object) -> None:
@@ -230,16 +239,21 @@ class Transformer(nn.Module):
 
 class _CachedDecoder:
     """A :class:`Transformer` as :func:`generate`'s ``IncrementalDecoder``: each step embeds the
-    newest token only and runs :meth:`_Decoder.step`."""
+    newest token only and runs :meth:`_Decoder.step`.  Capturable: its caches are allocated
+    before the first step and the position is read on the device only."""
+
+    capturable = True
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
 
-    def step(self, prefix: Tensor, state: "_DecoderState") -> tuple[Tensor, "_DecoderState"]:
+    def step(self, tokens: Tensor, position: Tensor, state: "_DecoderState") -> Tensor:
         model = self.model
-        x = model._embed(model.tgt_embedding, prefix[:, -1:], start=prefix.shape[1] - 1)
-        x, state = model.transformer.decoder.step(x, state)
-        return model.output_projection(x[:, 0]).log_softmax(-1), state
+        # index_select, not indexing: a 0-dim index tensor would be read back to the host.
+        positions = model.positional_encoding.index_select(0, position.view(1))
+        x = model._embed(model.tgt_embedding, tokens[:, None], positions)
+        x = model.transformer.decoder.step(x, position, state)
+        return model.output_projection(x[:, 0]).log_softmax(-1)
 
     def reorder(self, state: "_DecoderState", indices: Tensor, *, same_sources: bool = False) -> "_DecoderState":
         return state.index(indices, same_sources)
@@ -329,8 +343,9 @@ class _EncoderLayer(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class _LayerCache:
-    """One decoder layer's keys and values, ``[N, H, length, Dh]``: its self-attention's for the
-    ``t`` positions decoded so far, its cross-attention's for the ``S`` source positions."""
+    """One decoder layer's keys and values, ``[N, H, length, Dh]``: its self-attention's, a buffer
+    of the generation's ``max_len`` positions written one position per step, and its
+    cross-attention's for the ``S`` source positions."""
 
     key: Tensor
     value: Tensor
@@ -338,10 +353,13 @@ class _LayerCache:
     memory_value: Tensor
 
     def index(self, indices: Tensor, same_sources: bool) -> "_LayerCache":
-        """The caches of hypotheses ``indices``; the cross-attention's kept as they are when every
-        hypothesis keeps its source (:meth:`IncrementalDecoder.reorder`)."""
+        """The caches of hypotheses ``indices``.  When every hypothesis keeps its source
+        (:meth:`IncrementalDecoder.reorder`), the cross-attention's stay as they are and the
+        self-attention's are gathered into their own buffers, which a captured step writes."""
         if same_sources:
-            return _LayerCache(self.key[indices], self.value[indices], self.memory_key, self.memory_value)
+            self.key.copy_(self.key[indices])
+            self.value.copy_(self.value[indices])
+            return self
         return _LayerCache(self.key[indices], self.value[indices], self.memory_key[indices], self.memory_value[indices])
 
 
@@ -377,7 +395,7 @@ class _StepCalls:
 
     def attend(self, layer: _Attention, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """``attend(q, k, v, key_padding_mask=...)`` without a causal mask: the newest position sees
-        every cached one."""
+        every key the mask leaves (the positions decoded so far, or the source's)."""
         if not self.direct:
             return layer.attend(q, k, v, key_padding_mask=key_padding_mask)
         # The public function's default scale, computed the same way.
@@ -397,11 +415,18 @@ class _DecoderState:
     memory_key_padding_mask: Tensor  # bool [N, S], True = source padding, contiguous
     layers: tuple[_LayerCache, ...]
     calls: _StepCalls
+    key_positions: Tensor  # [max_len], 0, 1, ...: the positions of the self-attention caches
 
     def index(self, indices: Tensor, same_sources: bool) -> "_DecoderState":
         """The state of hypotheses ``indices`` (LongTensor ``[N']``), in that order."""
         mask = self.memory_key_padding_mask if same_sources else self.memory_key_padding_mask[indices]
-        return _DecoderState(mask, tuple(c.index(indices, same_sources) for c in self.layers), self.calls)
+        layers = tuple(c.index(indices, same_sources) for c in self.layers)
+        return _DecoderState(mask, layers, self.calls, self.key_positions)
+
+    def self_attention_padding(self, position: Tensor) -> Tensor:
+        """bool ``[N, max_len]``: the cache positions after ``position``, not decoded yet."""
+        rows = self.memory_key_padding_mask.shape[0]
+        return self.key_positions.gt(position).expand(rows, -1).contiguous()
 
 
 class _DecoderLayer(nn.Module):
@@ -429,15 +454,18 @@ class _DecoderLayer(nn.Module):
         return self._cross_attention_and_feed_forward(x, memory_key, memory_value, memory_key_padding_mask)
 
     def step(
-        self, x: Tensor, cache: _LayerCache, memory_key_padding_mask: Tensor, calls: _StepCalls
-    ) -> tuple[Tensor, _LayerCache]:
-        """``x [N, 1, E]``, the newest position, attending to itself and the cached positions."""
+        self, x: Tensor, position: Tensor, cache: _LayerCache, self_padding: Tensor, memory_key_padding_mask: Tensor,
+        calls: _StepCalls,
+    ) -> Tensor:
+        """``x [N, 1, E]``, the newest position, written into the cache at ``position`` (0-dim), then
+        attending to itself and the positions before it (``self_padding`` masks the rest)."""
         q, k, v = calls.project(self.self_attn, x, "qkv")
-        k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
-        x = self.norm1(x + self.dropout1(calls.attend(self.self_attn, q, k, v, None)))
+        cache.key.index_copy_(2, position.view(1), k)
+        cache.value.index_copy_(2, position.view(1), v)
+        x = self.norm1(x + self.dropout1(calls.attend(self.self_attn, q, cache.key, cache.value, self_padding)))
         (q,) = calls.project(self.multihead_attn, x, "q")
         attended = calls.attend(self.multihead_attn, q, cache.memory_key, cache.memory_value, memory_key_padding_mask)
-        return self._add_cross_attention_and_feed_forward(x, attended), dataclasses.replace(cache, key=k, value=v)
+        return self._add_cross_attention_and_feed_forward(x, attended)
 
     def _cross_attention_and_feed_forward(
         self, x: Tensor, memory_key: Tensor, memory_value: Tensor, memory_key_padding_mask: Tensor
@@ -479,28 +507,29 @@ class _Decoder(nn.Module):
             x = layer(x, memory, memory_key_padding_mask)
         return self.norm(x)
 
-    def initial_state(self, memory: Tensor, memory_key_padding_mask: Tensor) -> _DecoderState:
+    def initial_state(self, memory: Tensor, memory_key_padding_mask: Tensor, max_len: int) -> _DecoderState:
         """Before the first position: every layer's cross-attention keys and values of ``memory``
-        ``[N, S, E]``, and empty self-attention caches."""
+        ``[N, S, E]``, and self-attention caches for ``max_len`` positions."""
         caches = []
         for layer in self.layers:
             # Contiguous [N, H, S, Dh], copied once: every step's attention then runs one batch of
             # N * H matrices instead of one per head over the projection's [N, S, H, Dh] layout.
             memory_key, memory_value = (t.contiguous() for t in layer.multihead_attn.project(memory, "kv"))
-            empty = memory_key.new_empty(*memory_key.shape[:2], 0, memory_key.shape[-1])
-            caches.append(_LayerCache(empty, empty, memory_key, memory_value))
+            # Zeros, not empty: a masked key is still multiplied (by a weight of 0), and 0 * NaN is NaN.
+            key, value = (memory_key.new_zeros(*memory_key.shape[:2], max_len, memory_key.shape[-1]) for _ in "kv")
+            caches.append(_LayerCache(key, value, memory_key, memory_value))
         fused = self.layers[0].self_attn.impl == "fused"
         direct = fused and not torch.is_autocast_enabled(memory.device.type)
-        return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct))
+        key_positions = torch.arange(max_len, device=memory.device)
+        return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct), key_positions)
 
-    def step(self, x: Tensor, state: _DecoderState) -> tuple[Tensor, _DecoderState]:
-        """``x [N, 1, E]``, the embedded newest token of each hypothesis -> ``[N, 1, E]`` and the state
-        with its keys and values appended."""
-        caches = []
+    def step(self, x: Tensor, position: Tensor, state: _DecoderState) -> Tensor:
+        """``x [N, 1, E]``, the embedded token of each hypothesis at ``position`` (0-dim) -> ``[N, 1, E]``;
+        writes its keys and values into ``state``'s caches."""
+        self_padding = state.self_attention_padding(position)
         for layer, cache in zip(self.layers, state.layers):
-            x, cache = layer.step(x, cache, state.memory_key_padding_mask, state.calls)
-            caches.append(cache)
-        return self.norm(x), dataclasses.replace(state, layers=tuple(caches))
+            x = layer.step(x, position, cache, self_padding, state.memory_key_padding_mask, state.calls)
+        return self.norm(x)
 
 
 class _EncoderDecoder(nn.Module):

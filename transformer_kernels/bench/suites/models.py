@@ -10,7 +10,9 @@ Implementations:
   ``torch.nn.Transformer(batch_first=True)`` holding the same weights, called with torch's padding
   masks and a causal ``tgt_mask``.
 - ``redecoding`` (generation): the fused model's search re-running the whole decoder on the prefix
-  at every step, where ``generate`` keeps caches.
+  at every step (:class:`~transformer_kernels.models.RedecodingDecoder`), where ``generate`` keeps
+  caches (and, on a GPU, replays its steps from a CUDA graph; the first two steps, eager and
+  captured, are inside the time).
 
 Cases, on padded batches with source and target lengths uniform in 8-40 (fixed seed):
 
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import use_backend
-from ...models import ConvSeq2Seq, Transformer, generate
+from ...models import ConvSeq2Seq, RedecodingDecoder, Transformer, generate
 from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for
 
 OP = "models"
@@ -178,27 +180,21 @@ def _loss(model: torch.nn.Module, src: torch.Tensor, tgt: torch.Tensor) -> torch
     return F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=PAD)
 
 
-class _Redecoding:
-    """The search's decoder re-running the whole model on the prefix (no caches); its state is the
-    source rows."""
+def _logits(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``model``'s forward as ``(src, tgt) -> logits`` (ConvSeq2Seq returns its attention too)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def forward(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        output = model(src, tgt)
+        return output[0] if isinstance(output, tuple) else output
 
-    def step(self, prefix: torch.Tensor, src: torch.Tensor):
-        output = self.model(src, prefix)
-        logits = output[0] if isinstance(output, tuple) else output
-        return torch.log_softmax(logits[:, -1], dim=-1), src
-
-    def reorder(self, src: torch.Tensor, indices: torch.Tensor, *, same_sources: bool = False) -> torch.Tensor:
-        return src if same_sources else src[indices]
+    return forward
 
 
 def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool) -> torch.Tensor:
     model.eval()
     if redecoding:
-        return generate(_Redecoding(model), src, batch_size=src.shape[0], max_len=GENERATED_TOKENS + 1,
-                        bos_index=BOS, eos_index=EOS, pad_index=PAD, device=src.device)
+        return generate(RedecodingDecoder(_logits(model)), src, batch_size=src.shape[0],
+                        max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS, pad_index=PAD, device=src.device)
     return model.generate(src, max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS)
 
 
