@@ -9,6 +9,7 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
+  :class:`OpRecorder`: the ops that ran, as a dispatch mode sees them.
 * :func:`glu_choices`: the eager GLU convolution's algorithms the same on every CPU: its fixed rule,
   or timings that find one of them fastest.
 * :func:`script_output`: what a script prints, run with this session's package;
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import pytest
 import torch
 from conftest import CUDA, TRITON_DEVICE
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_kernels
 from transformer_kernels import _backend
@@ -303,6 +305,21 @@ def _run_unprepared(monkeypatch, op: str, module) -> None:
     monkeypatch.setattr(importlib.import_module(f"transformer_kernels.ops.{op}"), "_PLANS", CallPlans())
     if hasattr(module, "prepare_forward"):
         monkeypatch.setattr(module, "prepare_forward", lambda *arguments: None)
+
+
+class OpRecorder(TorchDispatchMode):
+    """The names of the ops dispatched while active (``"addmm"``, ``"attention_backward"``: overloads
+    and namespaces dropped), in order, in ``ops``; ``keep(op)`` chooses which ones (every one)."""
+
+    def __init__(self, keep: Callable[[torch._ops.OpOverload], bool] = lambda op: True) -> None:
+        super().__init__()
+        self.keep = keep
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.keep(func):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 class ForwardSpy:

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import OpRecorder
 
 from transformer_kernels.models import ConvSeq2Seq, Transformer, generate, generation
 
@@ -122,19 +122,9 @@ def test_rejects_bad_arguments(kwargs, message):
 # CUDA-graph readiness of the models' decoders, checked on the CPU
 # ----------------------------------------------------------------------------
 
-# Ops that read a tensor's value back to the host: each one would break a CUDA graph's capture.
-READBACK_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "item"}
-
-
-class ReadbackSpy(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.readbacks: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in READBACK_OPS:
-            self.readbacks.append(str(func))
-        return func(*args, **(kwargs or {}))
+def reads_back(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` reads a tensor's value back to the host: each one would break a CUDA graph's capture."""
+    return op.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "is_nonzero", "item")
 
 
 def state_tensors(state) -> list[torch.Tensor]:
@@ -162,18 +152,18 @@ class CaptureStandIn:
         storage = [t.data_ptr() for t in state_tensors(state)]
         assert storage and storage == (self.storage or storage), "the state's tensors were replaced"
         self.storage = storage
-        with ReadbackSpy() as spy:
+        with OpRecorder(reads_back) as recorder:
             log_probs = self.decoder.step(tokens, position, state)
-        assert spy.readbacks == [], f"step {self.steps} read values back: {spy.readbacks}"
+        assert recorder.ops == [], f"step {self.steps} read values back: {recorder.ops}"
         assert [t.data_ptr() for t in state_tensors(state)] == storage, "the step replaced its state's tensors"
         self.steps += 1
         return log_probs
 
 
-def test_readback_spy_sees_a_readback():
-    with ReadbackSpy() as spy:
+def test_readback_recorder_sees_a_readback():
+    with OpRecorder(reads_back) as recorder:
         bool(torch.tensor([1.0]).gt(0).all())
-    assert spy.readbacks
+    assert recorder.ops
 
 
 def small_model(family: str, impl: str):

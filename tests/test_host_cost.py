@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_kernels as tk
 from transformer_kernels._backend import backend_module
 
+from _helpers import OpRecorder
 from conftest import CUDA
 
 pytestmark = pytest.mark.skipif(CUDA, reason="counts the interpreter's CPU calls with launches stubbed")
@@ -34,20 +34,10 @@ BACKWARD_BUDGET = 6
 _AUTOGRAD_BOOKKEEPING = {"detach"}
 
 
-class _OpRecorder(TorchDispatchMode):
-    """Records the name of every aten op dispatched while active, except our registered ops
-    (what runs inside them is recorded through the backend's functions) and autograd's own
-    bookkeeping."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace != "transformer_kernels" and name not in _AUTOGRAD_BOOKKEEPING:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
+def _recorded(op: torch._ops.OpOverload) -> bool:
+    """Every aten op, except our registered ops (what runs inside them is recorded through the
+    backend's functions) and autograd's own bookkeeping."""
+    return op.namespace != "transformer_kernels" and op.overloadpacket.__name__ not in _AUTOGRAD_BOOKKEEPING
 
 
 @pytest.fixture
@@ -57,7 +47,7 @@ def host_ops(monkeypatch):
     monkeypatch.setattr(triton_common.KernelLaunch, "__call__", lambda self: None)
 
     def count(op: str, call):
-        recorder = _OpRecorder()
+        recorder = OpRecorder(_recorded)
         module = backend_module(op, "triton")
         for name in ("forward", "backward"):
             # A registered op runs with the recorder popped, so the backend re-enters it.

@@ -2,16 +2,19 @@
 state_dict and outputs, cached generation against re-running forward, padding, torch.compile,
 training."""
 
+import collections
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import ForwardSpy, assert_close_to_reference
+from _helpers import ForwardSpy, OpRecorder, assert_close_to_reference
 
 from transformer_kernels.models import RedecodingDecoder, Transformer, generate
 from transformer_kernels.models.transformer import _CachedDecoder
 from transformer_kernels.ops.attention import Causal
+
+
 
 SRC_VOCAB, TGT_VOCAB = 11, 13
 PAD, BOS, EOS = 0, 1, 2
@@ -98,6 +101,21 @@ def test_fused_runs_on_the_ops_with_unexpanded_masks(monkeypatch):
     for args in (attention[0], attention[2]):
         assert torch.equal(args.key_padding_mask, src.eq(PAD))
     assert [op for op, _ in spy.calls].count("qkv") == 4
+
+
+def test_in_projection_gradients_gather_without_zero_filled_copies():
+    """The packed in-projection is used whole (self-attention) or split once into its query and
+    key-value rows (cross-attention), so backward joins the parts' gradients in one op: a slice per
+    part would fill a zero gradient of the whole parameter for each part and add them up, kernels a
+    host-bound GPU step pays for."""
+    model = tiny_model("fused")
+    src, tgt = batch()
+    with OpRecorder() as recorder:
+        logits = model(src, tgt)
+        torch.autograd.grad(logits.sum(), list(model.parameters()))
+    counts = collections.Counter(recorder.ops)
+    assert counts["slice_backward"] == 0
+    assert counts["split_with_sizes"] == 2 * TINY["num_decoder_layers"]  # weight and bias per layer
 
 
 def test_reference_runs_no_fused_op(monkeypatch):

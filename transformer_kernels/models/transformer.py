@@ -275,15 +275,29 @@ class _Attention(MultiheadAttention):
         return ", ".join(filter(None, [f"impl={self.impl!r}", super().extra_repr()]))
 
     def projection(self, which: str) -> tuple[Tensor, Tensor]:
-        """The ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) rows of ``in_proj_weight`` and ``in_proj_bias``."""
+        """The ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) rows of ``in_proj_weight`` and ``in_proj_bias``:
+        the parameters themselves for ``"qkv"`` (a full slice would still cost its backward a copy)."""
+        if which == "qkv":
+            return self.in_proj_weight, self.in_proj_bias
         first, end = _PROJECTIONS[which]
         rows = slice(first * self.embed_dim, end * self.embed_dim)
         return self.in_proj_weight[rows], self.in_proj_bias[rows]
 
-    def project(self, x: Tensor, which: str) -> tuple[Tensor, ...]:
+    def cross_projections(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """The ``"q"`` and ``"kv"`` rows, ``(weight, bias)`` each, from one split of each parameter:
+        backward joins the two parts' gradients in one op, where a slice per part fills a zero
+        gradient of the whole parameter per part, copies it in, and adds the two."""
+        sizes = [self.embed_dim, 2 * self.embed_dim]
+        (query_weight, memory_weight), (query_bias, memory_bias) = (
+            self.in_proj_weight.split(sizes), self.in_proj_bias.split(sizes)
+        )
+        return (query_weight, query_bias), (memory_weight, memory_bias)
+
+    def project(self, x: Tensor, which: str, rows: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, ...]:
         """``x [N, L, E]`` -> the ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) projections, each
-        head-split ``[N, H, L, E / H]``."""
-        weight, bias = self.projection(which)
+        head-split ``[N, H, L, E / H]``; ``rows``: their ``(weight, bias)``, when the caller has them
+        (:meth:`cross_projections`)."""
+        weight, bias = self.projection(which) if rows is None else rows
         if self.impl == "fused":
             return qkv_projection(x, weight, bias, num_heads=self.num_heads, backend=self.backend)
         return reference.qkv_projection(x, weight, bias, self.num_heads)
@@ -450,8 +464,11 @@ class _DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor) -> Tensor:
         q, k, v = self.self_attn.project(x, "qkv")
         x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v, is_causal=True)))
-        memory_key, memory_value = self.multihead_attn.project(memory, "kv")
-        return self._cross_attention_and_feed_forward(x, memory_key, memory_value, memory_key_padding_mask)
+        query_rows, memory_rows = self.multihead_attn.cross_projections()
+        memory_key, memory_value = self.multihead_attn.project(memory, "kv", memory_rows)
+        (q,) = self.multihead_attn.project(x, "q", query_rows)
+        attended = self.multihead_attn.attend(q, memory_key, memory_value, key_padding_mask=memory_key_padding_mask)
+        return self._add_cross_attention_and_feed_forward(x, attended)
 
     def step(
         self, x: Tensor, position: Tensor, cache: _LayerCache, self_padding: Tensor, memory_key_padding_mask: Tensor,
@@ -465,13 +482,6 @@ class _DecoderLayer(nn.Module):
         x = self.norm1(x + self.dropout1(calls.attend(self.self_attn, q, cache.key, cache.value, self_padding)))
         (q,) = calls.project(self.multihead_attn, x, "q")
         attended = calls.attend(self.multihead_attn, q, cache.memory_key, cache.memory_value, memory_key_padding_mask)
-        return self._add_cross_attention_and_feed_forward(x, attended)
-
-    def _cross_attention_and_feed_forward(
-        self, x: Tensor, memory_key: Tensor, memory_value: Tensor, memory_key_padding_mask: Tensor
-    ) -> Tensor:
-        (q,) = self.multihead_attn.project(x, "q")
-        attended = self.multihead_attn.attend(q, memory_key, memory_value, key_padding_mask=memory_key_padding_mask)
         return self._add_cross_attention_and_feed_forward(x, attended)
 
     def _add_cross_attention_and_feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
