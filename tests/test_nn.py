@@ -19,6 +19,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import OpRecorder
 from conftest import CUDA
 
 import transformer_kernels.nn as tknn
@@ -337,6 +338,18 @@ def test_projections_are_packed_by_input_identity(recorded, kind, projections):
     _, ours = module_pair(batch_first=True)
     ours(**make_inputs(kind, True, BATCH), need_weights=False)
     assert recorded.projections == projections
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "distinct"])
+def test_packed_projection_gradients_gather_without_zero_filled_copies(kind):
+    """The packed in_proj_weight's parts come from one split (or the whole parameter), so backward
+    joins their gradients in one op, never a zero gradient of the whole weight per part (a slice's)."""
+    _, ours = module_pair(batch_first=True)
+    inputs = make_inputs(kind, True, BATCH)
+    with OpRecorder() as recorder:
+        out, _ = ours(**inputs, need_weights=False)
+        torch.autograd.grad(out.sum(), list(ours.parameters()))
+    assert "slice_backward" not in recorder.ops
 
 
 def test_bool_key_padding_mask_reaches_attention_unexpanded(recorded):

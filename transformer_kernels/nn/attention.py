@@ -261,9 +261,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if self._qkv_same_embed_dim and self_attention:
             return qkv_projection(query, weight, bias, num_heads=heads, backend=backend)
         if self._qkv_same_embed_dim and shared_key_value:
-            q_bias, kv_bias = (None, None) if bias is None else bias.split([embed_dim, 2 * embed_dim])
-            (q,) = qkv_projection(query, weight[:embed_dim], q_bias, num_heads=heads, backend=backend)
-            k, v = qkv_projection(key, weight[embed_dim:], kv_bias, num_heads=heads, backend=backend)
+            # Split, not sliced: backward joins the two parts' gradients in one op, where a slice per
+            # part fills a zero gradient of the whole weight per part and adds them.
+            sizes = [embed_dim, 2 * embed_dim]
+            q_weight, kv_weight = weight.split(sizes)
+            q_bias, kv_bias = (None, None) if bias is None else bias.split(sizes)
+            (q,) = qkv_projection(query, q_weight, q_bias, num_heads=heads, backend=backend)
+            k, v = qkv_projection(key, kv_weight, kv_bias, num_heads=heads, backend=backend)
             return q, k, v
         projected = []
         for x, (w, b) in zip((query, key, value), self._projection_weights()):
