@@ -61,7 +61,7 @@ def test_replays_draw_new_dropout_masks(backend):
 @pytest.mark.parametrize("family", ["transformer", "convs2s"])
 @pytest.mark.parametrize("backend", backend_params(names=("triton", "cuda")))
 def test_generation_replayed_from_a_graph_gives_the_eager_tokens(monkeypatch, backend, family, beam_size):
-    """``generate`` captures the decoder's second step and replays it for the rest (no fallback warning),
+    """``generate`` captures its second search step and replays it for the rest (no fallback warning),
     with the tokens of eager steps."""
     torch.manual_seed(0)
     if family == "transformer":

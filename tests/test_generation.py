@@ -139,25 +139,28 @@ def state_tensors(state) -> list[torch.Tensor]:
 
 
 class CaptureStandIn:
-    """What ``generate`` replays from a CUDA graph, run eagerly on the CPU and checked for what a
-    capture needs: a step reads no value back, and the state's tensors stay the same ones from the
-    first step on (steps and same-source reorders write into them)."""
+    """What ``generate`` replays from a CUDA graph (its search step), run eagerly on the CPU and
+    checked for what a capture needs: a step reads no value back, and the search's and the decoder
+    state's tensors stay the same ones from the first step on (steps and reorders write into them)."""
 
-    def __init__(self, decoder, device) -> None:
-        self.decoder = decoder
+    def __init__(self, step, device) -> None:
+        self.step, self.search = step, step.__self__
         self.storage: list[int] = []
         self.steps = 0
 
-    def __call__(self, tokens, position, state):
-        storage = [t.data_ptr() for t in state_tensors(state)]
-        assert storage and storage == (self.storage or storage), "the state's tensors were replaced"
+    def tensors(self) -> list[torch.Tensor]:
+        search = self.search
+        return state_tensors([search.state, search.prefixes, search.tokens, search.scores, search.finished])
+
+    def __call__(self, position):
+        storage = [t.data_ptr() for t in self.tensors()]
+        assert storage == (self.storage or storage), "the state's tensors were replaced"
         self.storage = storage
         with OpRecorder(reads_back) as recorder:
-            log_probs = self.decoder.step(tokens, position, state)
+            self.step(position)
         assert recorder.ops == [], f"step {self.steps} read values back: {recorder.ops}"
-        assert [t.data_ptr() for t in state_tensors(state)] == storage, "the step replaced its state's tensors"
+        assert [t.data_ptr() for t in self.tensors()] == storage, "the step replaced its state's tensors"
         self.steps += 1
-        return log_probs
 
 
 def test_readback_recorder_sees_a_readback():
@@ -182,7 +185,7 @@ def test_model_decoders_can_be_captured(monkeypatch, family, impl, beam_size):
     model = small_model(family, impl)
     stand_ins = []
     monkeypatch.setattr(generation, "_captures", lambda decoder, device, cuda_graph: decoder.capturable)
-    monkeypatch.setattr(generation, "_CapturedStep", lambda *a: stand_ins.append(CaptureStandIn(*a)) or stand_ins[-1])
+    monkeypatch.setattr(generation, "_Replayed", lambda *a: stand_ins.append(CaptureStandIn(*a)) or stand_ins[-1])
     src = torch.randint(3, 40, (3, 7))
     src[1, 4:] = PAD
     captured = model.generate(src, max_len=10, bos_index=BOS, eos_index=EOS, beam_size=beam_size)

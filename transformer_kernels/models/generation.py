@@ -9,9 +9,11 @@ the same search and therefore pick exactly the same tokens (up to the rounding o
 log-probabilities).
 
 On a GPU, at the seeds' sizes, a step's kernels take microseconds and its host path (hundreds of
-small ops) sets the pace.  A decoder whose step has static shapes and never reads a value back
-(``capturable = True``) is therefore captured in a CUDA graph at its second step and replayed for
-the rest: a replay launches every kernel of the step at once.
+small ops) sets the pace.  The search keeps its tensors in place and never reads a value back
+within a step, so with a decoder whose step does the same (``capturable = True``) the whole search
+step, the decoder's step and the choice of the next tokens, is captured in a CUDA graph at the
+second position and replayed for the rest: a replay launches every kernel of the step at once, and
+the host only asks, once per step, whether every hypothesis has ended.
 """
 
 from __future__ import annotations
@@ -72,52 +74,99 @@ class _Prefixes:
         self.source, self.prefix = source, prefix
 
 
-class _CapturedStep:
-    """``decoder.step``, run eagerly at the first step and replayed from a CUDA graph after.
+class _Search:
+    """The search's tensors, allocated once and updated in place, and its step: the decoder's step
+    for every hypothesis, then the choice of the next tokens (:func:`generate`'s rules).  A step
+    reads no value back, so that a capturable decoder's whole search step can be replayed from a
+    CUDA graph."""
 
-    The first step runs on a side stream, the one the capture will use, so that what it sets up
+    def __init__(self, decoder: IncrementalDecoder, state: Any, *, batch_size: int, beam_size: int, max_len: int,
+                 bos_index: int, eos_index: int, pad_index: int, device: torch.device) -> None:
+        self.decoder, self.batch_size, self.beam_size = decoder, batch_size, beam_size
+        self.eos_index, self.pad_index = eos_index, pad_index
+        rows = batch_size * beam_size
+        self.state = decoder.reorder(state, torch.arange(batch_size, device=device).repeat_interleave(beam_size))
+        self.prefixes = torch.full((rows, max_len), pad_index, dtype=torch.long, device=device)
+        self.prefixes[:, 0] = bos_index
+        self.tokens = self.prefixes[:, 0].clone()  # each row's token at the step's position
+        # Only beam 0 is alive at the start, so the first top-k does not pick one token per copy.
+        # float64 holds the scores of any search precision exactly.
+        self.scores = torch.full((batch_size, beam_size), float("-inf"), dtype=torch.float64, device=device)
+        self.scores[:, 0] = 0.0
+        self.scores = self.scores.view(rows)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.row_base = torch.arange(batch_size, device=device).repeat_interleave(beam_size) * beam_size
+
+    def step(self, position: Tensor) -> None:
+        """Extend every hypothesis by the token at ``position + 1`` (``position``: 0-dim, on the device)."""
+        log_probs = self.decoder.step(self.tokens, position, self.state)
+        # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
+        log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
+        vocab_size = log_probs.shape[-1]
+        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (Masks,
+        # not boolean indexing, which would read the mask back to the host.)
+        log_probs.masked_fill_(self.finished[:, None], float("-inf"))
+        log_probs.select(1, self.pad_index).masked_fill_(self.finished, 0.0)
+        candidates = (self.scores.to(log_probs.dtype)[:, None] + log_probs).view(self.batch_size, -1)
+        top_scores, top_indices = candidates.topk(self.beam_size, dim=1)
+        tokens = (top_indices % vocab_size).view(-1)
+        self.scores.copy_(top_scores.view(-1))
+        if self.beam_size > 1:  # greedy rows never move: gathering them would copy them unchanged
+            source_rows = self.row_base + (top_indices // vocab_size).view(-1)
+            self.finished.copy_(self.finished[source_rows])
+            self.prefixes.copy_(self.prefixes[source_rows])
+            self.state = self.decoder.reorder(self.state, source_rows, same_sources=True)
+        self.finished.logical_or_(tokens.eq(self.eos_index))
+        self.prefixes.index_copy_(1, (position + 1).view(1), tokens[:, None])
+        self.tokens.copy_(tokens)
+
+    def best(self, length: int) -> Tensor:
+        """``[batch_size, length]``: each source's best hypothesis, its first ``length`` tokens."""
+        best = self.row_base[:: self.beam_size] + self.scores.view(self.batch_size, self.beam_size).argmax(dim=1)
+        return self.prefixes[best, :length]
+
+
+class _Replayed:
+    """``step(position)``, run eagerly at the first position and replayed from a CUDA graph after.
+
+    The first call runs on a side stream, the one the capture will use, so that what it sets up
     lazily (Triton's compilation, cuBLAS's workspace for that stream) exists before the capture.
-    The second step is captured with this object's static token and position tensors as its
-    inputs, then replayed; every later step copies its inputs in and replays.  The log-probabilities
-    returned are the graph's own output tensor, overwritten by the next replay.
+    The second is captured with this object's static position tensor as its input, then replayed;
+    every later call copies its position in and replays.
 
     A step that cannot be captured (one of its ops reads a value back, as the eager backend's
     attention may) raises during the capture, before anything ran: a warning names the error and
     the steps run eagerly from then on."""
 
-    def __init__(self, decoder: IncrementalDecoder, device: torch.device) -> None:
-        self.decoder = decoder
+    def __init__(self, step: Callable[[Tensor], None], device: torch.device) -> None:
+        self.step = step
         self.stream = torch.cuda.Stream(device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.eager = False
-        self.tokens: Optional[Tensor] = None
         self.position: Optional[Tensor] = None
-        self.log_probs: Optional[Tensor] = None
+        self.eager = False
 
-    def __call__(self, tokens: Tensor, position: Tensor, state: Any) -> Tensor:
+    def __call__(self, position: Tensor) -> None:
         if self.eager:
-            return self.decoder.step(tokens, position, state)
-        if self.tokens is None:
-            self.tokens, self.position = tokens.clone(), position.clone()
-            return self._on_side_stream(lambda: self.decoder.step(tokens, position, state))
-        self.tokens.copy_(tokens)
+            return self.step(position)
+        if self.position is None:
+            self.position = position.clone()
+            return self._on_side_stream(self.step, position)
         self.position.copy_(position)
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             try:
-                self.log_probs = self._on_side_stream(self._capture, state)
+                self._on_side_stream(self._capture)
             except RuntimeError as error:
-                warnings.warn(f"generate: the decoder's step could not be captured in a CUDA graph, so every "
+                warnings.warn(f"generate: the search step could not be captured in a CUDA graph, so every "
                               f"step runs eagerly ({error})", RuntimeWarning, stacklevel=3)
                 self.eager, self.graph = True, None
-                return self.decoder.step(tokens, position, state)
+                return self.step(position)
         self.graph.replay()
-        return self.log_probs
 
-    def _capture(self, state: Any) -> Tensor:
+    def _capture(self) -> None:
         self.graph.capture_begin()
         try:
-            log_probs = self.decoder.step(self.tokens, self.position, state)
+            self.step(self.position)
         except BaseException:
             try:
                 self.graph.capture_end()
@@ -125,15 +174,13 @@ class _CapturedStep:
                 pass  # the step's own error is the one to report
             raise
         self.graph.capture_end()
-        return log_probs
 
-    def _on_side_stream(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+    def _on_side_stream(self, fn: Callable[..., None], *args: Any) -> None:
         current = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            out = fn(*args)
+            fn(*args)
         current.wait_stream(self.stream)
-        return out
 
 
 @torch.no_grad()
@@ -164,7 +211,7 @@ def generate(
             ``j`` of row ``b`` at ``b * beam_size + j``, through ``decoder.reorder``.
         max_len: the longest output, ``bos_index`` included (``>= 1``).
         device: where the search's tensors live: the decoder's device.
-        cuda_graph: replay the decoder's steps from a CUDA graph (see the module's docstring).
+        cuda_graph: replay the search's steps from a CUDA graph (see the module's docstring).
             None (the default) does where it can: on a CUDA ``device`` with a ``capturable``
             decoder.  True insists (a ValueError where it cannot); False runs every step eagerly.
 
@@ -177,45 +224,20 @@ def generate(
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     device = torch.device("cpu") if device is None else torch.device(device)
-    step = decoder.step
-    if _captures(decoder, device, cuda_graph):
-        step = _CapturedStep(decoder, device)
-    rows = batch_size * beam_size
-    state = decoder.reorder(state, torch.arange(batch_size, device=device).repeat_interleave(beam_size))
-    prefix = torch.full((rows, 1), bos_index, dtype=torch.long, device=device)
-    positions = torch.arange(max_len, device=device)
-    # Only beam 0 is alive at the start, so the first top-k does not pick one token per copy.
-    scores = torch.full((batch_size, beam_size), float("-inf"), device=device)
-    scores[:, 0] = 0.0
-    scores = scores.view(rows)
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    row_base = torch.arange(batch_size, device=device).repeat_interleave(beam_size) * beam_size
-    for position in positions[:-1]:
-        log_probs = step(prefix[:, -1], position, state)
-        # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
-        log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
-        vocab_size = log_probs.shape[-1]
-        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (Masks,
-        # not boolean indexing, which would read the mask back to the host every step.)
-        log_probs.masked_fill_(finished[:, None], float("-inf"))
-        log_probs.select(1, pad_index).masked_fill_(finished, 0.0)
-        candidates = (scores.to(log_probs.dtype)[:, None] + log_probs).view(batch_size, beam_size * vocab_size)
-        top_scores, top_indices = candidates.topk(beam_size, dim=1)
-        source_rows = row_base + (top_indices // vocab_size).view(rows)
-        tokens = (top_indices % vocab_size).view(rows)
-        scores = top_scores.view(rows)
-        finished = finished[source_rows] | tokens.eq(eos_index)
-        prefix = torch.cat([prefix[source_rows], tokens[:, None]], dim=1)
-        if bool(finished.all()):
+    search = _Search(decoder, state, batch_size=batch_size, beam_size=beam_size, max_len=max_len,
+                     bos_index=bos_index, eos_index=eos_index, pad_index=pad_index, device=device)
+    step = _Replayed(search.step, device) if _captures(decoder, device, cuda_graph) else search.step
+    length = 1
+    for position in torch.arange(max_len - 1, device=device):
+        step(position)
+        length += 1
+        if bool(search.finished.all()):
             break
-        if beam_size > 1:  # greedy rows never move: gathering every cache again would copy it unchanged
-            state = decoder.reorder(state, source_rows, same_sources=True)
-    best = row_base[::beam_size] + scores.view(batch_size, beam_size).argmax(dim=1)
-    return prefix[best]
+    return search.best(length)
 
 
 def _captures(decoder: IncrementalDecoder, device: torch.device, cuda_graph: Optional[bool]) -> bool:
-    """Whether :func:`generate` replays ``decoder``'s steps from a CUDA graph."""
+    """Whether :func:`generate` replays its steps from a CUDA graph."""
     capturable = getattr(decoder, "capturable", False)
     if cuda_graph is None:
         return capturable and device.type == "cuda"
