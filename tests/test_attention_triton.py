@@ -28,6 +28,7 @@ from transformer_kernels.reference.attention import attention as reference_atten
 from transformer_kernels.backends.triton._common import (  # noqa: E402
     KernelConfig, KernelLaunch, LaunchTemplates, run_launches,
 )
+from transformer_kernels.ops._call_plans import CallPlans  # noqa: E402
 from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds  # noqa: E402
 
 from _helpers import assert_close_to_reference, assert_matches_reference, device_for  # noqa: E402
@@ -300,7 +301,6 @@ def fresh_plans(monkeypatch):
     test that swaps a piece of the launchers (other than the tile table, which a prepared call
     checks) needs them, or a prepared forward or backward kept from an earlier test runs without it."""
     from transformer_kernels.ops import attention as attention_op
-    from transformer_kernels.ops._call_plans import CallPlans
 
     monkeypatch.setattr(attention_op, "_PLANS", CallPlans())
     return attention_op._PLANS

@@ -119,7 +119,7 @@ def test_rejects_bad_arguments(kwargs, message):
 
 
 # ----------------------------------------------------------------------------
-# CUDA-graph readiness of the models' decoders, checked on the CPU
+# CUDA-graph readiness of the search steps with the models' decoders, checked on the CPU
 # ----------------------------------------------------------------------------
 
 def reads_back(op: torch._ops.OpOverload) -> bool:
@@ -181,7 +181,7 @@ def small_model(family: str, impl: str):
 @pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 @pytest.mark.parametrize("family", ["transformer", "convs2s"])
-def test_model_decoders_can_be_captured(monkeypatch, family, impl, beam_size):
+def test_search_steps_with_the_models_decoders_can_be_captured(monkeypatch, family, impl, beam_size):
     model = small_model(family, impl)
     stand_ins = []
     monkeypatch.setattr(generation, "_captures", lambda decoder, device, cuda_graph: decoder.capturable)
