@@ -8,7 +8,8 @@ as long at 16 tokens as at 64: a cost that does not grow with the work, which on
 stubbed, benchmarks/host_time.py) the host path does not account for.  For attention, the QKV
 projection and the GLU convolution at the seeds' sizes (bfloat16), ours on the Triton backend and
 torch's counterpart each run a few forward+backward steps under ``torch.profiler``: the wall time
-per step, then the ops by their own CPU time and by their GPU time, so a step's time can be split
+per step, the same step replayed from a CUDA graph (its kernels without the host path between
+them), then the ops by their own CPU time and by their GPU time, so a step's time can be split
 into host work, kernels and waits.
 """
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import transformer_kernels as tk
+from transformer_kernels.bench.graphs import captured
 
 STEPS = 10
 ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -61,10 +63,29 @@ def _cases(device: torch.device, dtype: torch.dtype) -> dict:
     return cases
 
 
-def _step(forward, leaves) -> None:
+def _step(forward, leaves) -> tuple[torch.Tensor, ...]:
     outputs = forward()
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    torch.autograd.grad(outputs, leaves, [torch.ones_like(out) for out in outputs])
+    return torch.autograd.grad(outputs, leaves, [torch.ones_like(out) for out in outputs])
+
+
+def _wall_us(run) -> float:
+    """Microseconds per call of ``run``, over ``STEPS`` calls back to back."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(STEPS):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / STEPS * 1e6
+
+
+def _replayed_us(forward, leaves) -> str:
+    """The step's time replayed from a CUDA graph: its kernels alone."""
+    try:
+        graph, _ = captured(lambda: _step(forward, leaves))
+    except RuntimeError as error:  # a step that syncs cannot be captured: say so, time the rest
+        return f"not capturable ({str(error).splitlines()[0]})"
+    return f"{_wall_us(graph.replay):.0f} us replayed from a CUDA graph"
 
 
 def main() -> None:
@@ -76,18 +97,15 @@ def main() -> None:
         for implementation, forward in implementations.items():
             for _ in range(5):
                 _step(forward, leaves)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(STEPS):
-                _step(forward, leaves)
-            torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - started) / STEPS * 1e6
+            wall_us = _wall_us(lambda: _step(forward, leaves))
+            replayed = _replayed_us(forward, leaves)
             with profile(activities=ACTIVITIES) as prof:
                 for _ in range(STEPS):
                     _step(forward, leaves)
                 torch.cuda.synchronize()
             events = prof.key_averages()
-            lines.append(f"\n=== {name} {implementation}: {wall_us:.0f} us per forward+backward (unprofiled)")
+            lines.append(f"\n=== {name} {implementation}: {wall_us:.0f} us per forward+backward (unprofiled), "
+                         f"{replayed}")
             for sort in ("self_cpu_time_total", "self_device_time_total"):
                 lines.append(events.table(sort_by=sort, row_limit=12, max_name_column_width=60))
     report = "\n".join(lines)
