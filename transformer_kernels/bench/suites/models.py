@@ -13,6 +13,8 @@ Implementations:
   at every step (:class:`~transformer_kernels.models.RedecodingDecoder`), where ``generate`` keeps
   caches (and, on a GPU, replays its steps from a CUDA graph; the first two steps, eager and
   captured, are inside the time).
+- ``eager_steps`` (generation, on a GPU): the fused model's ``generate`` with ``cuda_graph=False``,
+  every step run eagerly: what the graph's replays save.
 
 Cases, on padded batches with source and target lengths uniform in 8-40 (fixed seed):
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -190,12 +192,15 @@ def _logits(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], to
     return forward
 
 
-def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool) -> torch.Tensor:
+def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool,
+              cuda_graph: Optional[bool] = None) -> torch.Tensor:
+    """Greedy decoding of ``src``: cached (``model.generate``, given ``cuda_graph``) or re-running the
+    model on every prefix."""
     model.eval()
     if redecoding:
         return generate(RedecodingDecoder(_logits(model)), src, batch_size=src.shape[0],
                         max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS, pad_index=PAD, device=src.device)
-    return model.generate(src, max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS)
+    return model.generate(src, max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS, cuda_graph=cuda_graph)
 
 
 def _on_backend(backend: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -232,7 +237,8 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
     def greedy_setup(impl: str) -> Impl:
         model = _model_for(impl, case, inputs())
         src = inputs().src
-        return Impl(_on_backend(backend(impl), lambda: _generate(model, src, impl == "redecoding")), [])
+        cuda_graph = False if impl == "eager_steps" else None
+        return Impl(_on_backend(backend(impl), lambda: _generate(model, src, impl == "redecoding", cuda_graph)), [])
 
     def train_error(loss: torch.Tensor) -> float:
         with torch.no_grad():
@@ -254,14 +260,14 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
         weights = sum(p.numel() for name, p in case.build("fused").named_parameters() if "embedding" not in name)
     forward_flops = 2.0 * weights * _real_tokens(case)
     train_impls = [*backends.ours, "reference"] + (["nn_transformer"] if case.model == "transformer" else [])
+    greedy_impls = [*backends.ours, "reference", "redecoding"] + (["eager_steps"] if setting.cuda else [])
     return [
         Group(op=OP, case=_train(case), direction="fwd+bwd",
               setups={impl: functools.partial(train_setup, impl) for impl in train_impls},
               unavailable=backends.unavailable, error=train_error,
               flops=GEMM_DIRECTION_COST["fwd+bwd"] * forward_flops, ours=backends.ours, params={"family": None}),
         Group(op=OP, case=_greedy(case), direction="fwd",
-              setups={impl: functools.partial(greedy_setup, impl)
-                      for impl in [*backends.ours, "reference", "redecoding"]},
+              setups={impl: functools.partial(greedy_setup, impl) for impl in greedy_impls},
               unavailable=backends.unavailable, error=greedy_error, flops=0.0, ours=backends.ours,
               params={"family": None}),
     ]
