@@ -103,8 +103,8 @@ class _Search:
         # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
         log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
         vocab_size = log_probs.shape[-1]
-        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (Masks,
-        # not boolean indexing, which would read the mask back to the host.)
+        # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (In-place
+        # fills: indexing by the mask and a column would read the mask back to the host.)
         log_probs.masked_fill_(self.finished[:, None], float("-inf"))
         log_probs.select(1, self.pad_index).masked_fill_(self.finished, 0.0)
         candidates = (self.scores.to(log_probs.dtype)[:, None] + log_probs).view(self.batch_size, -1)
