@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 import torch
-from _helpers import OpRecorder
+from _helpers import OpRecorder, backend_param, device_for
 
+from transformer_kernels import use_backend
 from transformer_kernels.models import ConvSeq2Seq, Transformer, generate, generation
 
 VOCAB, PAD, BOS, EOS = 7, 0, 1, 2
@@ -172,26 +173,35 @@ def test_readback_recorder_sees_a_readback():
 def small_model(family: str, impl: str):
     torch.manual_seed(0)
     if family == "transformer":
-        return Transformer(40, 40, d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=64,
+        return Transformer(40, 40, d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=64,
                            dropout=0.0, max_len=12, pad_index=PAD, impl=impl)
     return ConvSeq2Seq(40, 40, emb_dim=16, hid_dim=32, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
                        max_len=12, pad_index=PAD, impl=impl)
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize(("backend", "impl"), [
+    pytest.param("eager", "reference", id="reference"), backend_param("eager", "fused", id="fused-eager"),
+    backend_param("triton", "fused", id="fused-triton"),
+])
 @pytest.mark.parametrize("family", ["transformer", "convs2s"])
-def test_search_steps_with_the_models_decoders_can_be_captured(monkeypatch, family, impl, beam_size):
-    model = small_model(family, impl)
+def test_search_steps_with_the_models_decoders_can_be_captured(monkeypatch, family, backend, impl, beam_size):
+    """Every backend a GPU's fused steps may run on: on a CPU Triton runs interpreted, on a GPU for
+    real (still without a capture)."""
+    device = device_for(backend)
+    model = small_model(family, impl).to(device)
     stand_ins = []
     monkeypatch.setattr(generation, "_captures", lambda decoder, device, cuda_graph: decoder.capturable)
     monkeypatch.setattr(generation, "_Replayed", lambda *a: stand_ins.append(CaptureStandIn(*a)) or stand_ins[-1])
-    src = torch.randint(3, 40, (3, 7))
+    # Small: interpreted Triton takes seconds per step.
+    src = torch.randint(3, 40, (2, 7), device=device)
     src[1, 4:] = PAD
-    captured = model.generate(src, max_len=10, bos_index=BOS, eos_index=EOS, beam_size=beam_size)
-    assert len(stand_ins) == 1 and stand_ins[0].steps >= 2
-    monkeypatch.undo()
-    assert torch.equal(captured, model.generate(src, max_len=10, bos_index=BOS, eos_index=EOS, beam_size=beam_size))
+    kwargs = dict(max_len=6, bos_index=BOS, eos_index=EOS, beam_size=beam_size)
+    with use_backend(backend):
+        captured = model.generate(src, **kwargs)
+        assert len(stand_ins) == 1 and stand_ins[0].steps >= 2
+        monkeypatch.undo()
+        assert torch.equal(captured, model.generate(src, cuda_graph=False, **kwargs))
 
 
 def test_cuda_graph_needs_a_cuda_device_and_a_capturable_decoder():
