@@ -9,7 +9,8 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
 * :func:`assert_low_precision_within_2x`: float16/bfloat16 error at most twice PyTorch's own.
 * :class:`GradientSpy`: what a backend's ``backward`` returned, to check that gradients nobody
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
-  :class:`OpRecorder`: the ops that ran, as a dispatch mode sees them.
+  :class:`OpRecorder`: the ops that ran, as a dispatch mode sees them (:func:`reads_back` picks
+  those that read a value back to the host).
 * :func:`glu_choices`: the eager GLU convolution's algorithms the same on every CPU: its fixed rule,
   or timings that find one of them fastest.
 * :func:`script_output`: what a script prints, run with this session's package;
@@ -309,17 +310,31 @@ def _run_unprepared(monkeypatch, op: str, module) -> None:
 
 class OpRecorder(TorchDispatchMode):
     """The names of the ops dispatched while active (``"addmm"``, ``"attention_backward"``: overloads
-    and namespaces dropped), in order, in ``ops``; ``keep(op)`` chooses which ones (every one)."""
+    and namespaces dropped), in order, in ``ops``; ``keep(op)`` chooses which ones (every one).
 
-    def __init__(self, keep: Callable[[torch._ops.OpOverload], bool] = lambda op: True) -> None:
+    A dispatch mode sees one of our registered ops as one op: its implementation runs with the mode
+    popped.  ``descend=True`` runs it with the recorder active instead, so that what the op does
+    inside (the backend's torch ops) is recorded too."""
+
+    def __init__(self, keep: Callable[[torch._ops.OpOverload], bool] = lambda op: True, *,
+                 descend: bool = False) -> None:
         super().__init__()
-        self.keep = keep
+        self.keep, self.descend = keep, descend
         self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.keep(func):
             self.ops.append(func.overloadpacket.__name__)
+        if self.descend and func.namespace == transformer_kernels.ops._library.NAMESPACE:
+            with self:  # the op's one kernel, for every device: calling func again would come back here
+                return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def reads_back(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` reads a tensor's value back to the host (an :class:`OpRecorder` filter): each
+    such op syncs with a GPU, and breaks a CUDA graph's capture."""
+    return op.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "is_nonzero", "item")
 
 
 class ForwardSpy:

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from _helpers import OpRecorder, backend_param, device_for
+from _helpers import OpRecorder, backend_param, device_for, reads_back
 
 from transformer_kernels import use_backend
 from transformer_kernels.models import ConvSeq2Seq, Transformer, generate, generation
@@ -123,11 +123,6 @@ def test_rejects_bad_arguments(kwargs, message):
 # CUDA-graph readiness of the search steps with the models' decoders, checked on the CPU
 # ----------------------------------------------------------------------------
 
-def reads_back(op: torch._ops.OpOverload) -> bool:
-    """Whether ``op`` reads a tensor's value back to the host: each one would break a CUDA graph's capture."""
-    return op.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "is_nonzero", "item")
-
-
 def state_tensors(state) -> list[torch.Tensor]:
     """Every tensor a decoder state holds (dataclasses, named tuples and tuples, walked)."""
     if isinstance(state, torch.Tensor):
@@ -157,7 +152,7 @@ class CaptureStandIn:
         storage = [t.data_ptr() for t in self.tensors()]
         assert storage == (self.storage or storage), "the state's tensors were replaced"
         self.storage = storage
-        with OpRecorder(reads_back) as recorder:
+        with OpRecorder(reads_back, descend=True) as recorder:
             self.step(position)
         assert recorder.ops == [], f"step {self.steps} read values back: {recorder.ops}"
         assert [t.data_ptr() for t in self.tensors()] == storage, "the step replaced its state's tensors"
@@ -181,13 +176,13 @@ def small_model(family: str, impl: str):
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize(("backend", "impl"), [
-    pytest.param("eager", "reference", id="reference"), backend_param("eager", "fused", id="fused-eager"),
-    backend_param("triton", "fused", id="fused-triton"),
+    pytest.param("eager", "reference", id="reference"), backend_param("triton", "fused", id="fused-triton"),
 ])
 @pytest.mark.parametrize("family", ["transformer", "convs2s"])
 def test_search_steps_with_the_models_decoders_can_be_captured(monkeypatch, family, backend, impl, beam_size):
-    """Every backend a GPU's fused steps may run on: on a CPU Triton runs interpreted, on a GPU for
-    real (still without a capture)."""
+    """The reference math, and the fused ops on the backend a GPU runs them on: on a CPU Triton
+    runs interpreted, on a GPU for real (still without a capture).  The eager backend is left out:
+    on a CPU it reads a padding mask back where that saves work (``_every_row_sees_a_key``)."""
     device = device_for(backend)
     model = small_model(family, impl).to(device)
     stand_ins = []
