@@ -70,7 +70,7 @@ def test_generation_replayed_from_a_graph_gives_the_eager_tokens(monkeypatch, ba
     else:
         model = ConvSeq2Seq(64, 64, emb_dim=32, hid_dim=64, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
                             max_len=16, pad_index=0)
-    model = model.cuda().eval()
+    model = model.cuda().half().eval()  # float16: what both backends serve
     src = torch.randint(3, 64, (5, 9), device="cuda")
     src[2, 5:] = 0
     replays = []
