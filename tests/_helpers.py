@@ -11,6 +11,7 @@ the low-precision rule, and spies on the backends' ``forward`` and ``backward``.
   asked for come back empty.  :class:`ForwardSpy`: which backends' ``forward`` ran.
   :class:`OpRecorder`: the ops that ran, as a dispatch mode sees them (:func:`reads_back` picks
   those that read a value back to the host).
+* :func:`small_seed_model`: a small seed model of either family.
 * :func:`glu_choices`: the eager GLU convolution's algorithms the same on every CPU: its fixed rule,
   or timings that find one of them fastest.
 * :func:`script_output`: what a script prints, run with this session's package;
@@ -329,6 +330,18 @@ class OpRecorder(TorchDispatchMode):
             with self:  # the op's one kernel, for every device: calling func again would come back here
                 return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def small_seed_model(family: str, impl: str = "fused", **overrides) -> torch.nn.Module:
+    """A small ``"transformer"`` or ``"convs2s"`` seed model (vocabularies of 40, pad index 0, no
+    dropout unless ``overrides`` say), seeded: the same weights on every call."""
+    from transformer_kernels.models import ConvSeq2Seq, Transformer
+
+    torch.manual_seed(0)
+    common = dict(num_encoder_layers=1, num_decoder_layers=2, dropout=0.0, max_len=12, pad_index=0, impl=impl)
+    if family == "transformer":
+        return Transformer(40, 40, **(common | dict(d_model=32, nhead=2, dim_feedforward=64) | overrides))
+    return ConvSeq2Seq(40, 40, **(common | dict(emb_dim=16, hid_dim=32) | overrides))
 
 
 def reads_back(op: torch._ops.OpOverload) -> bool:

@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-from _helpers import OpRecorder, backend_param, device_for, reads_back
+from _helpers import OpRecorder, backend_param, device_for, reads_back, small_seed_model
 
 from transformer_kernels import use_backend
-from transformer_kernels.models import ConvSeq2Seq, Transformer, generate, generation
+from transformer_kernels.models import generate, generation
 
 VOCAB, PAD, BOS, EOS = 7, 0, 1, 2
 
@@ -165,15 +165,6 @@ def test_readback_recorder_sees_a_readback():
     assert recorder.ops
 
 
-def small_model(family: str, impl: str):
-    torch.manual_seed(0)
-    if family == "transformer":
-        return Transformer(40, 40, d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=64,
-                           dropout=0.0, max_len=12, pad_index=PAD, impl=impl)
-    return ConvSeq2Seq(40, 40, emb_dim=16, hid_dim=32, num_encoder_layers=1, num_decoder_layers=2, dropout=0.0,
-                       max_len=12, pad_index=PAD, impl=impl)
-
-
 @pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize(("backend", "impl"), [
     pytest.param("eager", "reference", id="reference"), backend_param("triton", "fused", id="fused-triton"),
@@ -184,7 +175,7 @@ def test_search_steps_with_the_models_decoders_can_be_captured(monkeypatch, fami
     runs interpreted, on a GPU for real (still without a capture).  The eager backend is left out:
     on a CPU it reads a padding mask back where that saves work (``_every_row_sees_a_key``)."""
     device = device_for(backend)
-    model = small_model(family, impl).to(device)
+    model = small_seed_model(family, impl).to(device)
     stand_ins = []
     monkeypatch.setattr(generation, "_captures", lambda decoder, device, cuda_graph: decoder.capturable)
     monkeypatch.setattr(generation, "_Replayed", lambda *a: stand_ins.append(CaptureStandIn(*a)) or stand_ins[-1])
@@ -204,5 +195,5 @@ def test_cuda_graph_needs_a_cuda_device_and_a_capturable_decoder():
     with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device.*the device is cpu"):
         generate(MarkovDecoder(1, 3, seed=0), torch.arange(1), **kwargs)
     with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
-        small_model("convs2s", "fused").generate(torch.randint(3, 40, (1, 4)), max_len=3, bos_index=BOS,
+        small_seed_model("convs2s", "fused").generate(torch.randint(3, 40, (1, 4)), max_len=3, bos_index=BOS,
                                                   eos_index=EOS, cuda_graph=True)

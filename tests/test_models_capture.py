@@ -9,28 +9,18 @@ registered ops, so what their backends run is checked too.  (Generation's steps:
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import OpRecorder, backend_params, device_for, reads_back
+from _helpers import OpRecorder, backend_params, device_for, reads_back, small_seed_model
 
 from transformer_kernels import use_backend
-from transformer_kernels.models import ConvSeq2Seq, Transformer
 
 PAD = 0
-
-
-def small_model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "transformer":
-        return Transformer(40, 40, d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
-                           dim_feedforward=32, dropout=0.1, max_len=12, pad_index=PAD)
-    return ConvSeq2Seq(40, 40, emb_dim=16, hid_dim=32, num_encoder_layers=1, num_decoder_layers=1, dropout=0.1,
-                       max_len=12, pad_index=PAD)
 
 
 @pytest.mark.parametrize("backend", backend_params(names=("triton",)))
 @pytest.mark.parametrize("family", ["transformer", "convs2s"])
 def test_training_step_reads_nothing_back(family, backend):
     device = device_for(backend)
-    model = small_model(family).to(device).train()
+    model = small_seed_model(family, num_decoder_layers=1, dropout=0.1).to(device).train()
     src = torch.randint(3, 40, (2, 7), device=device)
     tgt = torch.randint(3, 40, (2, 6), device=device)
     src[1, 4:] = PAD

@@ -30,8 +30,8 @@ __all__ = ["Transformer"]
 
 _IMPLS = ("fused", "reference")
 
-# Row blocks of in_proj_weight (q | k | v, each E rows): (first block, end block).
-_PROJECTIONS = {"qkv": (0, 3), "q": (0, 1), "kv": (1, 3)}
+# Row blocks of in_proj_weight (q | k | v, each E rows) of a part: (first block, end block).
+_PROJECTIONS = {"q": (0, 1), "kv": (1, 3)}
 
 
 class Transformer(nn.Module):
@@ -283,20 +283,10 @@ class _Attention(MultiheadAttention):
         rows = slice(first * self.embed_dim, end * self.embed_dim)
         return self.in_proj_weight[rows], self.in_proj_bias[rows]
 
-    def cross_projections(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """The ``"q"`` and ``"kv"`` rows, ``(weight, bias)`` each, from one split of each parameter:
-        backward joins the two parts' gradients in one op, where a slice per part fills a zero
-        gradient of the whole parameter per part, copies it in, and adds the two."""
-        sizes = [self.embed_dim, 2 * self.embed_dim]
-        (query_weight, memory_weight), (query_bias, memory_bias) = (
-            self.in_proj_weight.split(sizes), self.in_proj_bias.split(sizes)
-        )
-        return (query_weight, query_bias), (memory_weight, memory_bias)
-
     def project(self, x: Tensor, which: str, rows: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, ...]:
         """``x [N, L, E]`` -> the ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) projections, each
         head-split ``[N, H, L, E / H]``; ``rows``: their ``(weight, bias)``, when the caller has them
-        (:meth:`cross_projections`)."""
+        (``_query_and_key_value_rows``)."""
         weight, bias = self.projection(which) if rows is None else rows
         if self.impl == "fused":
             return qkv_projection(x, weight, bias, num_heads=self.num_heads, backend=self.backend)
@@ -429,18 +419,20 @@ class _DecoderState:
     memory_key_padding_mask: Tensor  # bool [N, S], True = source padding, contiguous
     layers: tuple[_LayerCache, ...]
     calls: _StepCalls
-    key_positions: Tensor  # [max_len], 0, 1, ...: the positions of the self-attention caches
+    key_positions: Tensor  # [N, max_len], each row 0, 1, ...: the positions of the self-attention caches
 
     def index(self, indices: Tensor, same_sources: bool) -> "_DecoderState":
         """The state of hypotheses ``indices`` (LongTensor ``[N']``), in that order."""
-        mask = self.memory_key_padding_mask if same_sources else self.memory_key_padding_mask[indices]
+        if same_sources:
+            mask, positions = self.memory_key_padding_mask, self.key_positions
+        else:
+            mask, positions = self.memory_key_padding_mask[indices], self.key_positions[indices]
         layers = tuple(c.index(indices, same_sources) for c in self.layers)
-        return _DecoderState(mask, layers, self.calls, self.key_positions)
+        return _DecoderState(mask, layers, self.calls, positions)
 
     def self_attention_padding(self, position: Tensor) -> Tensor:
-        """bool ``[N, max_len]``: the cache positions after ``position``, not decoded yet."""
-        rows = self.memory_key_padding_mask.shape[0]
-        return self.key_positions.gt(position).expand(rows, -1).contiguous()
+        """bool ``[N, max_len]``, contiguous: the cache positions after ``position``, not decoded yet."""
+        return self.key_positions.gt(position)
 
 
 class _DecoderLayer(nn.Module):
@@ -464,7 +456,7 @@ class _DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, memory_key_padding_mask: Tensor) -> Tensor:
         q, k, v = self.self_attn.project(x, "qkv")
         x = self.norm1(x + self.dropout1(self.self_attn.attend(q, k, v, is_causal=True)))
-        query_rows, memory_rows = self.multihead_attn.cross_projections()
+        query_rows, memory_rows = self.multihead_attn._query_and_key_value_rows()
         memory_key, memory_value = self.multihead_attn.project(memory, "kv", memory_rows)
         (q,) = self.multihead_attn.project(x, "q", query_rows)
         attended = self.multihead_attn.attend(q, memory_key, memory_value, key_padding_mask=memory_key_padding_mask)
@@ -530,7 +522,7 @@ class _Decoder(nn.Module):
             caches.append(_LayerCache(key, value, memory_key, memory_value))
         fused = self.layers[0].self_attn.impl == "fused"
         direct = fused and not torch.is_autocast_enabled(memory.device.type)
-        key_positions = torch.arange(max_len, device=memory.device)
+        key_positions = torch.arange(max_len, device=memory.device).repeat(memory.shape[0], 1)
         return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct), key_positions)
 
     def step(self, x: Tensor, position: Tensor, state: _DecoderState) -> Tensor:

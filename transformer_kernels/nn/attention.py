@@ -250,22 +250,26 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         biases = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
         return tuple(zip(weights, biases))
 
+    def _query_and_key_value_rows(self) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor]]]:
+        """``(weight, bias)`` of the query projection and of the key-value pair, from one split of the
+        packed ``in_proj_weight`` and ``in_proj_bias``: backward joins the parts' gradients in one op,
+        where a slice per part fills a zero gradient of the whole parameter per part and adds them."""
+        sizes = [self.embed_dim, 2 * self.embed_dim]
+        q_weight, kv_weight = self.in_proj_weight.split(sizes)
+        q_bias, kv_bias = (None, None) if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
+        return (q_weight, q_bias), (kv_weight, kv_bias)
+
     def _project_fused(
         self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool, shared_key_value: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``q [N, H, L, Dh]``, ``k`` and ``v`` ``[N, H, S, Dh]`` from ``[N, L|S, *]`` inputs with the
         fewest :func:`qkv_projection` calls the weights and the inputs' identities allow (torch's
         ``_in_projection_packed`` packs the same way)."""
-        heads, embed_dim, backend = self.num_heads, self.embed_dim, self.backend
-        weight, bias = self.in_proj_weight, self.in_proj_bias
+        heads, backend = self.num_heads, self.backend
         if self._qkv_same_embed_dim and self_attention:
-            return qkv_projection(query, weight, bias, num_heads=heads, backend=backend)
+            return qkv_projection(query, self.in_proj_weight, self.in_proj_bias, num_heads=heads, backend=backend)
         if self._qkv_same_embed_dim and shared_key_value:
-            # Split, not sliced: backward joins the two parts' gradients in one op, where a slice per
-            # part fills a zero gradient of the whole weight per part and adds them.
-            sizes = [embed_dim, 2 * embed_dim]
-            q_weight, kv_weight = weight.split(sizes)
-            q_bias, kv_bias = (None, None) if bias is None else bias.split(sizes)
+            (q_weight, q_bias), (kv_weight, kv_bias) = self._query_and_key_value_rows()
             (q,) = qkv_projection(query, q_weight, q_bias, num_heads=heads, backend=backend)
             k, v = qkv_projection(key, kv_weight, kv_bias, num_heads=heads, backend=backend)
             return q, k, v

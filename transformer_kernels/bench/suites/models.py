@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ... import use_backend
 from ...models import ConvSeq2Seq, RedecodingDecoder, Transformer, generate
+from ...train import logits_of
 from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for
 
 OP = "models"
@@ -176,20 +177,9 @@ def _model_for(impl: str, case: ModelCase, inputs: Inputs) -> torch.nn.Module:
 
 
 def _loss(model: torch.nn.Module, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    output = model(src, tgt[:, :-1])
-    logits = output[0] if isinstance(output, tuple) else output
+    logits = logits_of(model, src, tgt[:, :-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=PAD)
-
-
-def _logits(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``model``'s forward as ``(src, tgt) -> logits`` (ConvSeq2Seq returns its attention too)."""
-
-    def forward(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        output = model(src, tgt)
-        return output[0] if isinstance(output, tuple) else output
-
-    return forward
 
 
 def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool,
@@ -198,7 +188,7 @@ def _generate(model: torch.nn.Module, src: torch.Tensor, redecoding: bool,
     model on every prefix."""
     model.eval()
     if redecoding:
-        return generate(RedecodingDecoder(_logits(model)), src, batch_size=src.shape[0],
+        return generate(RedecodingDecoder(functools.partial(logits_of, model)), src, batch_size=src.shape[0],
                         max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS, pad_index=PAD, device=src.device)
     return model.generate(src, max_len=GENERATED_TOKENS + 1, bos_index=BOS, eos_index=EOS, cuda_graph=cuda_graph)
 
