@@ -21,6 +21,38 @@ def test_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
     assert onednn.speedup() == speedup
 
 
+
+@requires_onednn
+@pytest.mark.parametrize("fails", [False, True])
+def test_speedup_is_timed_on_one_thread_and_the_thread_count_restored(monkeypatch, fails):
+    """The engines are timed on one thread (a busy machine deschedules threads that share its cores,
+    and the ratio swung from 1.5 to 5 there), whatever torch's thread count; the count is restored
+    afterwards, also when the timing raises."""
+    from transformer_kernels.backends.eager import _tuning
+
+    threads_seen = []
+
+    def best_times(runs):
+        threads_seen.append(torch.get_num_threads())
+        if fails:
+            raise RuntimeError("timing failed")
+        return {"onednn": 1.0, "blas": 2.0}
+
+    monkeypatch.setattr(onednn, "_speedup", None)
+    monkeypatch.setattr(_tuning, "best_times", best_times)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="timing failed"):
+                onednn.speedup()
+        else:
+            assert onednn.speedup() == 2.0
+        assert threads_seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+
 def test_deterministic_algorithms_take_the_blas_paths_without_timing(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) no timing picks an algorithm: the speed-up is
     0 (the BLAS paths), whatever was measured, and nothing is measured; off again, the measured
