@@ -21,7 +21,6 @@ def test_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
     assert onednn.speedup() == speedup
 
 
-
 @requires_onednn
 @pytest.mark.parametrize("fails", [False, True])
 def test_speedup_is_timed_on_one_thread_and_the_thread_count_restored(monkeypatch, fails):
@@ -52,6 +51,7 @@ def test_speedup_is_timed_on_one_thread_and_the_thread_count_restored(monkeypatc
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
 
 def test_deterministic_algorithms_take_the_blas_paths_without_timing(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) no timing picks an algorithm: the speed-up is

@@ -54,10 +54,11 @@ def speedup() -> float:
     per process on one thread (the best of five interleaved runs of a [512, 512] x [512, 1024]
     product each, tens of milliseconds), outside any tracing or dispatch mode; 0 without oneDNN.
 
-    One thread, whatever torch's thread count: the ratio is the engines' kernels on one core (AVX2
-    against AVX-512 on AMD CPUs), which a busy machine leaves alone, where threads that share
-    cores with another process are descheduled at random.  On the CI's 2-core AMD EPYC with one
-    core kept busy by another process, three measurements on two threads gave 1.54, 4.91 and
+    One thread, whatever torch's thread count: the ratio is that of the engines' kernels on one
+    core (AVX2 against AVX-512 on AMD CPUs), which another job on the machine leaves as it is,
+    where threads that share their cores with that job are descheduled at random and the ratio
+    with them.  On the CI's 2-core AMD EPYC with one core kept busy by another process, three
+    measurements on two threads gave 1.54, 4.91 and
     4.97 (2.17-2.21 idle), on one thread 2.10-2.14 (2.18-2.23 idle); benchmark reports run beside
     another job had recorded 1.08 and 1.25, and their eager QKV projection ran on the BLAS at
     half the speed.
