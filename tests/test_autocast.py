@@ -12,7 +12,7 @@ from _helpers import backend_params, device_for
 
 import transformer_kernels as tk
 from transformer_kernels.models import ConvSeq2Seq, Transformer
-from transformer_kernels.train import parse_args, train
+from transformer_kernels.train import logits_of, parse_args, train
 
 
 def _attention(q, k, v, mask, backend):
@@ -105,8 +105,7 @@ def test_fused_models_match_the_reference_under_autocast(model_class):
         torch.manual_seed(0)
         model = model_class(30, 30, pad_index=1, dropout=0.0, impl=impl, **sizes)
         with torch.autocast("cpu"):
-            out = model(src, tgt)
-        logits = out[0] if isinstance(out, tuple) else out
+            logits = logits_of(model, src, tgt)
         assert logits.dtype == torch.bfloat16
         logits.float().square().mean().backward()
         outputs.append((logits.float(), [p.grad for p in model.parameters()]))

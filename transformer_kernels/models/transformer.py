@@ -30,10 +30,6 @@ __all__ = ["Transformer"]
 
 _IMPLS = ("fused", "reference")
 
-# Row blocks of in_proj_weight (q | k | v, each E rows) of a part: (first block, end block).
-_PROJECTIONS = {"q": (0, 1), "kv": (1, 3)}
-
-
 class Transformer(nn.Module):
     r"""The seeds' encoder-decoder Transformer (Vaswani et al., 2017), on
     :func:`transformer_kernels.qkv_projection` and
@@ -276,12 +272,12 @@ class _Attention(MultiheadAttention):
 
     def projection(self, which: str) -> tuple[Tensor, Tensor]:
         """The ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) rows of ``in_proj_weight`` and ``in_proj_bias``:
-        the parameters themselves for ``"qkv"`` (a full slice would still cost its backward a copy)."""
+        the parameters themselves for ``"qkv"`` (a full slice would still cost its backward a copy),
+        else their part of one split (``_query_and_key_value_rows``)."""
         if which == "qkv":
             return self.in_proj_weight, self.in_proj_bias
-        first, end = _PROJECTIONS[which]
-        rows = slice(first * self.embed_dim, end * self.embed_dim)
-        return self.in_proj_weight[rows], self.in_proj_bias[rows]
+        query_rows, key_value_rows = self._query_and_key_value_rows()
+        return query_rows if which == "q" else key_value_rows
 
     def project(self, x: Tensor, which: str, rows: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, ...]:
         """``x [N, L, E]`` -> the ``which`` (``"qkv"``, ``"q"`` or ``"kv"``) projections, each
