@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> qkv_grad_weight(const std::vector<at::Tensor>
   at::Tensor grad_bias = with_bias ? at::empty({weight.size(0)}, weight.options()) : at::empty({0}, weight.options());
   const void* grad_ptrs[3];
   head_pointers(grads, grad_ptrs);
-  if (p.batch * p.heads.seq_len == 0) {  // no tokens: the sums are empty
+  if (p.batch * p.heads.seq_len.divisor == 0) {  // no tokens: the sums are empty
     grad_weight.zero_();
     grad_bias.zero_();
     return {grad_weight, grad_bias};

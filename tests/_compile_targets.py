@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -32,11 +31,11 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+import _sass  # noqa: E402
 from transformer_kernels.backends.triton import _split_sum, attention, glu_conv, qkv  # noqa: E402
 from transformer_kernels.backends.triton._common import compile_source  # noqa: E402
 
 MODULES = {"attention": attention, "qkv": qkv, "glu_conv": glu_conv, "split_sum": _split_sum}
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def _targets(module_names):
@@ -52,7 +51,7 @@ def _cuobjdump(cubin: bytes, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([CUOBJDUMP, option, f.name], capture_output=True, text=True, check=True).stdout
+        return _sass.cuobjdump(f.name, option)
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -244,30 +243,9 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
     }
 
 
-# SASS (cuobjdump -sass): `/*01a0*/  @!P0 FFMA R1, R2, R3, R4 ;`.  A branch back to an earlier
-# address closes a loop.
-_SASS_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
-_SASS_BRANCH_TARGET = re.compile(r"\bBRA\b[^;]*?\b0x([0-9a-f]+)")
-# Shorter "loops" are the trap at a kernel's end, which branches to itself.
-_MIN_LOOP_INSTRUCTIONS = 8
-
-
 def main_loops(sass: str) -> list[int]:
-    """The instruction count of each loop of ``sass``, in order of their branches back (an outer
-    loop counts the inner ones it holds, and both branches of a condition)."""
-    addresses, loops = [], []
-    for line in sass.splitlines():
-        instruction = _SASS_INSTRUCTION.match(line)
-        if not instruction:
-            continue
-        address = int(instruction.group(1), 16)
-        addresses.append(address)
-        branch = _SASS_BRANCH_TARGET.search(line) if instruction.group(2) == "BRA" else None
-        if branch and int(branch.group(1), 16) <= address:
-            length = len(addresses) - addresses.index(int(branch.group(1), 16))
-            if length >= _MIN_LOOP_INSTRUCTIONS:
-                loops.append(length)
-    return loops
+    """The instruction count of each loop of ``sass`` (:func:`_sass.loops`)."""
+    return [loop.length for loop in _sass.loops(sass)]
 
 
 def compile_one(module_names, case_id: str, loops: bool = False) -> dict:

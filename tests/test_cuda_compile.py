@@ -7,7 +7,8 @@
   ptxas ``-v`` reports each
   kernel's registers, spills and shared memory: a spill or a stack frame fails the test, and the
   report is kept under ``build/ptxas/``.  The PTX of the same compilation shows what the GEMM
-  kernels are made of: mma.sync m16n8k16, ldmatrix and cp.async.
+  kernels are made of: mma.sync m16n8k16, ldmatrix and cp.async; and their SASS that no integer
+  division is left in a GEMM's main loop (``GEMM_KERNEL_SOURCES``).
 * ``csrc/bindings.cpp`` compiles against torch's headers.  A CPU wheel ships ``c10/cuda`` without the
   generated ``c10/cuda/impl/cuda_cmake_macros.h``; a one-line stand-in takes its place.
 
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sysconfig
 
+import _sass
 import pytest
 from _helpers import cuda_include_dir
 
@@ -48,6 +50,11 @@ GEMM_SOURCES = (
     "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/attention/attention_fwd_fp16.cu",
     "csrc/attention/attention_bwd_fp16.cu",
 )
+# The sources of gemm_sm80.cuh's GEMM kernels, whose main loops (the loops holding their HMMAs) address
+# their chunks from lines made before the loop (index.h) and divide by FastDivisor: no integer
+# division (I2F, MUFU.RCP and corrections, about 20 instructions) is left in them.  Before, the QKV
+# GEMMs' loops held 2 to 8 a K slice, the GLU's 4.
+GEMM_KERNEL_SOURCES = ("csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu")
 SOURCES = [source for source in BUILD_CONFIG["KERNEL_SOURCES"] if ALL_DTYPES or not source.endswith("_bf16.cu")]
 
 
@@ -107,6 +114,13 @@ def test_kernel_source_compiles_without_spills(source, arch, tmp_path):
         ptx = "\n".join(path.read_text() for path in tmp_path.glob("*.ptx"))
         for instruction in GEMM_INSTRUCTIONS:
             assert instruction in ptx, f"{source} sm_{arch}: no {instruction} in the PTX"
+    if source in GEMM_KERNEL_SOURCES and os.path.exists(_sass.CUOBJDUMP):
+        for name, function in _sass.functions(_sass.cuobjdump(str(tmp_path / "out"))).items():
+            main_loops = [loop for loop in _sass.loops(function) if loop.opcodes["HMMA"]]
+            assert main_loops, f"{name}: no loop holds an HMMA"
+            for loop in main_loops:
+                divisions = loop.opcodes["I2F"] + loop.opcodes["MUFU"]
+                assert divisions == 0, f"{name} sm_{arch}: an integer division in its main loop: {loop.opcodes}"
 
 
 def test_bindings_compile_against_torch_headers(tmp_path):

@@ -5,6 +5,7 @@ No GPU and no nvcc needed: the header compiles with the host C++ compiler.
 """
 
 import pathlib
+import random
 import shutil
 import subprocess
 
@@ -62,6 +63,23 @@ def test_grouped_tile_order_visits_every_tile_once_group_by_group(index_h, tiles
     # Inside a group, consecutive tiles walk down a column of tiles first.
     if count > 1:
         assert tiles[1] == ((1, 0) if tiles_m > 1 else (0, 1))
+
+
+def test_fast_divisor_divides_exactly_over_the_int_range(index_h):
+    """``FastDivisor`` (a multiply-high and a shift) against ``//`` for divisors of every magnitude,
+    powers of two and their neighbours among them, and numerators up to ``2^31 - 1``, where the
+    rounding of its magic number is tightest."""
+    generator = random.Random(0)
+    divisors = sorted({1, 2, 3, 5, 7, 8, 16, 40, 64, 96, 384, 512, 1536, 2 ** 30, 2 ** 31 - 1}
+                      | {2 ** e + delta for e in range(1, 31) for delta in (-1, 1)}
+                      | {generator.randrange(1, 2 ** 31) for _ in range(40)})
+    queries = []
+    for divisor in divisors:
+        numerators = {0, 1, divisor - 1, divisor, divisor + 1, 2 ** 31 - 1, 2 ** 31 - 2}
+        numerators |= {q * divisor - 1 for q in (2, 3, 1000)} | {generator.randrange(0, 2 ** 31) for _ in range(20)}
+        queries += [("fast_divisor", divisor, n) for n in sorted(numerators) if 0 <= n < 2 ** 31]
+    got = index_h(queries)
+    assert [q for (q,) in got] == [n // divisor for _, divisor, n in queries]
 
 
 @pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, num_proj",

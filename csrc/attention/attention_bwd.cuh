@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
   // cp.async groups in flight at the top of block n's step: K(n) (with Q and dO at the first), then
   // V(n).
   if (blocks.begin < blocks.end) {
-    load_stage<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
-    load_stage<Major::K, BM, D, kThreads>(do_rows, sdO, 0, 0, tid);
-    load_stage<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
+    load_tile<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
+    load_tile<Major::K, BM, D, kThreads>(do_rows, sdO, 0, 0, tid);
+    load_tile<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
     cp_async_fence();
-    load_stage<Major::K, BN, D, kThreads>(v_rows, sV, (blocks.end - 1) * BN, 0, tid);
+    load_tile<Major::K, BN, D, kThreads>(v_rows, sV, (blocks.end - 1) * BN, 0, tid);
     cp_async_fence();
   }
   int stage = 0;
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
     cp_async_wait<1>();
     __syncthreads();  // K(n) has landed; every thread is done with K(n + 1), in the other buffer
     if (more) {
-      load_stage<Major::K, BN, D, kThreads>(k_rows, sK_at(stage ^ 1), key_start - BN, 0, tid);
+      load_tile<Major::K, BN, D, kThreads>(k_rows, sK_at(stage ^ 1), key_start - BN, 0, tid);
       cp_async_fence();
     }
     clear(acc_s);
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
     gemm_smem(mma, acc_dp, rdO, sdO, a_copy, rV, sV, b_copy, tid);
     __syncthreads();  // every thread is done with V(n)
     if (more) {
-      load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
+      load_tile<Major::K, BN, D, kThreads>(v_rows, sV, key_start - BN, 0, tid);
       cp_async_fence();
     }
 
@@ -264,14 +264,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // each query head of the GQA group in order.
     const int q_first = rows.row_begin / BQ * BQ;
     auto load_queries = [&](int head, int q_start, int stage) {
-      load_stage<Major::K, BQ, D, kThreads>(
+      load_tile<Major::K, BQ, D, kThreads>(
           HeadRows<T>::of(p.q, p.q_stride, batch, head, q_start, p.seq_len_q, p.head_dim), sQ_at(stage), 0, 0, tid);
-      load_stage<Major::K, BQ, D, kThreads>(
+      load_tile<Major::K, BQ, D, kThreads>(
           HeadRows<T>::of(bp.grad_out, bp.grad_out_stride, batch, head, q_start, p.seq_len_q, p.head_dim_v),
           sdO_at(stage), 0, 0, tid);
     };
-    load_stage<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
-    if constexpr (kKey) load_stage<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);  // for dP^T
+    load_tile<Major::K, BK, D, kThreads>(k_rows, sK, key_start, 0, tid);
+    if constexpr (kKey) load_tile<Major::K, BK, D, kThreads>(v_rows, sV, key_start, 0, tid);  // for dP^T
     const int end_head = (kv_head + 1) * group;
     QueryStep step{kv_head * group, q_first};
     int stage = 0;

@@ -65,15 +65,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
   if (p.dropout_seed != nullptr) dropout = dropout_key(p.dropout_seed[0], p.dropout_seed[1]);
 
   if (blocks.begin < blocks.end) {
-    load_stage<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
-    load_stage<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
+    load_tile<Major::K, BM, D, kThreads>(q_rows, sQ, 0, 0, tid);
+    load_tile<Major::K, BN, D, kThreads>(k_rows, sK, (blocks.end - 1) * BN, 0, tid);
     cp_async_fence();
   }
   for (int n_block = blocks.end - 1; n_block >= blocks.begin; --n_block) {
     const int key_start = n_block * BN;
     cp_async_wait<0>();
     __syncthreads();  // K(n) has landed; every thread is done with V(n + 1)
-    load_stage<Major::K, BN, D, kThreads>(v_rows, sV, key_start, 0, tid);
+    load_tile<Major::K, BN, D, kThreads>(v_rows, sV, key_start, 0, tid);
     cp_async_fence();
 
     clear(acc_s);
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
     cp_async_wait<0>();
     __syncthreads();  // V(n) has landed; every thread is done with K(n)
     if (n_block > blocks.begin) {
-      load_stage<Major::K, BN, D, kThreads>(k_rows, sK, key_start - BN, 0, tid);
+      load_tile<Major::K, BN, D, kThreads>(k_rows, sK, key_start - BN, 0, tid);
       cp_async_fence();
     }
     gemm_registers_smem(mma, acc_o, tOrP, tOrVt, sVt, s2r_v_copy, tid);

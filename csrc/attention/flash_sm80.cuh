@@ -157,10 +157,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // Rows [row0, row0 + ROWS) of one head of a [B, H, L, X] tensor as 16-byte chunks for
-// gemm_sm80.cuh's load_stage: rows past `rows` and columns past `cols` are zero-filled.
+// gemm_sm80.cuh's load_tile: rows past `rows` and columns past `cols` are zero-filled.
 template <class T>
 struct HeadRows {
   static constexpr Major kMajor = Major::K;
+  using Line = ContiguousLine<T>;
   const T* base;
   int64_t stride_l;
   int rows, cols;
@@ -173,9 +174,9 @@ struct HeadRows {
                     seq_len - row_start, cols};
   }
 
-  __device__ __forceinline__ const T* chunk(int row, int col, bool& valid) const {
-    valid = row < rows && col < cols;
-    return valid ? base + row * stride_l + col : base;
+  __device__ __forceinline__ Line line(int row) const {
+    const bool in_range = row < rows;
+    return Line{in_range ? base + row * stride_l : base, cols, in_range};
   }
 };
 

@@ -1,9 +1,9 @@
 // The sm_80 tensor-core GEMM every GEMM kernel of this extension is: one CTA computes a BM x BN tile
 // of C = A B^T (A: M x K, B: N x K, fp16/bf16 in, fp32 accumulate) with CuTe's mma.sync m16n8k16
 // atoms, ldmatrix from swizzled shared memory, and a multistage cp.async pipeline.  The kernels
-// differ only in their Args (see gemm_kernel): how the operands are addressed in global memory (a
-// pointer to 8 contiguous elements per (mn, k) chunk, so head-split and transposed tensors are read
-// in place) and their epilogue (a store taking pairs of adjacent columns).
+// differ only in their Args (see gemm_kernel): how the operands are addressed in global memory (each
+// operand's lines, see index.h: 8 contiguous elements per (mn, k) chunk, so head-split and transposed
+// tensors are read in place) and their epilogue (a store taking pairs of adjacent columns).
 //
 // Operands are K-major (8 elements contiguous along K, e.g. x rows in the QKV forward) or
 // MN-major (contiguous along M or N, e.g. the weight in the input gradient); each gets the swizzled
@@ -82,26 +82,54 @@ __device__ __forceinline__ void cp_async_chunk(T* smem_dst, const T* gmem_src, b
                                                    *reinterpret_cast<uint128_t*>(smem_dst), valid);
 }
 
-// Issues the cp.asyncs of one stage: rows [mn0, mn0 + ROWS) and K slice [k0, k0 + BK) of `op`
-// into `tile` (ROWS, BK).  Consecutive threads take consecutive chunks along the contiguous
-// dimension, so a warp reads whole 64-byte (K-major) or 256-byte (MN-major) runs.
-template <Major M, int ROWS, int BK, int kThreads, class Operand, class SmemTile>
-__device__ __forceinline__ void load_stage(const Operand& op, SmemTile tile, int mn0, int k0, int tid) {
-  constexpr int kChunks = ROWS * BK / 8;
-  static_assert(kChunks % kThreads == 0, "every thread copies the same number of chunks");
+// Which chunks of a stage tile (ROWS, BK) thread `tid` copies: its i-th at (mn(tid, i), k(tid, i)).
+// Consecutive threads take consecutive chunks along the contiguous dimension, so a warp reads whole
+// 64-byte (K-major) or 256-byte (MN-major) runs.  A thread's chunks keep their mn from stage to stage.
+template <Major M, int ROWS, int BK, int kThreads>
+struct StageChunks {
+  static constexpr int kPerThread = ROWS * BK / 8 / kThreads;
+  static_assert(ROWS * BK / 8 % kThreads == 0, "every thread copies the same number of chunks");
+  __device__ __forceinline__ static int mn(int tid, int i) {
+    const int chunk = tid + i * kThreads;
+    return M == Major::K ? chunk / (BK / 8) : chunk % (ROWS / 8) * 8;
+  }
+  __device__ __forceinline__ static int k(int tid, int i) {
+    const int chunk = tid + i * kThreads;
+    return M == Major::K ? chunk % (BK / 8) * 8 : chunk / (ROWS / 8);
+  }
+};
+
+// The operand's lines through thread `tid`'s chunks of the CTA's tile at mn0, made once, before the K loop.
+template <class Chunks, class Operand>
+__device__ __forceinline__ auto thread_lines(const Operand& op, int mn0, int tid) {
+  cute::array<typename Operand::Line, Chunks::kPerThread> lines;
   CUTE_UNROLL
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    int chunk = tid + i * kThreads;
-    int mn, k;
-    if constexpr (M == Major::K) {
-      mn = chunk / (BK / 8);
-      k = chunk % (BK / 8) * 8;
-    } else {
-      k = chunk / (ROWS / 8);
-      mn = chunk % (ROWS / 8) * 8;
-    }
+  for (int i = 0; i < Chunks::kPerThread; ++i) lines[i] = op.line(mn0 + Chunks::mn(tid, i));
+  return lines;
+}
+
+// Issues the cp.asyncs of one stage: K slice [k0, k0 + BK) of the thread's lines into `tile`.
+template <class Chunks, class Lines, class SmemTile>
+__device__ __forceinline__ void load_stage(const Lines& lines, SmemTile tile, int k0, int tid) {
+  CUTE_UNROLL
+  for (int i = 0; i < Chunks::kPerThread; ++i) {
+    const int k = Chunks::k(tid, i);
     bool valid;
-    const auto* src = op.chunk(mn0 + mn, k0 + k, valid);
+    const auto* src = lines[i].chunk(k0 + k, valid);
+    cp_async_chunk(&tile(Chunks::mn(tid, i), k), src, valid);
+  }
+}
+
+// Issues the cp.asyncs of a whole tile (ROWS, COLS) of `op` at (mn0, k0), its lines made on the spot:
+// the attention kernels' tiles move along mn from one load to the next.
+template <Major M, int ROWS, int COLS, int kThreads, class Operand, class SmemTile>
+__device__ __forceinline__ void load_tile(const Operand& op, SmemTile tile, int mn0, int k0, int tid) {
+  using Chunks = StageChunks<M, ROWS, COLS, kThreads>;
+  CUTE_UNROLL
+  for (int i = 0; i < Chunks::kPerThread; ++i) {
+    const int mn = Chunks::mn(tid, i), k = Chunks::k(tid, i);
+    bool valid;
+    const auto* src = op.line(mn0 + mn).chunk(k0 + k, valid);
     cp_async_chunk(&tile(mn, k), src, valid);
   }
 }
@@ -133,12 +161,17 @@ __device__ __forceinline__ void gemm_mainloop(const OperandA& a, const OperandB&
   Tensor tXsB = s2r_thr_b.partition_S(sB);
   Tensor tXrB = s2r_thr_b.retile_D(tCrB);
 
+  using ChunksA = StageChunks<Traits::kMajorA, BM, BK, Traits::kThreads>;
+  using ChunksB = StageChunks<Traits::kMajorB, BN, BK, Traits::kThreads>;
+  const auto lines_a = thread_lines<ChunksA>(a, m0, tid);
+  const auto lines_b = thread_lines<ChunksB>(b, n0, tid);
+
   const int k_tiles = ceil_div(k_size, BK);
   CUTE_UNROLL
   for (int stage = 0; stage < S - 1; ++stage) {
     if (stage < k_tiles) {
-      load_stage<Traits::kMajorA, BM, BK, Traits::kThreads>(a, sA(_, _, stage), m0, stage * BK, tid);
-      load_stage<Traits::kMajorB, BN, BK, Traits::kThreads>(b, sB(_, _, stage), n0, stage * BK, tid);
+      load_stage<ChunksA>(lines_a, sA(_, _, stage), stage * BK, tid);
+      load_stage<ChunksB>(lines_b, sB(_, _, stage), stage * BK, tid);
     }
     cp_async_fence();
   }
@@ -148,8 +181,8 @@ __device__ __forceinline__ void gemm_mainloop(const OperandA& a, const OperandB&
     __syncthreads();  // stage k_tile % S has landed; every thread is done with the stage refilled below
     const int next = k_tile + S - 1;
     if (next < k_tiles) {
-      load_stage<Traits::kMajorA, BM, BK, Traits::kThreads>(a, sA(_, _, next % S), m0, next * BK, tid);
-      load_stage<Traits::kMajorB, BN, BK, Traits::kThreads>(b, sB(_, _, next % S), n0, next * BK, tid);
+      load_stage<ChunksA>(lines_a, sA(_, _, next % S), next * BK, tid);
+      load_stage<ChunksB>(lines_b, sB(_, _, next % S), next * BK, tid);
     }
     cp_async_fence();
 
@@ -188,18 +221,23 @@ __device__ __forceinline__ void for_each_column_pair(const Acc& acc, int m0, int
 }
 
 // The kernel of every GEMM.  Args provides:
-//   using A, B            the operand types (each with kMajor and chunk(mn, k, valid));
+//   using A, B            the operand types (each with kMajor and line(mn), see index.h);
 //   a(), b()              the operands;
 //   rows(), cols(), depth()  M, N and K;
 //   store(m, n, v0, v1)   the epilogue for columns n, n + 1 of row m (it checks the bounds);
 //   kSumsRowsOfA, sums_rows_of_a(), store_row_sum(m, sum)
 //                         a bias gradient fused into the first column of tiles: its CTAs also sum
 //                         the rows of A from the tiles already in shared memory.
-// Tiles are visited in grouped order (index.h) for L2 reuse.
+// Tiles are visited in grouped order (index.h) for L2 reuse.  Two CTAs share an SM (128 registers
+// a thread, 2 x 48 KiB of shared memory): each warp's 32 x 64 tile leaves it little independent
+// work to hide the ldmatrix and barrier latencies with, so a second CTA's warps fill the gaps.
+// Capped at 128, ptxas spilled nothing and the main loops kept their length (sm_90a, the QKV GEMMs:
+// 139-168 registers before).
 constexpr int kTileGroupM = 8;
+constexpr int kCtasPerSm = 2;
 
 template <class Traits, class Args>
-__global__ void __launch_bounds__(Traits::kThreads, 1) gemm_kernel(const __grid_constant__ Args args) {
+__global__ void __launch_bounds__(Traits::kThreads, kCtasPerSm) gemm_kernel(const __grid_constant__ Args args) {
   using T = typename Traits::Element;
   extern __shared__ __align__(128) unsigned char smem[];
   TileCoord tile = grouped_tile(blockIdx.x, ceil_div(args.rows(), Traits::kBlockM),

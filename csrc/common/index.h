@@ -15,10 +15,66 @@ namespace tk {
 
 TK_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// A divisor fixed for a kernel launch, divided by as a multiply-high and a shift (the round-up method
+// of Granlund and Montgomery, as CUTLASS's FastDivmod): a GPU has no integer divider, and `n / d`
+// compiles to about 20 instructions.  Exact for n in [0, 2^31).  Made from an int on the host (the
+// magic number costs a 64-bit division), so shapes that hold one are initialized as before.
+struct FastDivisor {
+  int divisor;
+  uint32_t multiplier;  // ceil(2^(31 + l) / divisor), with 2^(l - 1) < divisor <= 2^l; unused below 2
+  int shift;            // l - 1
+
+  FastDivisor() = default;
+  TK_HOST_DEVICE FastDivisor(int d) : divisor(d), multiplier(0), shift(0) {  // NOLINT: implicit, see above
+    if (d < 2) return;  // 1 divides as itself; 0 (an empty shape) is never divided by
+    int l = 0;
+    while ((int64_t(1) << l) < d) ++l;
+    multiplier = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d));
+    shift = l - 1;
+  }
+
+  TK_HOST_DEVICE int quotient(int n) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t high = __umulhi(uint32_t(n), multiplier);
+#else
+    const uint32_t high = uint32_t((uint64_t(uint32_t(n)) * multiplier) >> 32);
+#endif
+    return divisor == 1 ? n : int(high >> shift);
+  }
+};
+
 // How a GEMM operand lies in global memory: 8 elements contiguous along K (K-major) or along its M or
-// N dimension (MN-major).  Every operand type declares its kMajor and a chunk(mn, k, valid) returning
-// the address of the 8 contiguous elements starting at (mn, k).
+// N dimension (MN-major).  Every operand type declares its kMajor and a line(mn) returning its Line at
+// row (or column) mn, whose chunk(k, valid) is the address of the 8 contiguous elements starting at
+// (mn, k).  The line holds what the address owes to mn alone, so a GEMM thread, whose chunks keep
+// their mn through the K loop, computes that part once, outside the loop.
 enum class Major { K, MN };
+
+// A line whose elements lie one after another from `start`: chunk k at start + k.  Out of range
+// (mn or k past the operand), `valid` is false and the address is `start`, which is never read.
+template <class T>
+struct ContiguousLine {
+  const T* start;  // the line's element 0; the operand's base address when mn is out of range
+  int depth;       // K
+  bool in_range;   // mn inside the operand
+  TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
+    valid = in_range && k < depth;
+    return valid ? start + k : start;
+  }
+};
+
+// A line whose elements lie `stride` apart (an MN-major operand with one stride along K).
+template <class T>
+struct StridedLine {
+  const T* start;
+  int64_t stride;
+  int depth;
+  bool in_range;
+  TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
+    valid = in_range && k < depth;
+    return valid ? start + k * stride : start;
+  }
+};
 
 // ------------------------------------------------------------------------------------------------
 // Tile order: tiles are visited in groups of `group_m` tile rows, column by column inside a group,
@@ -43,9 +99,9 @@ TK_HOST_DEVICE TileCoord grouped_tile(int linear, int tiles_m, int tiles_n, int 
 // is element [b, h, l, d] of output `proj` (each output [B, H, L, Dh], its own strides).
 
 struct HeadSplitShape {
-  int seq_len;     // L
-  int embed_dim;   // E = H * Dh
-  int head_dim;    // Dh
+  FastDivisor seq_len;    // L
+  FastDivisor embed_dim;  // E = H * Dh
+  FastDivisor head_dim;   // Dh
   int64_t stride_b, stride_h, stride_l;  // shared by the n outputs; unit stride along Dh
 };
 
@@ -54,14 +110,27 @@ struct HeadSplitIndex {
   int64_t offset;  // element offset inside that output
 };
 
+// The index splits into a token's part (its sequence and position) and a feature's (the output, the
+// head and the place in the head), which add up: a GEMM operand computes the part that stays fixed
+// along its K loop once.
+TK_HOST_DEVICE int64_t head_split_token_offset(const HeadSplitShape& s, int token) {
+  int b = s.seq_len.quotient(token);
+  int l = token - b * s.seq_len.divisor;
+  return b * s.stride_b + l * s.stride_l;
+}
+
+TK_HOST_DEVICE HeadSplitIndex head_split_feature_index(const HeadSplitShape& s, int feature) {
+  int proj = s.embed_dim.quotient(feature);
+  int within = feature - proj * s.embed_dim.divisor;
+  int head = s.head_dim.quotient(within);
+  int d = within - head * s.head_dim.divisor;
+  return HeadSplitIndex{proj, head * s.stride_h + d};
+}
+
 TK_HOST_DEVICE HeadSplitIndex head_split_index(const HeadSplitShape& s, int token, int feature) {
-  int proj = feature / s.embed_dim;
-  int within = feature - proj * s.embed_dim;
-  int head = within / s.head_dim;
-  int d = within - head * s.head_dim;
-  int b = token / s.seq_len;
-  int l = token - b * s.seq_len;
-  return HeadSplitIndex{proj, b * s.stride_b + head * s.stride_h + l * s.stride_l + d};
+  HeadSplitIndex index = head_split_feature_index(s, feature);
+  index.offset += head_split_token_offset(s, token);
+  return index;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-// What the GLU convolution GEMMs read and write, apart from the GEMM itself (see qkv_tiles.h for the
-// interface).  Host-compilable: tests/test_cuda_host.py runs these with T = float in a host emulation
-// of the GEMM and compares with the eager backend.
+// What the GLU convolution GEMMs read and write, apart from the GEMM itself (see common/index.h for
+// the operands' interface).  Host-compilable: tests/test_cuda_host.py runs these with T = float in a
+// host emulation of the GEMM and compares with the eager backend.
 //
 // Tokens t = b * L_out + s, interleaved channels n in [0, 2C) (n = 2c: value c, n = 2c + 1: gate c),
 // reduction index j = tap * C_in + ci (layouts in glu_conv.h):
@@ -20,24 +20,31 @@
 namespace tk::glu_conv {
 
 struct ConvShape {
-  int batch, channels_in, channels_z, kernel_size, length_in, length_out, pad_left;
-  TK_HOST_DEVICE int tokens() const { return batch * length_out; }
-  TK_HOST_DEVICE int padded_length() const { return length_out + kernel_size - 1; }
+  int batch, channels_in;
+  FastDivisor channels_z;
+  int kernel_size;
+  FastDivisor length_in, length_out;
+  int pad_left;
+  TK_HOST_DEVICE int tokens() const { return batch * length_out.divisor; }
+  TK_HOST_DEVICE int padded_length() const { return length_out.divisor + kernel_size - 1; }
   TK_HOST_DEVICE int window() const { return kernel_size * channels_in; }
 };
 
-// xpad [B, Lp, C_in] by token: (mn, k) = (t, j).
+// xpad [B, Lp, C_in] by token: (mn, k) = (t, j).  Window element j = tap * C_in + ci of token (b, s)
+// is xpad[b, s + tap, ci], at (b * Lp + s) * C_in + j: each token's window is one contiguous run.
 template <class T>
 struct XpadByToken {
   static constexpr Major kMajor = Major::K;
+  using Line = ContiguousLine<T>;
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE const T* chunk(int t, int j, bool& valid) const {
-    valid = t < shape.tokens() && j < shape.window();
-    if (!valid) return ptr;
-    int b = t / shape.length_out, s = t - b * shape.length_out;
-    int tap = j / shape.channels_in, ci = j - tap * shape.channels_in;
-    return ptr + (int64_t(b) * shape.padded_length() + s + tap) * shape.channels_in + ci;
+  TK_HOST_DEVICE int64_t window_offset(int t) const {
+    int b = shape.length_out.quotient(t), s = t - b * shape.length_out.divisor;
+    return (int64_t(b) * shape.padded_length() + s) * shape.channels_in;
+  }
+  TK_HOST_DEVICE Line line(int t) const {
+    const bool in_range = t < shape.tokens();
+    return Line{in_range ? ptr + window_offset(t) : ptr, shape.window(), in_range};
   }
 };
 
@@ -45,19 +52,32 @@ struct XpadByToken {
 template <class T>
 struct XpadByWindow {
   static constexpr Major kMajor = Major::MN;
+  struct Line {  // window element j; the token's window is the K-dependent part
+    const XpadByToken<T>* rows;
+    const T* column;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
+      valid = in_range && t < rows->shape.tokens();
+      return valid ? column + rows->window_offset(t) : column;
+    }
+  };
   XpadByToken<T> rows;
-  TK_HOST_DEVICE const T* chunk(int j, int t, bool& valid) const { return rows.chunk(t, j, valid); }
+  TK_HOST_DEVICE Line line(int j) const {
+    const bool in_range = j < rows.shape.window();
+    return Line{&rows, in_range ? rows.ptr + j : rows.ptr, in_range};
+  }
 };
 
 // Wp [2C, k * C_in]: (mn, k) = (n, j).
 template <class T>
 struct PackedWeightRows {
   static constexpr Major kMajor = Major::K;
+  using Line = ContiguousLine<T>;
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE const T* chunk(int n, int j, bool& valid) const {
-    valid = n < shape.channels_z && j < shape.window();
-    return valid ? ptr + int64_t(n) * shape.window() + j : ptr;
+  TK_HOST_DEVICE Line line(int n) const {
+    const bool in_range = n < shape.channels_z.divisor;
+    return Line{in_range ? ptr + int64_t(n) * shape.window() : ptr, shape.window(), in_range};
   }
 };
 
@@ -65,13 +85,22 @@ struct PackedWeightRows {
 template <class T>
 struct PackedWeightByInput {
   static constexpr Major kMajor = Major::MN;
+  struct Line {  // input channel ci; the tap and the output channel are the K-dependent part
+    const ConvShape* shape;
+    const T* column;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
+      valid = in_range && k < shape->kernel_size * shape->channels_z.divisor;
+      if (!valid) return column;
+      int tap = shape->channels_z.quotient(k), n = k - tap * shape->channels_z.divisor;
+      return column + int64_t(n) * shape->window() + tap * shape->channels_in;
+    }
+  };
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE const T* chunk(int ci, int k, bool& valid) const {
-    valid = ci < shape.channels_in && k < shape.kernel_size * shape.channels_z;
-    if (!valid) return ptr;
-    int tap = k / shape.channels_z, n = k - tap * shape.channels_z;
-    return ptr + int64_t(n) * shape.window() + tap * shape.channels_in + ci;
+  TK_HOST_DEVICE Line line(int ci) const {
+    const bool in_range = ci < shape.channels_in;
+    return Line{&shape, in_range ? ptr + ci : ptr, in_range};
   }
 };
 
@@ -81,15 +110,24 @@ struct PackedWeightByInput {
 template <class T>
 struct GradZByInput {
   static constexpr Major kMajor = Major::K;
+  struct Line {  // input position (b, p); the tap, hence s, and the channel are the K-dependent part
+    const GradZByInput* grad_z;
+    int b, p;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
+      const ConvShape& shape = grad_z->shape;
+      const int channels_z = shape.channels_z.divisor, length_out = shape.length_out.divisor;
+      int tap = shape.channels_z.quotient(k), n = k - tap * channels_z;
+      int s = p + shape.pad_left - tap;  // tap_position(s, tap, pad_left) == p
+      valid = in_range && k < shape.kernel_size * channels_z && in_sequence(s, length_out);
+      return valid ? grad_z->ptr + (int64_t(b) * length_out + s) * channels_z + n : grad_z->ptr;
+    }
+  };
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE const T* chunk(int m, int k, bool& valid) const {
-    int b = m / shape.length_in, p = m - b * shape.length_in;
-    int tap = k / shape.channels_z, n = k - tap * shape.channels_z;
-    int s = p + shape.pad_left - tap;  // tap_position(s, tap, pad_left) == p
-    valid = m < shape.batch * shape.length_in && k < shape.kernel_size * shape.channels_z &&
-            in_sequence(s, shape.length_out);
-    return valid ? ptr + (int64_t(b) * shape.length_out + s) * shape.channels_z + n : ptr;
+  TK_HOST_DEVICE Line line(int m) const {
+    const int length_in = shape.length_in.divisor, b = shape.length_in.quotient(m);
+    return Line{this, b, m - b * length_in, m < shape.batch * length_in};
   }
 };
 
@@ -97,11 +135,12 @@ struct GradZByInput {
 template <class T>
 struct GradZByChannel {
   static constexpr Major kMajor = Major::MN;
+  using Line = StridedLine<T>;
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE const T* chunk(int n, int t, bool& valid) const {
-    valid = n < shape.channels_z && t < shape.tokens();
-    return valid ? ptr + int64_t(t) * shape.channels_z + n : ptr;
+  TK_HOST_DEVICE Line line(int n) const {
+    const bool in_range = n < shape.channels_z.divisor;
+    return Line{in_range ? ptr + n : ptr, shape.channels_z.divisor, shape.tokens(), in_range};
   }
 };
 
@@ -128,7 +167,7 @@ struct PreactivationArgs {
   TK_HOST_DEVICE const A& a() const { return x; }
   TK_HOST_DEVICE const B& b() const { return weight; }
   TK_HOST_DEVICE int rows() const { return x.shape.tokens(); }
-  TK_HOST_DEVICE int cols() const { return x.shape.channels_z; }
+  TK_HOST_DEVICE int cols() const { return x.shape.channels_z.divisor; }
   TK_HOST_DEVICE int depth() const { return x.shape.window(); }
 
   TK_HOST_DEVICE void store(int t, int n, float value, float gate) const {
@@ -137,7 +176,7 @@ struct PreactivationArgs {
       value += float(bias[n]);
       gate += float(bias[n + 1]);
     }
-    const int b = t / x.shape.length_out, s = t - b * x.shape.length_out, c = n / 2;
+    const int b = x.shape.length_out.quotient(t), s = t - b * x.shape.length_out.divisor, c = n / 2;
     if constexpr (kGrad) {
       GluGrad g = glu_residual_grad(value, gate, float(other[offset(other_strides, b, c, s)]), residual_scale);
       store_pair(out + int64_t(t) * cols() + n, g.value, g.gate);
@@ -160,13 +199,13 @@ struct GradInputArgs {
 
   TK_HOST_DEVICE const A& a() const { return grad_z; }
   TK_HOST_DEVICE const B& b() const { return weight; }
-  TK_HOST_DEVICE int rows() const { return grad_z.shape.batch * grad_z.shape.length_in; }
+  TK_HOST_DEVICE int rows() const { return grad_z.shape.batch * grad_z.shape.length_in.divisor; }
   TK_HOST_DEVICE int cols() const { return grad_z.shape.channels_in; }
-  TK_HOST_DEVICE int depth() const { return grad_z.shape.kernel_size * grad_z.shape.channels_z; }
+  TK_HOST_DEVICE int depth() const { return grad_z.shape.kernel_size * grad_z.shape.channels_z.divisor; }
 
   TK_HOST_DEVICE void store(int m, int ci, float v0, float v1) const {
     if (m >= rows() || ci >= cols()) return;
-    const int b = m / grad_z.shape.length_in, p = m - b * grad_z.shape.length_in;
+    const int b = grad_z.shape.length_in.quotient(m), p = m - b * grad_z.shape.length_in.divisor;
     T* at = grad_x + offset(grad_x_strides, b, ci, p);
     at[0] = T(v0);
     at[grad_x_strides.c] = T(v1);
@@ -185,7 +224,7 @@ struct GradWeightArgs {
 
   TK_HOST_DEVICE const A& a() const { return grad_z; }
   TK_HOST_DEVICE const B& b() const { return x; }
-  TK_HOST_DEVICE int rows() const { return grad_z.shape.channels_z; }
+  TK_HOST_DEVICE int rows() const { return grad_z.shape.channels_z.divisor; }
   TK_HOST_DEVICE int cols() const { return grad_z.shape.window(); }
   TK_HOST_DEVICE int depth() const { return grad_z.shape.tokens(); }
 

@@ -12,8 +12,8 @@ namespace {
 
 template <class T>
 TokenRows<T> token_rows(const Problem& p, const void* x) {
-  return TokenRows<T>{static_cast<const T*>(x), p.heads.seq_len, p.batch * p.heads.seq_len, p.heads.embed_dim,
-                      p.x_stride_b, p.x_stride_l};
+  return TokenRows<T>{static_cast<const T*>(x), p.heads.seq_len, p.batch * p.heads.seq_len.divisor,
+                      p.heads.embed_dim.divisor, p.x_stride_b, p.x_stride_l};
 }
 
 template <class T>
@@ -21,8 +21,8 @@ HeadSplitTensors<T> head_split(const Problem& p, const void* const tensors[3]) {
   HeadSplitTensors<T> h;
   for (int i = 0; i < 3; ++i) h.ptr[i] = static_cast<const T*>(tensors[i < p.num_proj ? i : 0]);
   h.shape = p.heads;
-  h.tokens = p.batch * p.heads.seq_len;
-  h.features = p.num_proj * p.heads.embed_dim;
+  h.tokens = p.batch * p.heads.seq_len.divisor;
+  h.features = p.num_proj * p.heads.embed_dim.divisor;
   return h;
 }
 
@@ -32,10 +32,10 @@ cudaError_t forward(const Problem& p, const void* x, const void* weight, const v
                     cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto element) {
     using T = decltype(element);
-    const int features = p.num_proj * p.heads.embed_dim;
+    const int features = p.num_proj * p.heads.embed_dim.divisor;
     ForwardArgs<T> args;
     args.x = XByToken<T>{token_rows<T>(p, x)};
-    args.weight = WeightRows<T>{static_cast<const T*>(weight), features, p.heads.embed_dim, p.weight_stride};
+    args.weight = WeightRows<T>{static_cast<const T*>(weight), features, p.heads.embed_dim.divisor, p.weight_stride};
     args.bias = static_cast<const T*>(bias);
     for (int i = 0; i < 3; ++i) args.out[i] = static_cast<T*>(outputs[i < p.num_proj ? i : 0]);
     args.out_shape = p.heads;
@@ -49,7 +49,7 @@ cudaError_t grad_input(const Problem& p, const void* const grads[3], const void*
     using T = decltype(element);
     GradInputArgs<T> args;
     args.grad = GradByToken<T>{head_split<T>(p, grads)};
-    args.weight = WeightCols<T>{static_cast<const T*>(weight), args.grad.features, p.heads.embed_dim,
+    args.weight = WeightCols<T>{static_cast<const T*>(weight), args.grad.features, p.heads.embed_dim.divisor,
                                 p.weight_stride};
     args.grad_x = static_cast<T*>(grad_x);
     return launch_gemm<T>(args, stream);

@@ -1,5 +1,5 @@
-// What the QKV GEMMs read and write, apart from the GEMM itself: each operand's addressing (a
-// pointer to the 8 contiguous elements of chunk (mn, k), see common/gemm_sm80.cuh) and each
+// What the QKV GEMMs read and write, apart from the GEMM itself: each operand's addressing (its
+// lines, whose chunks are the 8 contiguous elements at (mn, k), see common/index.h) and each
 // epilogue's store.  Host-compilable (no CUDA or CUTLASS header): tests/test_cuda_host.py runs these
 // with T = float in a host emulation of the GEMM and compares with the eager backend.
 //
@@ -20,30 +20,41 @@ namespace tk::qkv {
 template <class T>
 struct TokenRows {
   const T* ptr;
-  int seq_len, tokens, cols;
+  FastDivisor seq_len;
+  int tokens, cols;
   int64_t stride_b, stride_l;
 
-  TK_HOST_DEVICE const T* at(int t, int c) const {
-    int b = t / seq_len;
-    return ptr + b * stride_b + (t - b * seq_len) * stride_l + c;
+  TK_HOST_DEVICE int64_t row_offset(int t) const {
+    int b = seq_len.quotient(t);
+    return b * stride_b + (t - b * seq_len.divisor) * stride_l;
   }
 };
 
 template <class T>
 struct XByToken : TokenRows<T> {  // K-major: (mn, k) = (t, e)
   static constexpr Major kMajor = Major::K;
-  TK_HOST_DEVICE const T* chunk(int t, int e, bool& valid) const {
-    valid = t < this->tokens && e < this->cols;
-    return valid ? this->at(t, e) : this->ptr;
+  using Line = ContiguousLine<T>;
+  TK_HOST_DEVICE Line line(int t) const {
+    const bool in_range = t < this->tokens;
+    return Line{in_range ? this->ptr + this->row_offset(t) : this->ptr, this->cols, in_range};
   }
 };
 
 template <class T>
 struct XByFeature : TokenRows<T> {  // MN-major: (mn, k) = (e, t)
   static constexpr Major kMajor = Major::MN;
-  TK_HOST_DEVICE const T* chunk(int e, int t, bool& valid) const {
-    valid = t < this->tokens && e < this->cols;
-    return valid ? this->at(t, e) : this->ptr;
+  struct Line {  // column e; the token's row offset is the K-dependent part
+    const XByFeature* x;
+    const T* column;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
+      valid = in_range && t < x->tokens;
+      return valid ? column + x->row_offset(t) : column;
+    }
+  };
+  TK_HOST_DEVICE Line line(int e) const {
+    const bool in_range = e < this->cols;
+    return Line{this, in_range ? this->ptr + e : this->ptr, in_range};
   }
 };
 
@@ -51,24 +62,26 @@ struct XByFeature : TokenRows<T> {  // MN-major: (mn, k) = (e, t)
 template <class T>
 struct WeightRows {  // K-major: (mn, k) = (f, e)
   static constexpr Major kMajor = Major::K;
+  using Line = ContiguousLine<T>;
   const T* ptr;
   int rows, cols;
   int64_t stride;
-  TK_HOST_DEVICE const T* chunk(int f, int e, bool& valid) const {
-    valid = f < rows && e < cols;
-    return valid ? ptr + f * stride + e : ptr;
+  TK_HOST_DEVICE Line line(int f) const {
+    const bool in_range = f < rows;
+    return Line{in_range ? ptr + f * stride : ptr, cols, in_range};
   }
 };
 
 template <class T>
 struct WeightCols {  // MN-major: (mn, k) = (e, f)
   static constexpr Major kMajor = Major::MN;
+  using Line = StridedLine<T>;
   const T* ptr;
   int rows, cols;
   int64_t stride;
-  TK_HOST_DEVICE const T* chunk(int e, int f, bool& valid) const {
-    valid = f < rows && e < cols;
-    return valid ? ptr + f * stride + e : ptr;
+  TK_HOST_DEVICE Line line(int e) const {
+    const bool in_range = e < cols;
+    return Line{in_range ? ptr + e : ptr, stride, rows, in_range};
   }
 };
 
@@ -79,29 +92,49 @@ struct HeadSplitTensors {
   HeadSplitShape shape;
   int tokens, features;
 
-  TK_HOST_DEVICE const T* element(int t, int f) const {
-    HeadSplitIndex index = head_split_index(shape, t, f);
-    // A select, not ptr[index.proj]: a dynamic index into a kernel parameter array goes to local memory.
-    const T* base = index.proj == 0 ? ptr[0] : index.proj == 1 ? ptr[1] : ptr[2];
-    return base + index.offset;
+  TK_HOST_DEVICE const T* output(int proj) const {
+    // A select, not ptr[proj]: a dynamic index into a kernel parameter array goes to local memory.
+    return proj == 0 ? ptr[0] : proj == 1 ? ptr[1] : ptr[2];
   }
 };
 
 template <class T>
 struct GradByToken : HeadSplitTensors<T> {  // K-major: (mn, k) = (t, f)
   static constexpr Major kMajor = Major::K;
-  TK_HOST_DEVICE const T* chunk(int t, int f, bool& valid) const {
-    valid = t < this->tokens && f < this->features;
-    return valid ? this->element(t, f) : this->ptr[0];
+  struct Line {  // token t; the feature's output, head and place are the K-dependent part
+    const GradByToken* grad;
+    int64_t token_offset;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int f, bool& valid) const {
+      valid = in_range && f < grad->features;
+      if (!valid) return grad->ptr[0];
+      HeadSplitIndex index = head_split_feature_index(grad->shape, f);
+      return grad->output(index.proj) + token_offset + index.offset;
+    }
+  };
+  TK_HOST_DEVICE Line line(int t) const {
+    const bool in_range = t < this->tokens;
+    return Line{this, in_range ? head_split_token_offset(this->shape, t) : 0, in_range};
   }
 };
 
 template <class T>
 struct GradByFeature : HeadSplitTensors<T> {  // MN-major: (mn, k) = (f, t)
   static constexpr Major kMajor = Major::MN;
-  TK_HOST_DEVICE const T* chunk(int f, int t, bool& valid) const {
-    valid = t < this->tokens && f < this->features;
-    return valid ? this->element(t, f) : this->ptr[0];
+  struct Line {  // feature f; the token's offset is the K-dependent part
+    const GradByFeature* grad;
+    const T* column;
+    bool in_range;
+    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
+      valid = in_range && t < grad->tokens;
+      return valid ? column + head_split_token_offset(grad->shape, t) : column;
+    }
+  };
+  TK_HOST_DEVICE Line line(int f) const {
+    const bool in_range = f < this->features;
+    if (!in_range) return Line{this, this->ptr[0], false};
+    HeadSplitIndex index = head_split_feature_index(this->shape, f);
+    return Line{this, this->output(index.proj) + index.offset, true};
   }
 };
 

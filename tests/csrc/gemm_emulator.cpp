@@ -3,7 +3,7 @@
 // by a plain loop in place of the tensor-core main loop, and the decoding step's (glu_step_tiles.h)
 // with the lanes' partial sums added up in place of the warp reduction.  The loop covers whole 128 x 128 tiles, as
 // the kernels do, so the epilogues' bounds checks are exercised (the tests build it with
-// AddressSanitizer where available), and reads each operand element through chunk(), 8 elements
+// AddressSanitizer where available), and reads each operand element through its line's chunk(), 8 elements
 // at a time along the operand's contiguous dimension, zero where a chunk is not valid (cp.async's
 // zero fill).
 //
@@ -49,10 +49,10 @@ template <class Operand>
 float element(const Operand& op, int mn, int k) {
   bool valid;
   if constexpr (Operand::kMajor == tk::Major::K) {
-    const float* p = op.chunk(mn, k - k % 8, valid);
+    const float* p = op.line(mn).chunk(k - k % 8, valid);
     return valid ? p[k % 8] : 0.f;
   } else {
-    const float* p = op.chunk(mn - mn % 8, k, valid);
+    const float* p = op.line(mn - mn % 8).chunk(k, valid);
     return valid ? p[mn % 8] : 0.f;
   }
 }
@@ -164,9 +164,9 @@ void qkv_grad_weight() {
 // ------------------------------------------------------------------------------------------------ glu_conv
 
 tk::glu_conv::ConvShape read_conv_shape() {
-  tk::glu_conv::ConvShape s;
-  std::cin >> s.batch >> s.channels_in >> s.channels_z >> s.kernel_size >> s.length_in >> s.length_out >> s.pad_left;
-  return s;
+  int batch, channels_in, channels_z, kernel_size, length_in, length_out, pad_left;
+  std::cin >> batch >> channels_in >> channels_z >> kernel_size >> length_in >> length_out >> pad_left;
+  return tk::glu_conv::ConvShape{batch, channels_in, channels_z, kernel_size, length_in, length_out, pad_left};
 }
 
 tk::Strides3 read_strides() {
@@ -209,7 +209,8 @@ void glu_grad_weight() {
   tk::glu_conv::ConvShape s = read_conv_shape();
   int has_bias = read_int();
   Tensor grad_z = read_tensor(), xpad = read_tensor();
-  Tensor grad_weight(size_t(s.channels_z) * s.window(), 0.f), grad_bias(has_bias ? s.channels_z : 0, 0.f);
+  const int channels_z = s.channels_z.divisor;
+  Tensor grad_weight(size_t(channels_z) * s.window(), 0.f), grad_bias(has_bias ? channels_z : 0, 0.f);
   tk::glu_conv::GradWeightArgs<float> args{{grad_z.data(), s}, {{xpad.data(), s}}, grad_weight.data(),
                                            has_bias ? grad_bias.data() : nullptr};
   emulate(args);

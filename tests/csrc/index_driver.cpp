@@ -14,12 +14,16 @@ int main() {
       tk::TileCoord tile = tk::grouped_tile(linear, tiles_m, tiles_n, group_m);
       std::cout << tile.m << ' ' << tile.n << '\n';
     } else if (function == "head_split_index") {
-      tk::HeadSplitShape shape;
-      int token, feature;
-      std::cin >> shape.seq_len >> shape.embed_dim >> shape.head_dim >> shape.stride_b >> shape.stride_h >>
-          shape.stride_l >> token >> feature;
+      int seq_len, embed_dim, head_dim, token, feature;
+      int64_t stride_b, stride_h, stride_l;
+      std::cin >> seq_len >> embed_dim >> head_dim >> stride_b >> stride_h >> stride_l >> token >> feature;
+      tk::HeadSplitShape shape{seq_len, embed_dim, head_dim, stride_b, stride_h, stride_l};
       tk::HeadSplitIndex index = tk::head_split_index(shape, token, feature);
       std::cout << index.proj << ' ' << index.offset << '\n';
+    } else if (function == "fast_divisor") {
+      int divisor, numerator;
+      std::cin >> divisor >> numerator;
+      std::cout << tk::FastDivisor(divisor).quotient(numerator) << '\n';
     } else if (function == "tap_position") {
       int s, tap, pad_left, length_in;
       std::cin >> s >> tap >> pad_left >> length_in;

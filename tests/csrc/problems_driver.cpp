@@ -58,8 +58,8 @@ std::string call(std::istream& in) {
     in >> count;
     const std::vector<at::Tensor> heads(count, head);
     const tk::qkv::Problem p = tk::bindings::qkv_problem(x, weight, heads, "qkv");
-    out << p.num_proj << ' ' << p.batch << ' ' << p.heads.seq_len << ' ' << p.heads.embed_dim << ' '
-        << p.heads.head_dim;
+    out << p.num_proj << ' ' << p.batch << ' ' << p.heads.seq_len.divisor << ' ' << p.heads.embed_dim.divisor << ' '
+        << p.heads.head_dim.divisor;
   } else if (builder == "step") {
     const at::Tensor window = *next(), weight = *next();
     const std::optional<at::Tensor> bias = next(), residual = next();
