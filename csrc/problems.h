@@ -200,7 +200,7 @@ inline void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t 
 inline tk::attention::HeadStrides head_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // The attention problem of q [B, Hq, Lq, E], k [B, Hk, Lk, E], v [B, Hk, Lk, Ev] and its masks:
-// key_padding_mask bool [B, Lk] with key_bounds int32 [B, 2] (both contiguous), attn_mask
+// key_padding_mask bool [B, Lk] with key_bounds int32 [B, 3] (both contiguous), attn_mask
 // [B, Hq, Lq, Lk] bool or q's dtype (any strides), dropout_seed int64 [2]: each optional.
 inline tk::attention::ForwardProblem attention_problem(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_padding_mask,
@@ -249,8 +249,8 @@ inline tk::attention::ForwardProblem attention_problem(
                     pad.sizes() == at::IntArrayRef({batch, lk}),
                 op, ": key_padding_mask must be a contiguous bool [B, Lk] tensor on query's device, got ", pad.sizes());
     TORCH_CHECK(bounds.device() == q.device() && bounds.scalar_type() == at::kInt && bounds.is_contiguous() &&
-                    bounds.sizes() == at::IntArrayRef({batch, 2}),
-                op, ": key_bounds must be a contiguous int32 [B, 2] tensor on query's device");
+                    bounds.sizes() == at::IntArrayRef({batch, 3}),
+                op, ": key_bounds must be a contiguous int32 [B, 3] tensor on query's device");
     p.key_padding = reinterpret_cast<const uint8_t*>(pad.data_ptr<bool>());
     p.key_bounds = bounds.data_ptr<int32_t>();
   }

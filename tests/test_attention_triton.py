@@ -461,9 +461,9 @@ def test_layouts_the_kernels_take_only_copied_keep_forward_in_their_plan(fresh_p
 
 
 def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
-    # The kernels' key bounds: the first kept key and the last + 1 as
-    # key_padding_bounds gives them to the other backends, then the count of
-    # kept keys (short of end - first where padding sits between them).
+    # The kernels' key bounds, as key_padding_bounds gives them to the other
+    # backends: the first kept key and the last + 1, then the count of kept
+    # keys (short of end - first where padding sits between them).
     # Lengths past the kernel's 1024-key block take two scan steps.
     lk = 1100
     padding = torch.rand(6, lk) > 0.5  # holes everywhere
@@ -485,7 +485,7 @@ def test_key_bounds_kernel_extends_key_padding_bounds_with_the_kept_count():
         dtype=torch.int32,
     )
     assert torch.equal(masks.key_bounds.cpu(), expected)
-    assert torch.equal(key_padding_bounds(padding).cpu(), expected[:, :2])
+    assert torch.equal(key_padding_bounds(padding).cpu(), expected)
 
 
 def test_batch_heads_beyond_the_grid_limit_are_launched_in_chunks(fresh_plans, monkeypatch):

@@ -112,7 +112,7 @@ class _HostAttentionOps:
         excluded = torch.zeros(batch, heads_q, lq, lk, dtype=torch.bool)
         if key_padding_mask is not None:
             assert key_padding_mask.is_contiguous() and key_padding_mask.shape == (batch, lk)
-            assert key_bounds.dtype == torch.int32 and key_bounds.shape == (batch, 2)
+            assert key_bounds.dtype == torch.int32 and key_bounds.shape == (batch, 3)
             assert torch.equal(key_bounds, key_padding_bounds(key_padding_mask))
             excluded |= key_padding_mask[:, None, None, :]
         else:

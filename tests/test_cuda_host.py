@@ -365,7 +365,7 @@ def test_key_blocks_visit_every_visible_key_and_skip_masks_only_where_all_are_vi
         None: torch.zeros(lk, dtype=torch.bool), "suffix": keys >= lk * 2 // 3, "left": keys < lk // 3,
         "holes": (keys % 7 == 3) | (keys < 5) | (keys >= lk - 9), "all": torch.ones(lk, dtype=torch.bool),
     }[padding]
-    first, end = key_padding_bounds(pad[None]).flatten().tolist()
+    first, end, _ = key_padding_bounds(pad[None]).flatten().tolist()
     if padding is None:
         first, end = 0, lk
     (shift,) = attention_h([("causal_shift", int(causal), lq, lk)])[0]

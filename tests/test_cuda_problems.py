@@ -98,6 +98,13 @@ CASES = {
                            f"{KV} - - - 0 - 0", "attention: the head dims must be multiples of 8 up to 256, got E = 264"),
     "attention_mask_dtype": (f"attention {Q} {KV} {KV} - - {_contiguous('f32', 2, 4, 10, 12)} 0 - 0",
                              r"attention: attn_mask must be a bool or Half \[B, Hq, Lq, Lk\] tensor"),
+    "attention_padding": (f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} {_contiguous('i32', 2, 3)} - 0 - 0",
+                          "ok 2 4 2 10 12 64 64"),
+    # The bounds carry the kept count (ops.attention.key_padding_bounds), which tells the kernels
+    # whether a row has holes, hence whether they must read its padding mask.
+    "attention_bounds_without_count": (
+        f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} {_contiguous('i32', 2, 2)} - 0 - 0",
+        r"attention: key_bounds must be a contiguous int32 \[B, 3\] tensor"),
     "attention_padding_alone": (f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} - - 0 - 0",
                                 "attention: key_padding_mask and key_bounds come together"),
     "attention_causal": (f"attention {Q} {KV} {KV} - - - 3 - 0", r"attention: causal must be 0 \(none\), 1"),

@@ -31,8 +31,9 @@ struct ForwardProblem {
   HeadStrides q_stride, k_stride, v_stride, out_stride;
   int causal;  // transformer_kernels.ops.attention.Causal
   float scale;
-  // Key padding: bool [B, Lk] contiguous (true = padding) and its bounds int32 [B, 2] contiguous
-  // (first kept key, last kept key + 1); both null without key padding.
+  // Key padding: bool [B, Lk] contiguous (true = padding) and its bounds int32 [B, 3] contiguous
+  // (first kept key, last kept key + 1, count of kept keys: short of their difference where padding
+  // sits between them); both null without key padding.
   const uint8_t* key_padding;
   const int32_t* key_bounds;
   // Dense mask [B, Hq, Lq, Lk] with any strides (0 where broadcast): bool (true = attend) or the

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const auto k_rows = HeadRows<T>::of(p.k, p.k_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim);
   const auto v_rows = HeadRows<T>::of(p.v, p.v_stride, batch, kv_head, 0, p.seq_len_k, p.head_dim_v);
-  const ScoreMasks<T> bounds(p, batch, 0);  // the key bounds and causal shift, shared by the heads
+  const ScoreMasks<T> bounds(p, batch, 0);  // the key bounds and causal shift, shared by the heads (for_head)
   const bool outside_bounds = key_start >= bounds.end_key || key_start + BK <= bounds.first_key;
   const bool keys_inside = key_start >= bounds.first_key && key_start + BK <= bounds.end_key;
   const QueryRows rows = query_rows(key_start, BK, p.seq_len_q, bounds.causal, bounds.shift);
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       __syncthreads();  // this step's Q and dO (and K, V) have landed
       const int head = step.head, q_start = step.q_start;
       const int head_batch = batch * p.heads_q + head;
-      const ScoreMasks<T> masks(p, batch, head);
+      const ScoreMasks<T> masks = bounds.for_head(p, batch, head);
       const int64_t row_base = int64_t(head_batch) * p.seq_len_q;
       clear(acc_s);
       clear(acc_dp);

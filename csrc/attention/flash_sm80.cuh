@@ -182,11 +182,13 @@ struct HeadRows {
 
 // The masks of one (batch, query head), applied to a score in base-2 units: -inf where the key is
 // excluded (outside the key bounds, a padding hole, causal, a False bool mask), the float mask's
-// bias added otherwise.  Full tests, for blocks that are not interior.
+// bias added otherwise.  Full tests, for blocks that are not interior.  The padding mask is read
+// only for a batch row with holes: otherwise the bounds hold every kept key and nothing else.
 template <class T>
 struct ScoreMasks {
   int first_key, end_key, seq_len_q, shift;
   bool causal;
+  bool holes;              // padding between the kept keys of this batch row
   const uint8_t* padding;  // this batch row's [Lk], or null
   const char* mask;        // this (batch, head)'s [Lq, Lk] slice, or null
   bool mask_is_bool;
@@ -196,23 +198,35 @@ struct ScoreMasks {
     causal = p.causal != int(Causal::kNone);
     shift = causal_shift(Causal(p.causal), p.seq_len_q, p.seq_len_k);
     seq_len_q = p.seq_len_q;
-    first_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch] : 0;
-    end_key = p.key_bounds != nullptr ? p.key_bounds[2 * batch + 1] : p.seq_len_k;
+    first_key = p.key_bounds != nullptr ? p.key_bounds[3 * batch] : 0;
+    end_key = p.key_bounds != nullptr ? p.key_bounds[3 * batch + 1] : p.seq_len_k;
+    holes = p.key_bounds != nullptr && p.key_bounds[3 * batch + 2] != end_key - first_key;
     padding = p.key_padding != nullptr ? p.key_padding + int64_t(batch) * p.seq_len_k : nullptr;
-    mask = static_cast<const char*>(p.attn_mask);
     mask_is_bool = p.mask_is_bool;
-    const int64_t element = mask_is_bool ? 1 : int64_t(sizeof(T));
-    if (mask != nullptr) mask += (batch * p.mask_stride[0] + head * p.mask_stride[1]) * element;
+    mask = head_mask(p, batch, head);
     stride_m = p.mask_stride[2];
     stride_n = p.mask_stride[3];
   }
 
+  // The same masks for another query head of the batch row: only the dense mask's slice moves.
+  __device__ __forceinline__ ScoreMasks for_head(const ForwardProblem& p, int batch, int head) const {
+    ScoreMasks masks = *this;
+    masks.mask = head_mask(p, batch, head);
+    return masks;
+  }
+
+  __device__ __forceinline__ const char* head_mask(const ForwardProblem& p, int batch, int head) const {
+    const char* base = static_cast<const char*>(p.attn_mask);
+    const int64_t element = mask_is_bool ? 1 : int64_t(sizeof(T));
+    return base == nullptr ? nullptr : base + (batch * p.mask_stride[0] + head * p.mask_stride[1]) * element;
+  }
+
   // Whether every block needs the full tests (holes and dense masks are per element).
-  __device__ __forceinline__ bool per_element() const { return padding != nullptr || mask != nullptr; }
+  __device__ __forceinline__ bool per_element() const { return holes || mask != nullptr; }
 
   __device__ __forceinline__ float operator()(float s, int query, int key) const {
     bool keep = key >= first_key && key < end_key && (!causal || key <= query + shift);
-    if (keep && padding != nullptr) keep = padding[key] == 0;
+    if (keep && holes) keep = padding[key] == 0;
     if (keep && mask != nullptr && query < seq_len_q) {
       const int64_t at = query * stride_m + key * stride_n;
       if (mask_is_bool) {

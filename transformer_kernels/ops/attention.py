@@ -57,7 +57,7 @@ class AttentionArgs:
     ``h // (Hq // Hk)``), as the op layer normalized it.
 
     - ``key_padding_mask``: bool ``[B, Lk]``, contiguous; True marks a padding key
-      (:func:`key_padding_bounds` gives each row's first and last kept key).
+      (:func:`key_padding_bounds` gives each row's first and last kept key, and their count).
     - ``attn_mask``: bool (True = attend) or float (added to the scaled scores)
       ``[B, Hq, Lq, Lk]``, any strides (often an ``expand``-ed view).
     - ``dropout_seed``: int64 ``[2]`` (seed, offset) on ``query``'s device when ``dropout_p > 0``.
@@ -114,16 +114,18 @@ def grads_like_inputs(query: Tensor, key: Tensor, value: Tensor, saved: Tensor, 
 
 
 def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
-    """int32 ``[B, 2]``: each row's first non-padding key and its last one + 1, (0, 0) for a row
-    of padding only.  For backends that plan on the host; the Triton kernels find them
-    themselves (a dozen small ops here would be a dozen launches per call)."""
+    """int32 ``[B, 3]``: each row's first non-padding key, its last one + 1 ((0, 0) for a row of
+    padding only) and the count of non-padding keys, short of their difference where padding sits
+    between them (holes): without holes the bounds say all, and kernels skip the per-key test.
+    For the CUDA and eager backends; the Triton kernels find them themselves (a dozen small ops
+    here would be a dozen launches per call)."""
     lk = key_padding_mask.shape[1]
     index = torch.arange(lk, device=key_padding_mask.device, dtype=torch.int32)
     kept = ~key_padding_mask
     first = torch.where(kept, index, lk).amin(1)
     end = torch.where(kept, index + 1, 0).amax(1)
     first = torch.where(end > 0, first, 0)
-    return torch.stack([first, end], 1).to(torch.int32)
+    return torch.stack([first, end, kept.sum(1)], 1).to(torch.int32)
 
 
 DROPOUT_LEVELS = 1 << 16
