@@ -122,6 +122,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
     }
 
     const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
+    scale_and_mask(s_rc, qk_scale, needs_mask, masks, [&](int r, int c) {
+      return make_int2(row_start + get<0>(c_rc(r, c)), key_start + get<1>(c_rc(r, c)));
+    });
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = row_start + get<0>(c_rc(r, 0));
@@ -132,9 +135,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) grad_query_kernel(const _
       }
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        float s = s_rc(r, c) * qk_scale;
-        if (needs_mask) s = masks(s, row, key_start + get<1>(c_rc(r, c)));
-        const float prob = fast_exp2(s - lse_log2[r]);
+        const float prob = fast_exp2(s_rc(r, c) - lse_log2[r]);
         const float dp = (kept >> c & 1) ? dp_rc(r, c) * dropout_scale : 0.f;
         s_rc(r, c) = prob * (dp - delta[r]);  // dS
       }
@@ -307,6 +308,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (kKey) delta[c] = query < p.seq_len_q ? bp.delta[row_base + query] : 0.f;
       }
       const bool needs_mask = !keys_inside || (bounds.causal && q_start < rows.row_full) || masks.per_element();
+      scale_and_mask(s_rc, qk_scale, needs_mask, masks, [&](int r, int c) {
+        return make_int2(q_start + get<1>(c_rc(r, c)), key_start + get<0>(c_rc(r, c)));
+      });
       Tensor probs = make_tensor<T>(acc_s.layout());  // dropped-out P^T, the A operand of dV
       Tensor probs_rc = make_tensor(probs.data(), rowcol(probs.layout()));
       CUTE_UNROLL
@@ -320,9 +324,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         CUTE_UNROLL
         for (int c = 0; c < kCols; ++c) {
           const int query = q_start + get<1>(c_rc(r, c));
-          float s = s_rc(r, c) * qk_scale;
-          if (needs_mask) s = masks(s, query, key);
-          const float prob = fast_exp2(s - lse_log2[c]);
+          const float prob = fast_exp2(s_rc(r, c) - lse_log2[c]);
           const bool keep = kept >> c & 1;
           if constexpr (kValue) probs_rc(r, c) = T(keep ? prob * dropout_scale : 0.f);
           if constexpr (kKey) {

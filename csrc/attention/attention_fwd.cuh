@@ -81,15 +81,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) forward_kernel(const __gr
 
     // Scores in base-2 units; excluded keys -inf.
     const bool needs_mask = !blocks.interior(n_block) || masks.per_element();
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row_start + get<0>(c_rc(r, 0));
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float s = s_rc(r, c) * qk_scale;
-        s_rc(r, c) = needs_mask ? masks(s, row, key_start + get<1>(c_rc(r, c))) : s;
-      }
-    }
+    scale_and_mask(s_rc, qk_scale, needs_mask, masks, [&](int r, int c) {
+      return make_int2(row_start + get<0>(c_rc(r, c)), key_start + get<1>(c_rc(r, c)));
+    });
 
     // Online softmax.  A row with no visible key so far keeps max -inf; shifting by 0 then gives
     // p = exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.

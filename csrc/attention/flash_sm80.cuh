@@ -239,6 +239,28 @@ struct ScoreMasks {
   }
 };
 
+// Scales a tile of scores into base-2 units and, where `needs_mask`, applies `masks` to it, with one
+// branch around the whole tile: an interior block runs none of the masks' tests.  (Tested score by
+// score, each score kept its own branch and address arithmetic on the unmasked path too.)
+// `query_key(r, c)` gives the (query, key) of score (r, c).
+template <class Scores, class Masks, class QueryKey>
+__device__ __forceinline__ void scale_and_mask(Scores& s_rc, float qk_scale, bool needs_mask, const Masks& masks,
+                                               QueryKey&& query_key) {
+  if (needs_mask) {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s_rc); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const int2 at = query_key(r, c);
+        s_rc(r, c) = masks(s_rc(r, c) * qk_scale, at.x, at.y);
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= qk_scale;
+  }
+}
+
 // What a CTA of the forward or of the dQ pass owns, from its grid position (query block, batch *
 // query head): its rows, its (batch, head) and the key-value head that head reads, their masks and
 // the key blocks its rows see.  Causal grids run their last query blocks first: those rows see the
