@@ -404,9 +404,9 @@ def _chunked_launches(
 class _Masks:
     """A call's :class:`AttentionArgs` and the kernel arguments built from them;
     ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
-    :func:`_key_bounds_launches` fills: the ``[B, 2]`` of
-    :func:`~transformer_kernels.ops.attention.key_padding_bounds` (which the
-    other backends plan with) and a column counting the kept keys;
+    :func:`_key_bounds_launches` fills with what
+    :func:`~transformer_kernels.ops.attention.key_padding_bounds` gives the
+    other backends (first and last + 1 kept key, kept count), in one kernel;
     ``capability``: the GPU's the launches are for (``compute_capability``),
     which picks the tiles.
 
