@@ -125,13 +125,7 @@ __device__ __forceinline__ void load_stage(const Lines& lines, SmemTile tile, in
 template <Major M, int ROWS, int COLS, int kThreads, class Operand, class SmemTile>
 __device__ __forceinline__ void load_tile(const Operand& op, SmemTile tile, int mn0, int k0, int tid) {
   using Chunks = StageChunks<M, ROWS, COLS, kThreads>;
-  CUTE_UNROLL
-  for (int i = 0; i < Chunks::kPerThread; ++i) {
-    const int mn = Chunks::mn(tid, i), k = Chunks::k(tid, i);
-    bool valid;
-    const auto* src = op.line(mn0 + mn).chunk(k0 + k, valid);
-    cp_async_chunk(&tile(mn, k), src, valid);
-  }
+  load_stage<Chunks>(thread_lines<Chunks>(op, mn0, tid), tile, k0, tid);
 }
 
 // The main loop: accumulates the CTA's tile at (m0, n0) over K into `acc` (the TiledMma's C

@@ -125,7 +125,7 @@ def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
     first = torch.where(kept, index, lk).amin(1)
     end = torch.where(kept, index + 1, 0).amax(1)
     first = torch.where(end > 0, first, 0)
-    return torch.stack([first, end, kept.sum(1)], 1).to(torch.int32)
+    return torch.stack([first, end, kept.sum(1, dtype=torch.int32)], 1)
 
 
 DROPOUT_LEVELS = 1 << 16

@@ -196,8 +196,9 @@ def plan(query: torch.Tensor, key: torch.Tensor, args: AttentionArgs) -> list[_T
         bias_for = functools.partial(_slice_bias_or_none, mask_bias)
         return _segment_tiles(slice(0, batch_size), lk, lq, shift, bias_for, causal_band)
 
-    ends = [end for _, end, _ in key_padding_bounds(key_padding_mask).tolist()]
-    padded_inside = [end > count for end, count in zip(ends, (~key_padding_mask).sum(1).tolist())]
+    bounds = key_padding_bounds(key_padding_mask).tolist()
+    ends = [end for _, end, _ in bounds]
+    padded_inside = [end > count for _, end, count in bounds]
     pad_bias = torch.zeros(batch_size, 1, 1, lk, dtype=dtype, device=device).masked_fill_(
         key_padding_mask[:, None, None, :], float("-inf")
     )
