@@ -154,7 +154,7 @@ PYTHON
     so=$(python3 -c "from transformer_kernels.backends.cuda import extension; print(getattr(extension(), '__file__', ''))")
     [ -n "$so" ] && ldd "$so" | grep -E "stdc|gcc_s" && strings "$so" | grep -oE "GLIBCXX_[0-9.]+" | sort -uV | tail -n 1
     cuda-gdb -batch -ex run -ex bt --args python3 -c "
-import torch, transformer_kernels
+import torch, transformer_kernels._C
 x = torch.randn(2, 32, 9, device='cuda', dtype=torch.float16).transpose(1, 2)
 try:
     torch.ops.transformer_kernels_C.qkv_forward(x, torch.randn(96, 32, device='cuda', dtype=torch.float16), None, 4)

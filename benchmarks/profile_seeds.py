@@ -9,13 +9,14 @@ stubbed, benchmarks/host_time.py) the host path does not account for.  For atten
 projection and the GLU convolution at the seeds' sizes (bfloat16), ours on the Triton backend and
 torch's counterpart each run a few forward+backward steps under ``torch.profiler``: the wall time
 per step, the same step replayed from a CUDA graph (its kernels without the host path between
-them), then the ops by their own CPU time and by their GPU time, so a step's time can be split
-into host work, kernels and waits.
+them), the same two for the forward alone without autograd (inference), then the ops by their own
+CPU time and by their GPU time, so a step's time can be split into host work, kernels and waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -41,24 +42,28 @@ def _cases(device: torch.device, dtype: torch.dtype) -> dict:
 
     cases = {}
     for length in (16, 64):
-        q, k, v = (leaf(BATCH, length, HEADS, HEAD_DIM).transpose(1, 2) for _ in range(3))
+        # The leaves themselves: a view taken outside the step would put its backward node on the
+        # stream it ran on, which a captured backward then waits on (and the capture fails).
+        q, k, v = (leaf(BATCH, length, HEADS, HEAD_DIM) for _ in range(3))
         lengths = torch.randint(length // 4, length + 1, (BATCH,), generator=generator)
         padding = (torch.arange(length) >= lengths[:, None]).to(device)
         cases[f"attention_B{BATCH}_L{length}_padded"] = ([q, k, v], {
             "triton": lambda q=q, k=k, v=v, p=padding: tk.scaled_dot_product_attention(
-                q, k, v, key_padding_mask=p, backend="triton"),
+                *(t.transpose(1, 2) for t in (q, k, v)), key_padding_mask=p, backend="triton"),
             "torch_sdpa": lambda q=q, k=k, v=v, p=padding: F.scaled_dot_product_attention(
-                q, k, v, attn_mask=~p[:, None, None, :]),
+                *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=~p[:, None, None, :]),
         })
     x, weight = leaf(BATCH, 16, EMBED), leaf(3 * EMBED, EMBED, scale=EMBED**-0.5)
     cases[f"qkv_B{BATCH}_L16_E{EMBED}"] = ([x, weight], {
         "triton": lambda: tk.qkv_projection(x, weight, num_heads=HEADS, backend="triton"),
         "torch_linear": lambda: F.linear(x, weight).view(BATCH, 16, 3, HEADS, -1).permute(2, 0, 3, 1, 4).unbind(0),
     })
-    h, conv_weight = leaf(BATCH, 40, CHANNELS).transpose(1, 2), leaf(2 * CHANNELS, CHANNELS, 3, scale=0.03)
+    h, conv_weight = leaf(BATCH, 40, CHANNELS), leaf(2 * CHANNELS, CHANNELS, 3, scale=0.03)
     cases[f"glu_B{BATCH}_C{CHANNELS}_L40"] = ([h, conv_weight], {
-        "triton": lambda: tk.glu_conv1d(h, conv_weight, residual=h, residual_scale=math.sqrt(0.5), backend="triton"),
-        "torch_conv1d": lambda: (F.glu(F.conv1d(h, conv_weight, padding=1), dim=1) + h) * math.sqrt(0.5),
+        "triton": lambda: tk.glu_conv1d(h.transpose(1, 2), conv_weight, residual=h.transpose(1, 2),
+                                        residual_scale=math.sqrt(0.5), backend="triton"),
+        "torch_conv1d": lambda: (F.glu(F.conv1d(h.transpose(1, 2), conv_weight, padding=1), dim=1)
+                                 + h.transpose(1, 2)) * math.sqrt(0.5),
     })
     return cases
 
@@ -79,13 +84,19 @@ def _wall_us(run) -> float:
     return (time.perf_counter() - started) / STEPS * 1e6
 
 
-def _replayed_us(forward, leaves) -> str:
-    """The step's time replayed from a CUDA graph: its kernels alone."""
+def _replayed_us(run) -> str:
+    """``run``'s time replayed from a CUDA graph: its kernels alone."""
     try:
-        graph, _ = captured(lambda: _step(forward, leaves))
+        graph, _ = captured(run)
     except RuntimeError as error:  # a step that syncs cannot be captured: say so, time the rest
         return f"not capturable ({str(error).splitlines()[0]})"
     return f"{_wall_us(graph.replay):.0f} us replayed from a CUDA graph"
+
+
+def _inference(forward) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        outputs = forward()
+    return outputs if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
 def main() -> None:
@@ -97,15 +108,16 @@ def main() -> None:
         for implementation, forward in implementations.items():
             for _ in range(5):
                 _step(forward, leaves)
-            wall_us = _wall_us(lambda: _step(forward, leaves))
-            replayed = _replayed_us(forward, leaves)
+            step = functools.partial(_step, forward, leaves)
+            inference = functools.partial(_inference, forward)
+            timings = (f"{_wall_us(step):.0f} us per forward+backward (unprofiled), {_replayed_us(step)}; "
+                       f"forward alone without autograd: {_wall_us(inference):.0f} us, {_replayed_us(inference)}")
             with profile(activities=ACTIVITIES) as prof:
                 for _ in range(STEPS):
                     _step(forward, leaves)
                 torch.cuda.synchronize()
             events = prof.key_averages()
-            lines.append(f"\n=== {name} {implementation}: {wall_us:.0f} us per forward+backward (unprofiled), "
-                         f"{replayed}")
+            lines.append(f"\n=== {name} {implementation}: {timings}")
             for sort in ("self_cpu_time_total", "self_device_time_total"):
                 lines.append(events.table(sort_by=sort, row_limit=12, max_name_column_width=60))
     report = "\n".join(lines)

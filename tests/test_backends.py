@@ -263,7 +263,12 @@ def test_argument_beats_context_beats_environment_variable(forward_calls, monkey
 
 @requires_cuda
 @skip_unless_backend("triton")
-def test_auto_on_cuda_runs_triton_where_it_can(forward_calls, public):
+def test_auto_on_cuda_runs_triton_where_it_can(forward_calls, monkeypatch, public):
+    # Where auto prefers no CUDA extension kernel (test_cuda_backend covers where it does).
+    from transformer_kernels.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "AUTO_PREFERRED_MAJORS", ())
+    monkeypatch.setattr(cuda_backend, "MEASURED_FASTER", {})
     _, function = public
     _call(function, dtype=torch.float16, device="cuda")
     _call(function, dtype=torch.float64, device="cuda")  # Triton has no float64: eager
