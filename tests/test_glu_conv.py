@@ -513,31 +513,34 @@ def test_step_errors():
 
 # --------------------------------------------------------------------------- Triton (interpreter on CPU)
 
-# (k, L, C_in, C, padding, channels_last, residual, bias): small for the interpreter, still covering every k,
-# L < k, channel counts off the tile sizes (520 channels span 9 to 17 tiles), split-K weight gradients (L=40).
+# (k, L, C_in, C, padding, pad_value, channels_last, residual, bias): small for the interpreter, still
+# covering every k, L < k, channel counts off the tile sizes (520 channels span 9 to 17 tiles), split-K
+# weight gradients (L=40), and padding of zeros (the kernels' own fill), of -0.0 and of another value.
 TRITON_CASES = [
-    (1, 3, 4, 4, "same", False, True, True),
-    (2, 40, 24, 4, "same", True, True, True),
-    (3, 40, 4, 24, "causal", False, False, True),
-    (5, 3, 24, 24, "causal", True, True, False),
-    (7, 1, 4, 24, "same", False, True, True),
-    (3, 3, 520, 4, "causal", True, False, True),
-    (2, 3, 4, 520, "same", False, True, True),
+    (1, 3, 4, 4, "same", 0.75, False, True, True),
+    (2, 40, 24, 4, "same", 0.0, True, True, True),
+    (3, 40, 4, 24, "causal", 0.75, False, False, True),
+    (3, 40, 24, 24, "causal", 0.0, True, False, True),
+    (5, 3, 24, 24, "causal", 0.75, True, True, False),
+    (7, 1, 4, 24, "same", -0.0, False, True, True),
+    (3, 3, 520, 4, "causal", 0.75, True, False, True),
+    (2, 3, 4, 520, "same", 0.0, False, True, True),
 ]
 
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("k,length,channels_in,channels,padding,channels_last,with_residual,with_bias", TRITON_CASES)
-def test_triton_matches_reference(dtype, k, length, channels_in, channels, padding, channels_last, with_residual,
-                                  with_bias):
+@pytest.mark.parametrize("k,length,channels_in,channels,padding,pad_value,channels_last,with_residual,with_bias",
+                         TRITON_CASES)
+def test_triton_matches_reference(dtype, k, length, channels_in, channels, padding, pad_value, channels_last,
+                                  with_residual, with_bias):
     x, weight, bias, residual = _make_inputs(2, k, length, channels_in, channels, dtype=dtype, device=device_for("triton"),
                                              channels_last=channels_last, bias=with_bias, residual=with_residual)
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     if channels_in == 520:
         tolerance *= 4  # sums of 1560 products per output element
     out = _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=tolerance, rtol=tolerance,
-                                    padding=padding, pad_value=0.75, residual_scale=SCALE)
+                                    padding=padding, pad_value=pad_value, residual_scale=SCALE)
     assert _has_layout(out, channels_last)
 
 
@@ -559,8 +562,9 @@ def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch, fresh_
         if kernel == "forward" and not channels_last:
             expected = triton_glu_conv._RAGGED_X_CONFIGS["forward", "sm90_16bit"]
         assert triton_glu_conv._Dots.of(x, x.shape[2]).config(kernel, x.dtype) == expected
-    _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,
-                              padding="causal", pad_value=0.75, residual_scale=SCALE)
+    for pad_value in (0.75, 0.0):
+        _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,
+                                  padding="causal", pad_value=pad_value, residual_scale=SCALE)
 
 
 @requires_triton
@@ -583,6 +587,20 @@ def test_triton_ragged_rows_rule(length, length_out, channels_last, ragged):
     for batch, target_length, _ in triton_glu_conv._TARGET_SHAPES.values():
         target_x = torch.empty(batch, triton_glu_conv._TARGET_CHANNELS, target_length)
         assert triton_glu_conv._Dots.of(target_x, target_length).ragged_x == (target_length % 16 != 0)
+
+
+@requires_triton
+def test_weight_gradient_split_ends_the_grid_soonest():
+    from transformer_kernels.backends.triton._split_sum import split_count
+
+    # The seeds' GLU weight gradient on an H100/H200: 96 tiles, 80 K steps, 132 SMs.  Waves x steps
+    # per range: 1 split 1 x 80, 2: 2 x 40, 3: 3 x 27, 4: 3 x 20, 8: 6 x 10 (a tie: the fewest win).
+    assert split_count(96, 80, 132, min_steps=2, max_splits=6) == 4
+    assert split_count(96, 80, 132, min_steps=2, max_splits=3) == 1  # 2 and 3 ranges gain nothing
+    assert split_count(96, 80, 132, min_steps=30, max_splits=6) == 1  # 4 ranges would hold 20 steps
+    assert split_count(48, 32, 132, min_steps=16, max_splits=6) == 2  # the seeds' QKV: one wave
+    assert split_count(300, 80, 132, min_steps=2, max_splits=1) == 1
+    assert split_count(96, 0, 132, min_steps=2, max_splits=6) == 1  # an empty batch
 
 
 @requires_triton

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -67,7 +68,7 @@ from ._common import (
     run_launches,
     strided_layout,
 )
-from ._split_sum import split_sum_template
+from ._split_sum import split_count, split_sum_template
 
 __all__ = [
     "forward", "prepare_forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last",
@@ -126,6 +127,7 @@ def _glu_conv_forward_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    PAD_BY_FILL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -155,11 +157,13 @@ def _glu_conv_forward_kernel(
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
         # Padding positions read pad_value, and so, harmlessly, do rows past the end
-        # (not stored) and channels past C_in (they meet zero weights).
+        # (not stored) and channels past C_in (they meet zero weights).  PAD_BY_FILL: pad_value
+        # is +0.0, the asynchronous copy's own fill, so the 16-bit tile goes from shared memory
+        # straight to the dot; any other value is selected in registers and stored back first.
         x_tile = tl.load(
             (x_rows + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
-            other=pad_value,
+            other=0.0 if PAD_BY_FILL else pad_value,
         ).to(x_ptr.dtype.element_ty)
         w_ptrs = weight_ptr + tap * stride_wk + ci[:, None] * stride_wi + cols[None, :] * stride_wo
         w_mask = ci_ok[:, None] & col_ok[None, :]
@@ -299,6 +303,7 @@ def _glu_conv_grad_weight_kernel(
     stride_dwk,
     stride_dbs,
     HAS_BIAS: tl.constexpr,
+    PAD_BY_FILL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -345,7 +350,8 @@ def _glu_conv_grad_weight_kernel(
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
             other=0.0,
         )
-        x_tile = tl.where((row_ok & (~in_sequence))[:, None] & ci_ok[None, :], pad_value, x_tile)
+        if not PAD_BY_FILL:  # see the forward kernel
+            x_tile = tl.where((row_ok & (~in_sequence))[:, None] & ci_ok[None, :], pad_value, x_tile)
         x_tile = x_tile.to(x_ptr.dtype.element_ty)
         acc = tl.dot(grad_z_tile, x_tile, acc, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
@@ -402,11 +408,16 @@ _CONFIGS = {
 # per program (backward), too little to keep Hopper's tensor cores busy.  These are the Triton
 # matmul tutorial's Hopper shapes (two warpgroups, 128 rows, 64-wide K steps; the forward's two
 # accumulators keep it at 64 channels): compiled without spills under triton 3.6 and 3.9, every
-# dot wgmma and the weight operands pipelined (tests/test_triton_compile.py), not yet timed.
+# dot wgmma and the weight operands pipelined (tests/test_triton_compile.py).  The H200 profile of
+# 2026-11-27 (benchmarks/results/nvidia-h200-2026-11-27-03ce1d0) timed the weight gradient, then
+# with 32-wide K steps, at 2.9x the input gradient's time for the same products: its main loop
+# issued about twice the instructions its wgmmas needed (channel-last x, 259 per step, the x tile
+# passing through registers for the padding value).  With zero padding left to the copies' fill
+# and 64-wide steps it issues 329 per step of twice the work (triton 3.9; 318 under 3.6).
 _SM90_16BIT_CONFIGS = {
     "forward": KernelConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
     "grad_input": KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-    "grad_weight": KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
+    "grad_weight": KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
 }
 
 
@@ -583,6 +594,13 @@ class _PreparedForward:
         return backward(grad_out, x, weight, bias, packed, args, needs_grad_x, needs_grad_weight, needs_grad_bias)
 
 
+def _pads_by_fill(args: GluConvArgs, dtype: torch.dtype) -> bool:
+    """The kernels' ``PAD_BY_FILL``: the padding is +0.0 (-0.0 keeps its sign) around 16-bit ``x``.
+    float32 tiles pass through registers anyway (TF32 splitting or FMA), and without the select
+    the "ieee" weight gradient spilled on sm_80 under triton 3.6."""
+    return dtype != torch.float32 and args.pad_value == 0.0 and math.copysign(1.0, args.pad_value) > 0
+
+
 def _preactivation_pointers(x, packed, bias, residual, grad_out, destination) -> tuple:
     """``_glu_conv_forward_kernel``'s tensor arguments (an absent one repeats another tensor)."""
     return (
@@ -623,7 +641,8 @@ def _preactivation_template(
     layout = (
         "forward", x.shape, x.stride(), packed.shape, packed.stride(), bias is None,
         None if residual is None else residual.stride(), None if grad_out is None else grad_out.stride(),
-        destination.stride(), args.pad_left, length_out, args.pad_value, args.residual_scale, dots.precision, config,
+        destination.stride(), args.pad_left, length_out, args.pad_value, _pads_by_fill(args, x.dtype), args.residual_scale,
+        dots.precision, config,
     )
 
     def build() -> KernelLaunch:
@@ -651,6 +670,7 @@ def _preactivation_template(
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             COMPUTE_GRAD=grad_out is not None,
+            PAD_BY_FILL=_pads_by_fill(args, x.dtype),
             INPUT_PRECISION=dots.precision,
             **config.launch_kwargs(),
         ))
@@ -685,8 +705,9 @@ def backward(
 @dataclasses.dataclass(frozen=True)
 class _WeightSplit:
     """How the weight-gradient kernel splits the ``B * L_out`` output rows: ``count`` ranges of
-    ``rows`` each (a multiple of its K step), enough programs to fill the GPU twice but at least
-    two K steps per range; one range (writing zeros) for an empty batch."""
+    ``rows`` each (a multiple of its K step), as :func:`._split_sum.split_count` finds the grid
+    ending soonest, up to four programs per SM and at least two K steps per range; one range
+    (writing zeros) for an empty batch."""
 
     count: int
     rows: int
@@ -697,8 +718,10 @@ class _WeightSplit:
         rows_out = x.shape[0] * grad_out.shape[2]
         config = dots.config("grad_weight", x.dtype)
         tiles = cdiv(channels_z, config.block_m) * cdiv(channels_in, config.block_n) * kernel_size
-        splits = max(1, min(cdiv(2 * num_sms(x.device), tiles), cdiv(rows_out, 2 * config.block_k)))
-        rows = max(1, cdiv(rows_out, splits * config.block_k)) * config.block_k
+        steps = cdiv(rows_out, config.block_k)
+        sms = num_sms(x.device)
+        splits = split_count(tiles, steps, sms, min_steps=2, max_splits=cdiv(4 * sms, tiles))
+        rows = max(1, cdiv(steps, splits)) * config.block_k
         return cls(max(1, cdiv(rows_out, rows)), rows)
 
 
@@ -858,7 +881,7 @@ def _grad_weight_template(
     pointers = (x, grad_z, grad_weight_partial, grad_bias_partial)
     layout = ("grad_weight", x.shape, x.stride(), grad_z.shape, grad_z.stride(), grad_weight_partial.shape,
               grad_weight_partial.stride(), grad_bias_partial.stride(0), args.pad_left, rows_per_split,
-              args.pad_value, has_bias, dots.precision, config)
+              args.pad_value, _pads_by_fill(args, x.dtype), has_bias, dots.precision, config)
 
     def build() -> KernelLaunch:
         batch, channels_in, length_in = x.shape
@@ -869,7 +892,8 @@ def _grad_weight_template(
             batch, length_in, grad_z.shape[2], channels_in, channels_z, args.pad_left, rows_per_split,
             float(args.pad_value),
             *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
-        ), dict(HAS_BIAS=has_bias, INPUT_PRECISION=dots.precision, **config.launch_kwargs()))
+        ), dict(HAS_BIAS=has_bias, PAD_BY_FILL=_pads_by_fill(args, x.dtype), INPUT_PRECISION=dots.precision,
+                **config.launch_kwargs()))
 
     return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
@@ -884,11 +908,12 @@ _TARGET_SHAPES = {False: (4, 512, (_TARGET_KERNEL_SIZE - 1) // 2), True: (1, 37,
 
 
 def _target_launch(
-    kind: str, dtype: torch.dtype, compute_grad: bool, channel_last: bool, ragged: bool, dots: _Dots
+    kind: str, dtype: torch.dtype, compute_grad: bool, channel_last: bool, ragged: bool, pad_value: float,
+    dots: _Dots,
 ) -> KernelLaunch:
     """The launch for a representative problem, ``x`` (and the residual, output and ``grad_x``
     in its layout) channel-first or channel-last: the kernels are specialized on which of x's
-    strides is 1, so each layout compiles its own variant."""
+    strides is 1, so each layout compiles its own variant; so is each on a zero padding."""
     channels, kernel_size = _TARGET_CHANNELS, _TARGET_KERNEL_SIZE
     batch, length, pad_left = _TARGET_SHAPES[ragged]
     if channel_last:  # the seeds' model holds its activations as [B, L, C]
@@ -897,7 +922,7 @@ def _target_launch(
         x = torch.empty(batch, channels, length, dtype=dtype)
     packed = torch.empty(kernel_size, channels, 2 * channels, dtype=dtype)
     grad_z = torch.empty(batch, length, 2 * channels, dtype=dtype).transpose(1, 2)
-    args = GluConvArgs(pad_left, kernel_size - 1 - pad_left, 0.0, 0.5)
+    args = GluConvArgs(pad_left, kernel_size - 1 - pad_left, pad_value, 0.5)
     if kind == "forward":
         bias = torch.empty(2 * channels, dtype=dtype)
         if compute_grad:
@@ -919,26 +944,30 @@ def _target_launch(
 def compile_targets() -> list[CompileTarget]:
     """Every (kernel, dtype, TF32 choice) the launchers can pick, with the heaviest
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for each representative
-    problem with ``x`` channel-first and channel-last, on each architecture with the
+    problem with ``x`` channel-first and channel-last, padded with zeros and (16-bit ``x``, the
+    kernels that read the padding) with another value, on each architecture with the
     configuration :func:`kernel_config` picks there."""
     # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
     targets = []
-    for (dtype, precision), (kind, compute_grad), channel_last, ragged in itertools.product(
-        variants, kernels, (False, True), (False, True)
+    for (dtype, precision), (kind, compute_grad), channel_last, ragged, pad_value in itertools.product(
+        variants, kernels, (False, True), (False, True), (0.0, 1.0)
     ):
+        if pad_value and (kind == "grad_input" or dtype == torch.float32):  # no other variant there
+            continue
         ragged_x = ragged and not channel_last
         by_config: dict[KernelConfig, list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
             by_config.setdefault(kernel_config(kind, dtype, capability, precision, ragged_x), []).append(capability)
-        name = (f"glu_conv_{kind}{'-grad' if compute_grad else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}"
-                f"{'-channel_last' if channel_last else ''}{'-ragged' if ragged else ''}")
+        name = (f"glu_conv_{kind}{'-grad' if compute_grad else ''}{'-pad1' if pad_value else ''}"
+                f"-{TORCH_TO_TRITON_DTYPE[dtype]}-{precision}{'-channel_last' if channel_last else ''}"
+                f"{'-ragged' if ragged else ''}")
         targets.extend(
             CompileTarget(
                 name,
                 functools.partial(
-                    _target_launch, kind, dtype, compute_grad, channel_last, ragged,
+                    _target_launch, kind, dtype, compute_grad, channel_last, ragged, pad_value,
                     _Dots(precision, capabilities[0], ragged_x),
                 ),
                 tuple(capabilities),

@@ -51,7 +51,7 @@ from ._common import (
 )
 # Imported under its own name: tests replace this module attribute to force a tile configuration.
 from ._common import num_sms as multiprocessor_count
-from ._split_sum import split_sum_template
+from ._split_sum import split_count, split_sum_template
 
 __all__ = [
     "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "prepare_forward",
@@ -407,15 +407,13 @@ def gemm_config(kernel: str, m: int, n: int, num_sms: int) -> KernelConfig:
 
 
 def grad_weight_splits(output_tiles: int, num_tokens: int, block_k: int, num_sms: int) -> int:
-    """Number of token splits for the weight-gradient GEMM.
-
-    Split only while the grid is under two waves, and keep at least 16
-    reduction steps per split so the fp32 partial sums stay a small share of
-    the traffic.
-    """
+    """Number of token splits for the weight-gradient GEMM (:func:`._split_sum.split_count`):
+    only while the grid is under two waves, and with at least 16 reduction steps per split so the
+    fp32 partial sums stay a small share of the traffic."""
     if output_tiles >= 2 * num_sms:
         return 1
-    return max(1, min(cdiv(2 * num_sms, output_tiles), num_tokens // (16 * block_k)))
+    return split_count(output_tiles, cdiv(num_tokens, block_k), num_sms, min_steps=16,
+                       max_splits=cdiv(2 * num_sms, output_tiles))
 
 
 def _uses_torch_matmul(dtype: torch.dtype) -> bool:
