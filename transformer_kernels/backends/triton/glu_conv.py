@@ -274,6 +274,8 @@ def _glu_conv_grad_input_kernel(
 # Program (tile, tap, split) owns a BLOCK_M x BLOCK_N tile (M: 2C, N: C_in) of one
 # tap and reduces over its split's contiguous range of rows (K), BLOCK_K at a time,
 # re-reading x (with pad_value in the padding) rather than an unfolded copy.
+# grad_z's rows are evenly strided (stride_dzr: the backward allocates it so), so only x's
+# address needs a row's batch and position.
 # Each split writes fp32 partial sums; the launcher adds the splits, which
 # keeps the result deterministic (no atomics).  Only the programs of tap 0
 # and the first C_in tile write grad_bias partials.
@@ -294,9 +296,8 @@ def _glu_conv_grad_weight_kernel(
     stride_xb,
     stride_xc,
     stride_xl,
-    stride_dzb,
     stride_dzc,
-    stride_dzl,
+    stride_dzr,
     stride_dws,
     stride_dwo,
     stride_dwi,
@@ -339,7 +340,7 @@ def _glu_conv_grad_weight_kernel(
         b = (rows // length_out).to(tl.int64)
         s = rows % length_out
         grad_z_tile = tl.load(
-            grad_z_ptr + cz[:, None] * stride_dzc + (b * stride_dzb + s.to(tl.int64) * stride_dzl)[None, :],
+            grad_z_ptr + cz[:, None] * stride_dzc + (rows.to(tl.int64) * stride_dzr)[None, :],
             mask=cz_ok[:, None] & row_ok[None, :],
             other=0.0,
         )
@@ -438,12 +439,20 @@ _RAGGED_X_CONFIGS = {
 }
 
 
+# float32 "ieee" dots (FMA) of the weight gradient: 64 x 32 tiles on 4 warps, the same work per
+# thread as the shared 64 x 64 on 8.  ptxas holds the 8-warp loop at 128 registers, where with
+# grad_z addressed by its row stride it spilled 8 bytes (channel-last x, sm_80, triton 3.9); this
+# tile compiles without spills in every layout under triton 3.6 and 3.9.
+_IEEE_CONFIGS = {"grad_weight": KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2)}
+
+
 def kernel_config(
     kernel: str, dtype: torch.dtype, capability: Optional[int], precision: str = "ieee", ragged_x: bool = False
 ) -> KernelConfig:
     """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of
     ``dtype`` on a GPU of compute ``capability`` (None under the interpreter), float32 dots of
-    ``precision``, ``x`` channel-first with ragged rows or not (see ``_RAGGED_X_CONFIGS``)."""
+    ``precision`` (see ``_IEEE_CONFIGS``), ``x`` channel-first with ragged rows or not (see
+    ``_RAGGED_X_CONFIGS``)."""
     sm90_16bit = dtype != torch.float32 and capability is not None and capability >= 90
     if ragged_x:
         family = precision if dtype == torch.float32 else "sm90_16bit" if sm90_16bit else None
@@ -452,6 +461,8 @@ def kernel_config(
             return config
     if sm90_16bit:
         return _SM90_16BIT_CONFIGS[kernel]
+    if dtype == torch.float32 and precision == "ieee" and kernel in _IEEE_CONFIGS:
+        return _IEEE_CONFIGS[kernel]
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
@@ -876,7 +887,9 @@ def _grad_weight_template(
     dots: _Dots,
 ) -> tuple[KernelLaunch, ...]:
     """``_glu_conv_grad_weight_kernel`` writing float32 partial sums ``[splits, 2C, C_in, k]`` and
-    ``[splits, 2C]``; pointers ``(x, grad_z, grad_weight_partial, grad_bias_partial)``."""
+    ``[splits, 2C]``; pointers ``(x, grad_z, grad_weight_partial, grad_bias_partial)``, ``grad_z``'s
+    (batch, position) rows evenly strided, as :func:`_backward_buffers` allocates it."""
+    assert grad_z.stride(0) == grad_z.shape[2] * grad_z.stride(2) or grad_z.shape[0] <= 1, grad_z.stride()
     config = dots.config("grad_weight", x.dtype)
     pointers = (x, grad_z, grad_weight_partial, grad_bias_partial)
     layout = ("grad_weight", x.shape, x.stride(), grad_z.shape, grad_z.stride(), grad_weight_partial.shape,
@@ -891,7 +904,7 @@ def _grad_weight_template(
             *pointers,
             batch, length_in, grad_z.shape[2], channels_in, channels_z, args.pad_left, rows_per_split,
             float(args.pad_value),
-            *x.stride(), *grad_z.stride(), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
+            *x.stride(), grad_z.stride(1), grad_z.stride(2), *grad_weight_partial.stride(), grad_bias_partial.stride(0),
         ), dict(HAS_BIAS=has_bias, PAD_BY_FILL=_pads_by_fill(args, x.dtype), INPUT_PRECISION=dots.precision,
                 **config.launch_kwargs()))
 
