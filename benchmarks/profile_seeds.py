@@ -11,6 +11,8 @@ torch's counterpart each run a few forward+backward steps under ``torch.profiler
 per step, the same step replayed from a CUDA graph (its kernels without the host path between
 them), the same two for the forward alone without autograd (inference), then the ops by their own
 CPU time and by their GPU time, so a step's time can be split into host work, kernels and waits.
+The GLU convolution also runs ours on the two inputs its kernels treat apart: the decoder's causal
+padding holding a value, and channel-first x.
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def _cases(device: torch.device, dtype: torch.dtype) -> dict:
                                         residual_scale=math.sqrt(0.5), backend="triton"),
         "torch_conv1d": lambda: (F.glu(F.conv1d(h.transpose(1, 2), conv_weight, padding=1), dim=1)
                                  + h.transpose(1, 2)) * math.sqrt(0.5),
+        # Ours on the variants the kernels treat apart: the decoder's causal padding holding the pad
+        # index (selected into each x tile in registers; zeros are the copies' own fill), and
+        # channel-first x [B, C, L], as a nn.Conv1d user holds it (its tiles loaded 2 bytes at a time).
+        "triton_causal_pad1": lambda: tk.glu_conv1d(h.transpose(1, 2), conv_weight, padding="causal", pad_value=1.0,
+                                                    residual=h.transpose(1, 2), residual_scale=math.sqrt(0.5),
+                                                    backend="triton"),
+    })
+    h_first = leaf(BATCH, CHANNELS, 40)
+    cases[f"glu_B{BATCH}_C{CHANNELS}_L40_channel_first"] = ([h_first, conv_weight], {
+        "triton": lambda: tk.glu_conv1d(h_first, conv_weight, residual=h_first, residual_scale=math.sqrt(0.5),
+                                        backend="triton"),
     })
     return cases
 
