@@ -413,8 +413,9 @@ _CONFIGS = {
 # 2026-11-27 (benchmarks/results/nvidia-h200-2026-11-27-03ce1d0) timed the weight gradient, then
 # with 32-wide K steps, at 2.9x the input gradient's time for the same products: its main loop
 # issued about twice the instructions its wgmmas needed (channel-last x, 259 per step, the x tile
-# passing through registers for the padding value).  With zero padding left to the copies' fill
-# and 64-wide steps it issues 329 per step of twice the work (triton 3.9; 318 under 3.6).
+# passing through registers for the padding value).  With zero padding left to the copies' fill,
+# grad_z addressed by its row stride and 64-wide steps it issues 307 per step of twice the work
+# (triton 3.9; 312 under 3.6).
 _SM90_16BIT_CONFIGS = {
     "forward": KernelConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
     "grad_input": KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
@@ -652,8 +653,8 @@ def _preactivation_template(
     layout = (
         "forward", x.shape, x.stride(), packed.shape, packed.stride(), bias is None,
         None if residual is None else residual.stride(), None if grad_out is None else grad_out.stride(),
-        destination.stride(), args.pad_left, length_out, args.pad_value, _pads_by_fill(args, x.dtype), args.residual_scale,
-        dots.precision, config,
+        destination.stride(), args.pad_left, length_out, args.pad_value, _pads_by_fill(args, x.dtype),
+        args.residual_scale, dots.precision, config,
     )
 
     def build() -> KernelLaunch:
