@@ -92,6 +92,8 @@ _SAME_DATA_OPS = {
     "ttg.memdesc_reshape", "ttg.memdesc_reinterpret", "tt.trans", "tt.reshape", "tt.split",
     "arith.truncf", "arith.extf", "tt.fp_to_fp", "tt.bitcast", "tt.elementwise_inline_asm",
 }
+# Views of a shared-memory buffer: a wgmma operand is followed through them to its allocation.
+_VIEW_OPS = {"ttg.memdesc_trans", "ttg.memdesc_subslice", "ttg.memdesc_reshape", "ttg.memdesc_reinterpret"}
 # How the software pipeliner loads a tile ahead of the iteration that uses it:
 # cp.async, or TMA for tensor descriptors.
 _ASYNC_COPIES = {"ttg.async_copy_global_to_local", "ttng.async_tma_copy_global_to_local"}
@@ -187,6 +189,20 @@ class _Ttgir:
     def innermost_loop_body(self, regions: tuple):
         return next((r for r in reversed(regions) if r in self.loop_yields), None)
 
+    def restaged(self, value: str, regions: tuple) -> list:
+        """The buffers (async copies' destinations) whose data reaches the shared-memory operand
+        ``value`` through registers: a ``ttg.local_alloc`` of a tensor, after a ``local_load`` of
+        the copied tile and whatever changed it there, stores it to shared memory again."""
+        definition = self._lookup(value, regions)
+        if definition is None or definition[0] != "op":
+            return []
+        op = definition[1]
+        if op["name"] == "ttg.local_alloc" and op["operands"]:
+            return [source for kind, source in self.origins(value, regions) if kind == "buffer"]
+        if op["name"] in _VIEW_OPS:
+            return self.restaged(op["operands"][0], op["regions"])
+        return []
+
 
 def _source_name(op: dict) -> str:
     """The source variable a load or buffer holds: MLIR names a value after it,
@@ -206,7 +222,9 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
     flight: for a load pipelined into async copies, the copies issued for its
     buffers (num_stages - 1 ahead of the loop, then one per iteration); 1 for
     a plain tt.load.  Operands loaded before the loop or computed in it are
-    not listed; an operand of several loops gets the fewest stages."""
+    not listed; an operand of several loops gets the fewest stages.
+    ``restaged``: the main-loop wgmma operands whose copied tile goes through
+    registers and back to shared memory before the dot (:meth:`_Ttgir.restaged`)."""
     module = _Ttgir(ttgir)
     copies = collections.Counter()
     for op in module.ops:
@@ -217,7 +235,7 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
                 for kind, alloc in module.origins(operand, op["regions"]):
                     if kind == "buffer":
                         copies[alloc["index"]] += 1
-    dots, operand_stages = set(), {}
+    dots, operand_stages, restaged = set(), {}, set()
     for op in module.ops:
         if op["name"] not in ("tt.dot", "ttng.warp_group_dot"):
             continue
@@ -226,6 +244,9 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
         loop_body = module.innermost_loop_body(op["regions"])
         if loop_body is None:
             continue
+        if op["name"] == "ttng.warp_group_dot":
+            restaged.update(_source_name(source) for operand in op["operands"][:2]
+                            for source in module.restaged(operand, op["regions"]))
         sources = [source for operand in op["operands"][:2] for source in module.origins(operand, op["regions"])]
         for kind, source in sources:
             if kind == "buffer":
@@ -240,6 +261,7 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
         "dots": sorted(dots),
         "ptx_mma": sorted(kind for kind, mnemonic in _PTX_MMA.items() if mnemonic in ptx),
         "operand_stages": operand_stages,
+        "restaged": sorted(restaged),
     }
 
 
