@@ -550,8 +550,8 @@ def test_triton_matches_reference(dtype, k, length, channels_in, channels, paddi
 def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch, fresh_glu_plans):
     """The 16-bit sm_90 tiles (128 rows, 64-wide K steps), which the interpreter's capability-less
     calls never pick, on channel counts and positions that leave partial tiles; channel-first, 75
-    positions are ragged rows, whose forward takes its own tile.  (Fresh call plans: a prepared
-    forward keeps the capability of its layout's first call.)"""
+    positions are ragged rows, whose forward and weight gradient take their own tiles.  (Fresh
+    call plans: a prepared forward keeps the capability of its layout's first call.)"""
     from transformer_kernels.backends.triton import glu_conv as triton_glu_conv
 
     monkeypatch.setattr(triton_glu_conv, "compute_capability", lambda device: 90)
@@ -559,8 +559,8 @@ def test_triton_sm90_tiles_in_the_interpreter(channels_last, monkeypatch, fresh_
                                              channels_last=channels_last)
     for kernel in ("forward", "grad_input", "grad_weight"):
         expected = triton_glu_conv._SM90_16BIT_CONFIGS[kernel]
-        if kernel == "forward" and not channels_last:
-            expected = triton_glu_conv._RAGGED_X_CONFIGS["forward", "sm90_16bit"]
+        if not channels_last:
+            expected = triton_glu_conv._RAGGED_X_CONFIGS.get((kernel, "sm90_16bit"), expected)
         assert triton_glu_conv._Dots.of(x, x.shape[2]).config(kernel, x.dtype) == expected
     for pad_value in (0.75, 0.0):
         _assert_matches_reference(x, weight, bias, residual, backend="triton", atol=1e-2, rtol=1e-2,

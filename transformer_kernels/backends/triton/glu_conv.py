@@ -334,11 +334,15 @@ def _glu_conv_grad_weight_kernel(
         ones_column = row_sum_operand(BLOCK_K, grad_z_ptr.dtype.element_ty)
     else:
         bias_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # Each row's position in its sequence and x's offset of that sequence, advanced by BLOCK_K rows
+    # a step without dividing: BLOCK_K rows are step_b whole sequences and step_s positions more.
+    rows = row_start + tl.arange(0, BLOCK_K)
+    s = rows % length_out
+    x_rows = (rows // length_out).to(tl.int64) * stride_xb
+    step_b, step_s = BLOCK_K // length_out, BLOCK_K % length_out
     for row_block in range(row_start, row_end, BLOCK_K):
         rows = row_block + tl.arange(0, BLOCK_K)
         row_ok = rows < row_end
-        b = (rows // length_out).to(tl.int64)
-        s = rows % length_out
         grad_z_tile = tl.load(
             grad_z_ptr + cz[:, None] * stride_dzc + (rows.to(tl.int64) * stride_dzr)[None, :],
             mask=cz_ok[:, None] & row_ok[None, :],
@@ -347,10 +351,14 @@ def _glu_conv_grad_weight_kernel(
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
         x_tile = tl.load(
-            x_ptr + (b * stride_xb + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
+            x_ptr + (x_rows + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
             other=0.0,
         )
+        s += step_s
+        wrapped = s >= length_out
+        s = tl.where(wrapped, s - length_out, s)
+        x_rows += (step_b + wrapped.to(tl.int64)) * stride_xb
         if not PAD_BY_FILL:  # see the forward kernel
             x_tile = tl.where((row_ok & (~in_sequence))[:, None] & ci_ok[None, :], pad_value, x_tile)
         x_tile = x_tile.to(x_ptr.dtype.element_ty)
@@ -414,8 +422,8 @@ _CONFIGS = {
 # with 32-wide K steps, at 2.9x the input gradient's time for the same products: its main loop
 # issued about twice the instructions its wgmmas needed (channel-last x, 259 per step, the x tile
 # passing through registers for the padding value).  With zero padding left to the copies' fill,
-# grad_z addressed by its row stride and 64-wide steps it issues 307 per step of twice the work
-# (triton 3.9; 312 under 3.6).
+# grad_z addressed by its row stride, x's rows advanced without a division and 64-wide steps it
+# issues 262 per step of twice the work (triton 3.9; 251 under 3.6).
 _SM90_16BIT_CONFIGS = {
     "forward": KernelConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
     "grad_input": KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
@@ -437,14 +445,10 @@ _RAGGED_X_CONFIGS = {
     ("forward", "tf32x3"): _RAGGED_FLOAT32_FORWARD,
     ("forward", "ieee"): _RAGGED_FLOAT32_FORWARD,
     ("grad_weight", "tf32x3"): KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2),
+    # 32-wide K steps, as the sm_90 weight gradient took before its 64-wide ones: with those, its
+    # variant for a padding value other than zero spilled 8 bytes under triton 3.9.
+    ("grad_weight", "sm90_16bit"): KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
 }
-
-
-# float32 "ieee" dots (FMA) of the weight gradient: 64 x 32 tiles on 4 warps, the same work per
-# thread as the shared 64 x 64 on 8.  ptxas holds the 8-warp loop at 128 registers, where with
-# grad_z addressed by its row stride it spilled 8 bytes (channel-last x, sm_80, triton 3.9); this
-# tile compiles without spills in every layout under triton 3.6 and 3.9.
-_IEEE_CONFIGS = {"grad_weight": KernelConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2)}
 
 
 def kernel_config(
@@ -452,8 +456,7 @@ def kernel_config(
 ) -> KernelConfig:
     """The configuration of ``kernel`` ("forward", "grad_input", "grad_weight") for inputs of
     ``dtype`` on a GPU of compute ``capability`` (None under the interpreter), float32 dots of
-    ``precision`` (see ``_IEEE_CONFIGS``), ``x`` channel-first with ragged rows or not (see
-    ``_RAGGED_X_CONFIGS``)."""
+    ``precision``, ``x`` channel-first with ragged rows or not (see ``_RAGGED_X_CONFIGS``)."""
     sm90_16bit = dtype != torch.float32 and capability is not None and capability >= 90
     if ragged_x:
         family = precision if dtype == torch.float32 else "sm90_16bit" if sm90_16bit else None
@@ -462,8 +465,6 @@ def kernel_config(
             return config
     if sm90_16bit:
         return _SM90_16BIT_CONFIGS[kernel]
-    if dtype == torch.float32 and precision == "ieee" and kernel in _IEEE_CONFIGS:
-        return _IEEE_CONFIGS[kernel]
     return _CONFIGS[kernel][dtype == torch.float32]
 
 
