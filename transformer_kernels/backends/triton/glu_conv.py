@@ -355,10 +355,6 @@ def _glu_conv_grad_weight_kernel(
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
             other=0.0,
         )
-        s += step_s
-        wrapped = s >= length_out
-        s = tl.where(wrapped, s - length_out, s)
-        x_rows += (step_b + wrapped.to(tl.int64)) * stride_xb
         if not PAD_BY_FILL:  # see the forward kernel
             x_tile = tl.where((row_ok & (~in_sequence))[:, None] & ci_ok[None, :], pad_value, x_tile)
         x_tile = x_tile.to(x_ptr.dtype.element_ty)
@@ -368,6 +364,10 @@ def _glu_conv_grad_weight_kernel(
                 bias_acc = tl.dot(grad_z_tile, ones_column, bias_acc)
             else:
                 bias_acc += tl.sum(grad_z_tile, axis=1)
+        s += step_s  # the next step's rows
+        wrapped = s >= length_out
+        s = tl.where(wrapped, s - length_out, s)
+        x_rows += (step_b + wrapped.to(tl.int64)) * stride_xb
 
     partial_ptrs = (
         grad_weight_partial_ptr
