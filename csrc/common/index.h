@@ -50,29 +50,39 @@ struct FastDivisor {
 // their mn through the K loop, computes that part once, outside the loop.
 enum class Major { K, MN };
 
-// A line whose elements lie one after another from `start`: chunk k at start + k.  Out of range
-// (mn or k past the operand), `valid` is false and the address is `start`, which is never read.
-template <class T>
-struct ContiguousLine {
+// The stride of a line whose elements lie one after another: k * UnitStride{} is k.
+struct UnitStride {};
+TK_HOST_DEVICE int operator*(int k, UnitStride) { return k; }
+
+// A line whose elements lie `stride` apart from `start` (an MN-major operand with one stride along
+// K), or one after another (ContiguousLine): chunk k at start + k * stride.  Out of range (mn or k
+// past the operand), `valid` is false and the address is `start`, which is never read.
+template <class T, class Stride = int64_t>
+struct StridedLine {
   const T* start;  // the line's element 0; the operand's base address when mn is out of range
   int depth;       // K
   bool in_range;   // mn inside the operand
-  TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
-    valid = in_range && k < depth;
-    return valid ? start + k : start;
-  }
-};
-
-// A line whose elements lie `stride` apart (an MN-major operand with one stride along K).
-template <class T>
-struct StridedLine {
-  const T* start;
-  int64_t stride;
-  int depth;
-  bool in_range;
+  Stride stride{};
   TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
     valid = in_range && k < depth;
     return valid ? start + k * stride : start;
+  }
+};
+
+template <class T>
+using ContiguousLine = StridedLine<T, UnitStride>;
+
+// A line of an MN-major operand whose K index runs over rows that `Rows` addresses (its
+// row_count() and row_offset(k)): chunk k at column + row_offset(k).  The column is the part the
+// address owes to mn.
+template <class T, class Rows>
+struct RowOffsetLine {
+  const Rows* rows;
+  const T* column;
+  bool in_range;
+  TK_HOST_DEVICE const T* chunk(int k, bool& valid) const {
+    valid = in_range && k < rows->row_count();
+    return valid ? column + rows->row_offset(k) : column;
   }
 };
 

@@ -38,13 +38,14 @@ struct XpadByToken {
   using Line = ContiguousLine<T>;
   const T* ptr;
   ConvShape shape;
-  TK_HOST_DEVICE int64_t window_offset(int t) const {
+  TK_HOST_DEVICE int row_count() const { return shape.tokens(); }
+  TK_HOST_DEVICE int64_t row_offset(int t) const {  // where token t's window starts
     int b = shape.length_out.quotient(t), s = t - b * shape.length_out.divisor;
     return (int64_t(b) * shape.padded_length() + s) * shape.channels_in;
   }
   TK_HOST_DEVICE Line line(int t) const {
     const bool in_range = t < shape.tokens();
-    return Line{in_range ? ptr + window_offset(t) : ptr, shape.window(), in_range};
+    return Line{in_range ? ptr + row_offset(t) : ptr, shape.window(), in_range};
   }
 };
 
@@ -52,15 +53,7 @@ struct XpadByToken {
 template <class T>
 struct XpadByWindow {
   static constexpr Major kMajor = Major::MN;
-  struct Line {  // window element j; the token's window is the K-dependent part
-    const XpadByToken<T>* rows;
-    const T* column;
-    bool in_range;
-    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
-      valid = in_range && t < rows->shape.tokens();
-      return valid ? column + rows->window_offset(t) : column;
-    }
-  };
+  using Line = RowOffsetLine<T, XpadByToken<T>>;  // window element j; the token's window is the K-dependent part
   XpadByToken<T> rows;
   TK_HOST_DEVICE Line line(int j) const {
     const bool in_range = j < rows.shape.window();
@@ -140,7 +133,7 @@ struct GradZByChannel {
   ConvShape shape;
   TK_HOST_DEVICE Line line(int n) const {
     const bool in_range = n < shape.channels_z.divisor;
-    return Line{in_range ? ptr + n : ptr, shape.channels_z.divisor, shape.tokens(), in_range};
+    return Line{in_range ? ptr + n : ptr, shape.tokens(), in_range, shape.channels_z.divisor};
   }
 };
 

@@ -24,6 +24,7 @@ struct TokenRows {
   int tokens, cols;
   int64_t stride_b, stride_l;
 
+  TK_HOST_DEVICE int row_count() const { return tokens; }
   TK_HOST_DEVICE int64_t row_offset(int t) const {
     int b = seq_len.quotient(t);
     return b * stride_b + (t - b * seq_len.divisor) * stride_l;
@@ -43,15 +44,7 @@ struct XByToken : TokenRows<T> {  // K-major: (mn, k) = (t, e)
 template <class T>
 struct XByFeature : TokenRows<T> {  // MN-major: (mn, k) = (e, t)
   static constexpr Major kMajor = Major::MN;
-  struct Line {  // column e; the token's row offset is the K-dependent part
-    const XByFeature* x;
-    const T* column;
-    bool in_range;
-    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
-      valid = in_range && t < x->tokens;
-      return valid ? column + x->row_offset(t) : column;
-    }
-  };
+  using Line = RowOffsetLine<T, TokenRows<T>>;  // column e; the token's row offset is the K-dependent part
   TK_HOST_DEVICE Line line(int e) const {
     const bool in_range = e < this->cols;
     return Line{this, in_range ? this->ptr + e : this->ptr, in_range};
@@ -81,7 +74,7 @@ struct WeightCols {  // MN-major: (mn, k) = (e, f)
   int64_t stride;
   TK_HOST_DEVICE Line line(int e) const {
     const bool in_range = e < cols;
-    return Line{in_range ? ptr + e : ptr, stride, rows, in_range};
+    return Line{in_range ? ptr + e : ptr, rows, in_range, stride};
   }
 };
 
@@ -92,6 +85,8 @@ struct HeadSplitTensors {
   HeadSplitShape shape;
   int tokens, features;
 
+  TK_HOST_DEVICE int row_count() const { return tokens; }
+  TK_HOST_DEVICE int64_t row_offset(int t) const { return head_split_token_offset(shape, t); }
   TK_HOST_DEVICE const T* output(int proj) const {
     // A select, not ptr[proj]: a dynamic index into a kernel parameter array goes to local memory.
     return proj == 0 ? ptr[0] : proj == 1 ? ptr[1] : ptr[2];
@@ -114,22 +109,14 @@ struct GradByToken : HeadSplitTensors<T> {  // K-major: (mn, k) = (t, f)
   };
   TK_HOST_DEVICE Line line(int t) const {
     const bool in_range = t < this->tokens;
-    return Line{this, in_range ? head_split_token_offset(this->shape, t) : 0, in_range};
+    return Line{this, in_range ? this->row_offset(t) : 0, in_range};
   }
 };
 
 template <class T>
 struct GradByFeature : HeadSplitTensors<T> {  // MN-major: (mn, k) = (f, t)
   static constexpr Major kMajor = Major::MN;
-  struct Line {  // feature f; the token's offset is the K-dependent part
-    const GradByFeature* grad;
-    const T* column;
-    bool in_range;
-    TK_HOST_DEVICE const T* chunk(int t, bool& valid) const {
-      valid = in_range && t < grad->tokens;
-      return valid ? column + head_split_token_offset(grad->shape, t) : column;
-    }
-  };
+  using Line = RowOffsetLine<T, HeadSplitTensors<T>>;  // feature f; the token's offset is the K-dependent part
   TK_HOST_DEVICE Line line(int f) const {
     const bool in_range = f < this->features;
     if (!in_range) return Line{this, this->ptr[0], false};
