@@ -13,6 +13,13 @@ them), the same two for the forward alone without autograd (inference), then the
 CPU time and by their GPU time, so a step's time can be split into host work, kernels and waits.
 The GLU convolution also runs ours on the two inputs its kernels treat apart: the decoder's causal
 padding holding a value, and channel-first x.
+
+Then the seed models' training steps (forward, loss and every parameter's gradient), exactly as the
+report's ``models`` groups time them (:mod:`transformer_kernels.bench.suites.models`): the fused
+model on the Triton backend against the reference model (and, for the Transformer, torch's
+``nn.Transformer`` stack).  The H200 report of 2026-11-27 (03ce1d0) timed the ConvSeq2Seq step at
+0.91x the reference's, while each of its layers' GLU convolution alone ran faster than torch's: the
+model's own profile says which kernels and which host work make up the difference.
 """
 
 from __future__ import annotations
@@ -28,15 +35,19 @@ from torch.profiler import ProfilerActivity, profile
 
 import transformer_kernels as tk
 from transformer_kernels.bench.graphs import captured
+from transformer_kernels.bench.suites import Setting
+from transformer_kernels.bench.suites import models as model_suite
 
 STEPS = 10
+# Rows of each profile table: an op's few kernels, or a model step's many.
+OP_ROWS, MODEL_ROWS = 12, 25
 ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 BATCH, HEADS, HEAD_DIM, EMBED, CHANNELS = 128, 8, 64, 512, 512
 
 
-def _cases(device: torch.device, dtype: torch.dtype) -> dict:
-    """name -> (leaves, {implementation: forward})."""
+def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
+    """name -> {implementation: (forward, leaves)}: the ops at the seeds' sizes."""
     generator = torch.Generator().manual_seed(0)
 
     def leaf(*shape, scale=1.0):
@@ -78,6 +89,24 @@ def _cases(device: torch.device, dtype: torch.dtype) -> dict:
         "triton": lambda: tk.glu_conv1d(h_first, conv_weight, residual=h_first, residual_scale=math.sqrt(0.5),
                                         backend="triton"),
     })
+    return {name: {implementation: (forward, leaves) for implementation, forward in implementations.items()}
+            for name, (leaves, implementations) in cases.items()}
+
+
+def _model_cases(device: torch.device, dtype: torch.dtype) -> dict:
+    """name -> {implementation: (forward, leaves)}: the report's seed-model training steps
+    (``forward`` returns the loss, ``leaves`` are the model's parameters)."""
+    cases = {}
+    setting = Setting(device, dtype, "quick")
+    for group in model_suite.groups(setting):
+        if group.direction != "fwd+bwd":
+            continue
+        implementations = {}
+        for implementation in (setting.ours, "reference", "nn_transformer"):
+            if implementation in group.setups:
+                made = group.setups[implementation]()
+                implementations[implementation] = (made.forward, made.leaves)
+        cases[group.case] = implementations
     return cases
 
 
@@ -112,32 +141,45 @@ def _inference(forward) -> tuple[torch.Tensor, ...]:
     return outputs if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
+def _profiled(forward, leaves, rows: int) -> list[str]:
+    """The timings of one implementation's step, then its ops by own CPU time and by GPU time."""
+    for _ in range(5):
+        _step(forward, leaves)
+    step = functools.partial(_step, forward, leaves)
+    inference = functools.partial(_inference, forward)
+    timings = (f"{_wall_us(step):.0f} us per forward+backward (unprofiled), {_replayed_us(step)}; "
+               f"forward alone without autograd: {_wall_us(inference):.0f} us, {_replayed_us(inference)}")
+    with profile(activities=ACTIVITIES) as prof:
+        for _ in range(STEPS):
+            _step(forward, leaves)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return [timings] + [events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+                        for sort in ("self_cpu_time_total", "self_device_time_total")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
-    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each"]
-    for name, (leaves, implementations) in _cases(DEVICE, DTYPE).items():
-        for implementation, forward in implementations.items():
-            for _ in range(5):
-                _step(forward, leaves)
-            step = functools.partial(_step, forward, leaves)
-            inference = functools.partial(_inference, forward)
-            timings = (f"{_wall_us(step):.0f} us per forward+backward (unprofiled), {_replayed_us(step)}; "
-                       f"forward alone without autograd: {_wall_us(inference):.0f} us, {_replayed_us(inference)}")
-            with profile(activities=ACTIVITIES) as prof:
-                for _ in range(STEPS):
-                    _step(forward, leaves)
-                torch.cuda.synchronize()
-            events = prof.key_averages()
-            lines.append(f"\n=== {name} {implementation}: {timings}")
-            for sort in ("self_cpu_time_total", "self_device_time_total"):
-                lines.append(events.table(sort_by=sort, row_limit=12, max_name_column_width=60))
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    out = open(args.out, "w") if args.out else None
+
+    def emit(*lines: str) -> None:
+        # Case by case, so that a run its time limit cuts off keeps what it measured.
+        for line in lines:
+            print(line, flush=True)
+            if out is not None:
+                out.write(line + "\n")
+                out.flush()
+
+    emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each")
+    for cases, rows in ((_op_cases, OP_ROWS), (_model_cases, MODEL_ROWS)):
+        for name, implementations in cases(DEVICE, DTYPE).items():
+            for implementation, (forward, leaves) in implementations.items():
+                timings, *tables = _profiled(forward, leaves, rows)
+                emit(f"\n=== {name} {implementation}: {timings}", *tables)
+    if out is not None:
+        out.close()
 
 
 if __name__ == "__main__":
