@@ -41,7 +41,7 @@ def traced() -> dict:
                               "_attention_grad_key_value_kernel", "_attention_grad_query_kernel"]),
     ("qkv", ["_qkv_forward_kernel", "_qkv_grad_input_kernel", "_qkv_grad_weight_kernel"]),
     ("glu", ["_glu_conv_forward_kernel", "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel",
-             "_glu_conv_grad_weight_kernel", "_split_sum_kernel", "_split_sum_kernel"]),
+             "_glu_conv_grad_weight_kernel", "_split_sum_kernel"]),
     ("glu_causal", ["_glu_conv_forward_kernel", "_glu_conv_forward_kernel", "_glu_conv_grad_input_kernel",
                     "_glu_conv_grad_weight_kernel", "_split_sum_kernel"]),
 ])

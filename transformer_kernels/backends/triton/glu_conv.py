@@ -68,7 +68,7 @@ from ._common import (
     run_launches,
     strided_layout,
 )
-from ._split_sum import split_count, split_sum_template
+from ._split_sum import split_count, split_sum_pointers, split_sum_template, wanted_sums
 
 __all__ = [
     "forward", "prepare_forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last",
@@ -749,8 +749,8 @@ class _BackwardBuffers(NamedTuple):
     grad_x: torch.Tensor
     grad_weight: torch.Tensor
     grad_bias: torch.Tensor
-    grad_weight_partial: Optional[torch.Tensor]
-    grad_bias_partial: Optional[torch.Tensor]
+    weight_sums: Optional[torch.Tensor]
+    bias_sums: Optional[torch.Tensor]
 
 
 def _backward_buffers(grad_out, x, weight, wanted: WantedGradients, split: _WeightSplit) -> _BackwardBuffers:
@@ -786,13 +786,10 @@ def _backward_templates(
             templates.append(_grad_input_template(buffers.grad_z, packed, buffers.grad_x, args.pad_left, dots))
     if wanted.weight_or_bias:
         templates.append(_grad_weight_template(
-            x, buffers.grad_z, buffers.grad_weight_partial, buffers.grad_bias_partial, args, split.rows,
+            x, buffers.grad_z, buffers.weight_sums, buffers.bias_sums, args, split.rows,
             wanted.bias, dots,
         ))
-        if wanted.weight:
-            templates.append(split_sum_template(buffers.grad_weight_partial, buffers.grad_weight))
-        if wanted.bias:
-            templates.append(split_sum_template(buffers.grad_bias_partial, buffers.grad_bias))
+        templates.append(split_sum_template(*wanted_sums(buffers, wanted)))
     return templates
 
 
@@ -806,11 +803,8 @@ def _backward_pointers(
         if wanted.x:
             pointers.append((buffers.grad_z, packed, buffers.grad_x))
     if wanted.weight_or_bias:
-        pointers.append((x, buffers.grad_z, buffers.grad_weight_partial, buffers.grad_bias_partial))
-        if wanted.weight:
-            pointers.append((buffers.grad_weight_partial, buffers.grad_weight))
-        if wanted.bias:
-            pointers.append((buffers.grad_bias_partial, buffers.grad_bias))
+        pointers.append((x, buffers.grad_z, buffers.weight_sums, buffers.bias_sums))
+        pointers.append(split_sum_pointers(*wanted_sums(buffers, wanted)))
     return pointers
 
 

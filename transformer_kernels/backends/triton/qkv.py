@@ -51,7 +51,7 @@ from ._common import (
 )
 # Imported under its own name: tests replace this module attribute to force a tile configuration.
 from ._common import num_sms as multiprocessor_count
-from ._split_sum import split_count, split_sum_template
+from ._split_sum import split_count, split_sum_pointers, split_sum_template, wanted_sums
 
 __all__ = [
     "KERNELS", "backward", "compile_targets", "forward", "gemm_config", "grad_weight_splits", "prepare_forward",
@@ -807,10 +807,8 @@ def _backward_templates(grads4, x3, weight, buffers: _BackwardBuffers, wanted: W
     if wanted.weight_or_bias:
         templates.append(_grad_weight_template(grads4, x3, buffers.weight_sums, buffers.bias_sums, wanted.bias,
                                                tiles.tokens_per_split, tiles.grad_weight))
-        if tiles.splits > 1 and wanted.weight:
-            templates.append(split_sum_template(buffers.weight_sums, buffers.grad_weight))
-        if tiles.splits > 1 and wanted.bias:
-            templates.append(split_sum_template(buffers.bias_sums, buffers.grad_bias))
+        if tiles.splits > 1:
+            templates.append(split_sum_template(*wanted_sums(buffers, wanted)))
     return templates
 
 
@@ -822,10 +820,8 @@ def _backward_pointers(grads4, x3, weight, buffers: _BackwardBuffers, wanted: Wa
         pointers.append(_grad_input_pointers(grads4, weight, buffers.grad_x))
     if wanted.weight_or_bias:
         pointers.append(_grad_weight_pointers(grads4, x3, buffers.weight_sums, buffers.bias_sums))
-        if tiles.splits > 1 and wanted.weight:
-            pointers.append((buffers.weight_sums, buffers.grad_weight))
-        if tiles.splits > 1 and wanted.bias:
-            pointers.append((buffers.bias_sums, buffers.grad_bias))
+        if tiles.splits > 1:
+            pointers.append(split_sum_pointers(*wanted_sums(buffers, wanted)))
     return pointers
 
 
