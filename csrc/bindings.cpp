@@ -214,11 +214,12 @@ void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_launch(tk::attention::forward(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 
-// Writes dq, dk, dv (shaped like q, k, v) and, when given, grad_scores: the float mask's gradient,
+// Writes dq, dk, dv (shaped like q, k, v), delta (contiguous float32 [B, Hq, Lq]: the row sums of
+// grad_out * out, the kernels' pre-pass) and, when given, grad_scores: the float mask's gradient,
 // contiguous float32 [B, Hq, Lq, Lk] (zero-filled by the caller: only visited scores are written).
-// delta: contiguous float32 [B, Hq, Lq], the row sums of grad_out * out.
 void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& lse, const at::Tensor& delta, const std::optional<at::Tensor>& key_padding_mask,
+                        const at::Tensor& out, const at::Tensor& lse, at::Tensor& delta,
+                        const std::optional<at::Tensor>& key_padding_mask,
                         const std::optional<at::Tensor>& key_bounds, const std::optional<at::Tensor>& attn_mask,
                         int64_t causal, double scale, const std::optional<at::Tensor>& dropout_seed,
                         int64_t dropout_threshold, double dropout_scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
@@ -227,18 +228,21 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
   check_cuda(q, op, "query");
   tk::attention::ForwardProblem f = attention_problem(q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale,
                                                       dropout_seed, dropout_threshold, dropout_scale, op);
-  for (auto [t, like, name] : {std::tuple{&grad_out, &q, "grad_out"}, {&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}}) {
+  const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};  // [B, Hq, Lq, Ev]
+  for (auto [t, shape, name] : {std::tuple{&grad_out, at::IntArrayRef(out_shape), "grad_out"},
+                                {&out, at::IntArrayRef(out_shape), "out"}, {&dq, q.sizes(), "dq"},
+                                {&dk, k.sizes(), "dk"}, {&dv, v.sizes(), "dv"}}) {
     check_like(*t, q, op, name);
     check_chunks(*t, op, name);
-    if (t != &grad_out) TORCH_CHECK(t->sizes() == like->sizes(), op, ": ", name, " must have shape ", like->sizes());
+    TORCH_CHECK(t->sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t->sizes());
   }
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}), op,
-              ": grad_out must be [B, Hq, Lq, Ev], got ", grad_out.sizes());
   check_rows(lse, q, op, "lse");
   check_rows(delta, q, op, "delta");
   tk::attention::BackwardProblem p{};
   p.fwd = f;
   p.fwd.lse = lse.data_ptr<float>();
+  p.fwd.out = out.data_ptr();
+  p.fwd.out_stride = head_strides(out);
   p.grad_out = grad_out.data_ptr();
   p.grad_out_stride = head_strides(grad_out);
   p.delta = delta.data_ptr<float>();
@@ -265,10 +269,10 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
   m.def("attention_forward(Tensor query, Tensor key, Tensor value, Tensor? key_padding_mask, Tensor? key_bounds, "
         "Tensor? attn_mask, int causal, float scale, Tensor? dropout_seed, int dropout_threshold, float dropout_scale, "
         "Tensor(a!) out, Tensor(b!) lse) -> ()");
-  m.def("attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
-        "Tensor? key_padding_mask, Tensor? key_bounds, Tensor? attn_mask, int causal, float scale, Tensor? dropout_seed, "
-        "int dropout_threshold, float dropout_scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-        "Tensor(d!)? grad_scores) -> ()");
+  m.def("attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+        "Tensor(a!) delta, Tensor? key_padding_mask, Tensor? key_bounds, Tensor? attn_mask, int causal, float scale, "
+        "Tensor? dropout_seed, int dropout_threshold, float dropout_scale, Tensor(b!) dq, Tensor(c!) dk, "
+        "Tensor(d!) dv, Tensor(e!)? grad_scores) -> ()");
   m.def("qkv_forward(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor[]");
   m.def("qkv_grad_input(Tensor[] grads, Tensor x, Tensor weight) -> Tensor");
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");

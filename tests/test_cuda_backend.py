@@ -98,8 +98,9 @@ def test_auto_takes_the_cuda_backend_per_function_and_architecture(capability, m
 class _HostAttentionOps:
     """A host stand-in for the extension's raw attention ops, to the contract ``csrc/bindings.cpp``
     states (shapes, layouts, what each writes), computed in float64.  It checks what the
-    backend's Python hands it (the padded head dims, the key bounds against the padding, the dO.O
-    pre-pass) and writes the results into the tensors it is given, as the kernels do."""
+    backend's Python hands it (the padded head dims, the key bounds against the padding, the
+    forward's output for the dO.O pre-pass) and writes the results into the tensors it is given,
+    delta included, as the kernels do."""
 
     def _problem(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed):
         """``(probs, lse, keys, values)``: keys and values float64, repeated to the query heads."""
@@ -145,8 +146,8 @@ class _HostAttentionOps:
         out.copy_(torch.matmul(probs, values))
         lse.copy_(row_lse)
 
-    def attention_backward(self, grad_out, q, k, v, lse, delta, key_padding_mask, key_bounds, attn_mask, causal, scale,
-                           dropout_seed, dropout_threshold, dropout_scale, dq, dk, dv, grad_scores):
+    def attention_backward(self, grad_out, q, k, v, out, lse, delta, key_padding_mask, key_bounds, attn_mask, causal,
+                           scale, dropout_seed, dropout_threshold, dropout_scale, dq, dk, dv, grad_scores):
         probs, row_lse, keys, values = self._problem(
             q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed
         )
@@ -155,9 +156,12 @@ class _HostAttentionOps:
         heads_k, lk = k.shape[1], k.shape[2]
         group = heads_q // heads_k
         d_out = grad_out.double()
-        out = torch.matmul(probs, values)
-        assert delta.dtype == torch.float32 and delta.is_contiguous()
-        torch.testing.assert_close(delta.double(), (d_out * out).sum(-1), atol=2e-2, rtol=2e-2, msg="delta = dO . O")
+        assert out.shape == grad_out.shape == (*q.shape[:3], v.shape[3]) and out.stride(-1) == grad_out.stride(-1) == 1
+        torch.testing.assert_close(out.double(), torch.matmul(probs, values), atol=2e-2, rtol=2e-2,
+                                   msg="out is the forward's (its head dim padded as v's)")
+        # The kernels' pre-pass: dO . O from the output they are given.
+        assert delta.dtype == torch.float32 and delta.is_contiguous() and delta.shape == q.shape[:3]
+        delta.copy_((d_out * out.double()).sum(-1))
         d_probs = torch.matmul(d_out, values.transpose(-1, -2))
         d_scores = probs * (d_probs - delta.double()[..., None])
 
@@ -185,8 +189,8 @@ GLUE_CASES = [
 def test_attention_python_layer_on_a_host_stand_in_of_the_raw_ops(
     monkeypatch, q_shape, heads_k, lk, dim_v, causal, padded, mask_kind
 ):
-    """The backend's Python (padding head dims, writing in place or copying out, key bounds, the
-    dO.O pre-pass, the float mask's gradient) against the eager backend, the kernels replaced by
+    """The backend's Python (padding head dims, writing in place or copying out, key bounds, what the
+    dO.O pre-pass reads, the float mask's gradient) against the eager backend, the kernels replaced by
     :class:`_HostAttentionOps`: what the GPU agreement tests check, minus the kernels."""
     from transformer_kernels.backends.eager import attention as eager_attention
 

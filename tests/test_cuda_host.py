@@ -128,6 +128,23 @@ def test_tap_position_reads_the_padded_window_the_eager_backend_builds(index_h, 
                     assert cols[b * length_out + s, ci * kernel_size + tap].item() == expected
 
 
+@pytest.mark.parametrize("cols", [8, 16, 24, 40, 64, 72, 128, 200, 256])
+def test_row_dot_split_sums_every_chunk_once_and_shuffles_within_each_row(index_h, cols):
+    """The attention backward's dO . O pre-pass: over three warps, every 8-element chunk of each of
+    their rows is read by exactly one thread, and a thread's partners at the shuffle offsets below
+    its row's lane count (``lane ^ offset``) sum the same row."""
+    chunk, threads = 8, 96
+    results = index_h([("row_dot_split", cols, chunk, thread) for thread in range(threads)])
+    lanes = results[0][0]
+    assert lanes & (lanes - 1) == 0 and lanes <= 32 and (lanes >= -(-cols // chunk) or lanes == 32)
+    read = [(row, col) for _, row, first, step in results for col in range(first, cols, step)]
+    rows = threads // 32 * (32 // lanes)
+    assert sorted(read) == [(row, col) for row in range(rows) for col in range(0, cols, chunk)]
+    row_of = [row for _, row, _, _ in results]
+    offsets = [1 << bit for bit in range(5) if 1 << bit < lanes]
+    assert all(row_of[thread ^ offset] == row_of[thread] for thread in range(threads) for offset in offsets)
+
+
 @pytest.mark.parametrize("kernel_size", [1, 2, 4])
 def test_step_window_is_state_then_input_and_new_state_drops_the_oldest(index_h, kernel_size):
     """``glu_conv1d_step``'s window is ``cat(state, x_t)`` and its new state ``window[:, :, 1:]``."""

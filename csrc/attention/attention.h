@@ -59,7 +59,7 @@ struct BackwardProblem {
   ForwardProblem fwd;
   const void* grad_out;  // [B, Hq, Lq, Ev]
   HeadStrides grad_out_stride;
-  const float* delta;  // contiguous [B, Hq, Lq]: the dO . O row sums (the pre-pass)
+  float* delta;  // contiguous [B, Hq, Lq]: the dO . O row sums, written by the pre-pass
   void* dq;            // like q, k and v
   void* dk;
   void* dv;

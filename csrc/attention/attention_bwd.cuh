@@ -1,5 +1,5 @@
 // Flash-attention backward on sm_80 tensor cores (flash_sm80.cuh), two kernels after the dO . O
-// row-sum pre-pass (delta, computed by the caller):
+// row-sum pre-pass (delta, its own small memory-bound kernel, row_dot_kernel):
 // * dQ: one CTA per (query block, batch * query head), the forward's key loop and masks:
 //   P = exp2(S - lse log2 e), dP = dO V^T, dS = P (dP - delta), dQ += dS K; the next key block's K
 //   (a second buffer) and V land while the current block's products run.  A separate pass rather
@@ -364,6 +364,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 }
 
+// The dO . O pre-pass: delta[row] = the sum over its Ev columns of grad_out * out, in float32, for
+// every (batch, query head, query) row.  One grid row per (batch, query head), its queries split
+// over warps as RowDotSplit says: each element is read once, 16 bytes a load, and each query's
+// lanes add up their sums by shuffles.  Every thread reaches the shuffles, those past the last
+// query with a sum of 0.
+constexpr int kRowDotThreads = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kRowDotThreads) row_dot_kernel(const __grid_constant__ BackwardProblem bp) {
+  constexpr int kChunk = 16 / int(sizeof(T));
+  const ForwardProblem& p = bp.fwd;
+  const RowDotSplit split = RowDotSplit::of(p.head_dim_v, kChunk);
+  const int64_t thread = int64_t(blockIdx.x) * kRowDotThreads + threadIdx.x;
+  const int64_t query = split.row(thread);
+  const int head_batch = blockIdx.y;
+  const int batch = head_batch / p.heads_q, head = head_batch - batch * p.heads_q;
+  float sum = 0.f;
+  if (query < p.seq_len_q) {
+    const T* d_out = static_cast<const T*>(bp.grad_out) + batch * bp.grad_out_stride.b +
+                     head * bp.grad_out_stride.h + query * bp.grad_out_stride.l;
+    const T* out = static_cast<const T*>(p.out) + batch * p.out_stride.b + head * p.out_stride.h +
+                   query * p.out_stride.l;
+    for (int col = split.first_col(thread); col < p.head_dim_v; col += split.col_step()) {
+      const uint4 d_out_chunk = *reinterpret_cast<const uint4*>(d_out + col);
+      const uint4 out_chunk = *reinterpret_cast<const uint4*>(out + col);
+      const T* d_out_values = reinterpret_cast<const T*>(&d_out_chunk);
+      const T* out_values = reinterpret_cast<const T*>(&out_chunk);
+      CUTE_UNROLL
+      for (int i = 0; i < kChunk; ++i) sum += float(d_out_values[i]) * float(out_values[i]);
+    }
+  }
+  for (int offset = split.lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (query < p.seq_len_q && split.first_col(thread) == 0) bp.delta[int64_t(head_batch) * p.seq_len_q + query] = sum;
+}
+
 template <class Kernel>
 cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem_bytes, const BackwardProblem& p,
                    cudaStream_t stream) {
@@ -397,8 +432,16 @@ cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
   static_assert(grad_query_smem_bytes<QueryTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   static_assert(grad_key_value_smem_bytes<KvTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   const ForwardProblem& f = p.fwd;
-  cudaError_t error = launch(grad_query_kernel<QueryTraits>, dim3(ceil_div(f.seq_len_q, kQueryBlock), f.batch * f.heads_q),
-                             QueryTraits::kThreads, grad_query_smem_bytes<QueryTraits>(), p, stream);
+  const RowDotSplit row_dot = RowDotSplit::of(f.head_dim_v, 16 / int(sizeof(T)));
+  const int queries_per_block = kRowDotThreads / 32 * row_dot.rows_per_warp();
+  cudaError_t error = cudaSuccess;
+  if (f.seq_len_q > 0 && f.batch * f.heads_q > 0) {
+    const dim3 row_dot_grid(ceil_div(f.seq_len_q, queries_per_block), f.batch * f.heads_q);
+    error = launch(row_dot_kernel<T>, row_dot_grid, kRowDotThreads, 0, p, stream);
+    if (error != cudaSuccess) return error;
+  }
+  error = launch(grad_query_kernel<QueryTraits>, dim3(ceil_div(f.seq_len_q, kQueryBlock), f.batch * f.heads_q),
+                 QueryTraits::kThreads, grad_query_smem_bytes<QueryTraits>(), p, stream);
   if (error != cudaSuccess) return error;
   const dim3 kv_grid(ceil_div(f.seq_len_k, kKvKeys), f.batch * f.heads_k);
   constexpr int kKvSmem = grad_key_value_smem_bytes<KvTraits>();

@@ -163,6 +163,30 @@ TK_HOST_DEVICE int conv_output_length(int length_in, int kernel_size, int pad_le
 }
 
 // ------------------------------------------------------------------------------------------------
+// Row dot products (the attention backward's dO . O pre-pass): every row of `cols` elements is
+// summed by `lanes` lanes of one warp, each lane reading 16-byte chunks of `chunk` elements,
+// lanes = the row's chunks rounded up to a power of two, at most 32.  So 32 / lanes rows share a
+// warp, a row's lanes are adjacent and aligned, and shuffles over lane offsets below `lanes` add
+// up one row's sums without leaving it.
+
+struct RowDotSplit {
+  int lanes;
+  int chunk;
+
+  TK_HOST_DEVICE static RowDotSplit of(int cols, int chunk) {
+    const int chunks = ceil_div(cols, chunk);
+    int lanes = 1;
+    while (lanes < chunks && lanes < 32) lanes *= 2;
+    return RowDotSplit{lanes, chunk};
+  }
+  TK_HOST_DEVICE int rows_per_warp() const { return 32 / lanes; }
+  // The row that global thread `thread` sums part of, its first column and the step between its columns.
+  TK_HOST_DEVICE int64_t row(int64_t thread) const { return thread / 32 * rows_per_warp() + thread % 32 / lanes; }
+  TK_HOST_DEVICE int first_col(int64_t thread) const { return int(thread % lanes) * chunk; }
+  TK_HOST_DEVICE int col_step() const { return lanes * chunk; }
+};
+
+// ------------------------------------------------------------------------------------------------
 // Decoding-step window: the step convolves the k positions (state[0..k-2], x_t), oldest first.
 // Window slot `tap` in [0, k) is state slot `tap` for tap < k - 1, else the new input; the new
 // state keeps slots 1..k-1 of the window: new_state[j] = window[j + 1].

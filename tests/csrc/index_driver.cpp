@@ -37,6 +37,13 @@ int main() {
       int tap, kernel_size;
       std::cin >> tap >> kernel_size;
       std::cout << tk::window_from_state(tap, kernel_size) << ' ' << tk::new_state_source(tap) << '\n';
+    } else if (function == "row_dot_split") {
+      int cols, chunk;
+      int64_t thread;
+      std::cin >> cols >> chunk >> thread;
+      tk::RowDotSplit split = tk::RowDotSplit::of(cols, chunk);
+      std::cout << split.lanes << ' ' << split.row(thread) << ' ' << split.first_col(thread) << ' '
+                << split.col_step() << '\n';
     } else {
       std::cerr << "unknown function " << function << '\n';
       return 1;

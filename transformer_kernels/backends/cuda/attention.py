@@ -99,15 +99,14 @@ def backward(grad_out, query, key, value, out, lse, args: AttentionArgs, attn_ma
     grads = empty_grads(query, key, value)
     inputs = [_padded(t) for t in (query, key, value)]
     dq, dk, dv = (_writable(grad, t.shape[-1]) for grad, t in zip(grads, inputs))
-    # The dO . O pre-pass, in float32.
-    delta = torch.linalg.vecdot(grad_out.float(), out.float()).contiguous()
+    delta = torch.empty_like(lse)  # the kernels' dO . O pre-pass writes it
     grad_scores = None
     if attn_mask_needs_grad:
         # Scores the kernels skip (above the diagonal, outside the key bounds) have dS = 0.
         batch, heads, lq, _ = query.shape
         grad_scores = query.new_zeros((batch, heads, lq, key.shape[2]), dtype=torch.float32)
     raw_ops().attention_backward(
-        _padded(grad_out), *inputs, lse, delta, *_mask_arguments(args), dq, dk, dv, grad_scores
+        _padded(grad_out), *inputs, _padded(out), lse, delta, *_mask_arguments(args), dq, dk, dv, grad_scores
     )
     if grad_scores is None:
         grad_scores = query.new_empty(0, dtype=torch.float32)
