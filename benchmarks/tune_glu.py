@@ -11,8 +11,11 @@ grad_input, grad_weight) and shape, every candidate ``KernelConfig`` is timed
 ``torch.conv_tbc``: the forward alone under ``no_grad``, a gradient kernel as the whole backward
 pass.  A candidate that fails to compile (shared memory) is reported as such.  The fastest is only
 a proposal: a table entry must also pass ``tests/test_triton_compile.py`` (no spills, under every
-supported triton) before it lands.  Results go to stdout and, row by row, to
-``DIR/tune_glu.csv``, so a run cut short keeps what it measured.
+supported triton) before it lands.  Then, for each shape, the weight gradient's split count (its
+float32 partial sums are written and read back, which ``_split_sum.split_count``'s wave model does
+not count): the count it picks ("auto") against each of ``SPLITS``, the backward pass timed.
+Results go to stdout and, row by row, to ``DIR/tune_glu.csv``, so a run cut short keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ CANDIDATES = {
 # (batch, channels, length, kernel size): the seeds' encoder layer and long sequences, as in the
 # benchmark's glu_conv1d suite (x channel-last, "same" padding, x its own residual).
 SHAPES = [(128, 512, 40, 3), (16, 512, 1024, 3), (8, 512, 4096, 3)]
+# Weight-gradient split counts timed against split_count's choice.
+SPLITS = (1, 2, 3, 4, 6, 8)
 SCALE = math.sqrt(0.5)
 
 
@@ -73,6 +78,22 @@ def _conv_tbc(x, weight_tbc, bias):
 
 def _ms(kernel: str, function, *leaves) -> float:
     return median_ms(lambda: function(*leaves), leaves, kernel != "forward", warmup=10, rep=60)
+
+
+def _timed_splits(x, weight, bias) -> list[tuple[float, object]]:
+    """``(ms, splits)`` of the backward pass with the weight gradient split as ``split_count``
+    chooses ("auto"), then into each of ``SPLITS`` ranges."""
+    chosen = triton_glu_conv.split_count
+    results = []
+    for splits in ("auto", *SPLITS):
+        if splits != "auto":
+            triton_glu_conv.split_count = lambda *args, _splits=splits, **kwargs: _splits
+        try:
+            glu_op._PLANS = CallPlans()  # no backward prepared with another split
+            results.append((_ms("grad_weight", _ours, x, weight, bias), splits))
+        finally:
+            triton_glu_conv.split_count = chosen
+    return results
 
 
 def main() -> None:
@@ -108,6 +129,16 @@ def main() -> None:
                 results = time_tiles(triton_glu_conv, "kernel_config", kernel, current, CANDIDATES[kernel], FIELDS,
                                      timed, record)
                 print(f"{kernel} B{shape[0]} C{shape[1]} L{shape[2]}: conv_tbc {peer_ms:.3f} ms; " + summary(results))
+        for shape in SHAPES:
+            if time.perf_counter() - started > args.budget:
+                print("budget spent; stopping")
+                return
+            results = _timed_splits(*_inputs(*shape, dtype))
+            for ms, splits in results:
+                rows.writerow(["grad_weight_splits", shape, splits, f"{ms:.4f}", "", splits == "auto"])
+            f.flush()
+            print(f"grad_weight splits B{shape[0]} C{shape[1]} L{shape[2]}: "
+                  + ", ".join(f"{splits}:{ms:.3f} ms" for ms, splits in results))
 
 
 if __name__ == "__main__":
