@@ -10,6 +10,7 @@ kernels' own heavier coverage is in tests/test_attention_triton.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -284,8 +285,8 @@ def test_batch_chunks_keep_the_call_wide_dropout_mask(monkeypatch):
     """Chunks cut the one keep-mask the call's seed draws: a chunked call matches an unchunked one."""
     q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     results = []
-    for chunk_bytes in (eager_probs._CHUNK_BYTES, 1):
-        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES", chunk_bytes)
+    for chunk_bytes in (eager_probs._CHUNK_BYTES_PER_THREAD, 1):
+        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES_PER_THREAD", chunk_bytes)
         torch.manual_seed(5)
         out = tk.scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="eager")
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
@@ -1222,23 +1223,27 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
 
 
-@pytest.mark.parametrize(("layout", "length", "needs_backward", "chunk_bytes", "saved_dim"), [
-    ("bhld", 9, True, None, 4),   # short, differentiated: the probabilities
-    ("blhd", 9, True, None, 4),   # ... of any layout
-    ("blhd", 9, True, 1, 4),      # ... in chunks of sequences: batch-major
-    ("bhld", 9, False, None, 1),  # no backward, operands that fold: the materialized path, keeping nothing
-    ("blhd", 9, False, None, 3),  # ... but views it would copy to fold: the flash path's lse
-    ("bhld", 41, False, None, 3),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
-    ("gqa", 9, True, None, 3),    # grouped heads: the flash path
-    ("bhld", 129, True, None, 3),  # past _PROBS_MAX_SCORES: the flash path
+@pytest.mark.parametrize(("layout", "length", "needs_backward", "chunk_bytes", "saved_dim", "threads"), [
+    ("bhld", 9, True, None, 4, None),   # short, differentiated: the probabilities
+    ("blhd", 9, True, None, 4, None),   # ... of any layout
+    ("blhd", 9, True, 1, 4, None),      # ... in chunks of sequences: batch-major
+    ("bhld", 9, False, None, 1, None),  # no backward, operands that fold: the materialized path, keeping nothing
+    ("blhd", 9, False, None, 3, 1),     # ... but views it would copy to fold, at one thread: the flash path's lse
+    ("blhd", 9, False, None, 1, 2),     # ... and at more: the materialized path
+    ("bhld", 41, False, None, 3, None),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
+    ("gqa", 9, True, None, 3, None),    # grouped heads: the flash path
+    ("bhld", 129, True, None, 3, None),  # past _PROBS_MAX_SCORES: the flash path
 ])
-def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim,
-                                                   monkeypatch):
+def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim, threads,
+                                                   monkeypatch, request):
     """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
     calls with one head count keep the probabilities, short calls without a backward pass nothing
     (a backward recomputes the probabilities), the others the lse."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(eager_probs, "_CHUNK_BYTES_PER_THREAD", chunk_bytes)
+    if threads is not None:  # torch's own setter, restored after (never a monkeypatched torch attribute)
+        request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+        torch.set_num_threads(threads)
     shape = (2, 4, length, 16) if layout != "blhd" else (2, length, 4, 16)
     q, k, v = (torch.randn(shape) if layout != "blhd" else torch.randn(shape).transpose(1, 2) for _ in range(3))
     if layout == "gqa":

@@ -22,7 +22,15 @@ __all__ = ["HeadBatches", "compute_dtype", "empty_probs", "runs_in_chunks", "pro
 # naive math by chunk size: 1 MB 0.79x, 2 MB 0.96x, 4 MB 1.09x, 8 MB 1.03x, whole batch 0.79x.
 # The copies are what let a chunk's matmuls read from cache: a backward on folded copies that its
 # forward kept (none made per chunk) ran its matmuls 1.6x slower, reading memory, and no faster in all.
-_CHUNK_BYTES = 4 << 20
+# Those were one thread's: a chunk holds this much per torch thread, each thread's share in its
+# core's cache, and the ops of a chunk then have work for every thread (at 2 threads a 4 MB chunk
+# held the second one idle much of the time: B128 H8 D64 [B, L, H, D] views with key padding,
+# forward+backward vs the naive math, 4 MB -> 8 MB: L16 0.88x -> 0.97x, L64 1.19x -> 1.27x).
+_CHUNK_BYTES_PER_THREAD = 4 << 20
+
+
+def _chunk_bytes() -> int:
+    return _CHUNK_BYTES_PER_THREAD * torch.get_num_threads()
 
 
 def _dropout_keep_mask(
@@ -111,9 +119,9 @@ def _folds(tensor: torch.Tensor) -> bool:
 
 
 def _small(tensor: torch.Tensor) -> bool:
-    """At most ``_CHUNK_BYTES``: a copy costs less than a per-head loop's host time (one query
+    """At most a chunk's bytes: a copy costs less than a per-head loop's host time (one query
     row of a decoding step: one copy of ``q`` ran its attention in 37 against 67 us over 4 heads)."""
-    return tensor.numel() * tensor.element_size() <= _CHUNK_BYTES
+    return tensor.numel() * tensor.element_size() <= _chunk_bytes()
 
 
 def _whole_call_folds(*tensors: torch.Tensor) -> bool:
@@ -267,7 +275,7 @@ class _BatchChunk:
 
 
 def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
-    """Sequences per chunk of the materialized path: about ``_CHUNK_BYTES`` of score-sized buffers
+    """Sequences per chunk of the materialized path: about a chunk's bytes of score-sized buffers
     and, where the operands must be copied to fold, of operands and gradients; the whole batch for
     one query row (a decoding step's one score row per head leaves nothing to keep in cache
     between ops, and a loop would cost host time).  Operands that fold as they are are read once
@@ -281,7 +289,7 @@ def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     per_sequence = 3 * num_heads * lq * lk
     if not HeadBatches.of(query, key, value).folded:
         per_sequence += 2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk)
-    return max(1, _CHUNK_BYTES // (compute_dtype(query.dtype).itemsize * per_sequence))
+    return max(1, _chunk_bytes() // (compute_dtype(query.dtype).itemsize * per_sequence))
 
 
 def runs_in_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -290,9 +298,9 @@ def runs_in_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
 
 
 def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, dtype):
-    """The materialized path's work cut into ranges of sequences (see ``_CHUNK_BYTES``), each with
-    the masks and dropout factor cut to it; one chunk, over the operands as they are, when the
-    batch fits."""
+    """The materialized path's work cut into ranges of sequences (see ``_CHUNK_BYTES_PER_THREAD``),
+    each with the masks and dropout factor cut to it; one chunk, over the operands as they are, when
+    the batch fits."""
     batch_size, num_heads, lq, _ = query.shape
     dropout = None
     if args.dropout_p > 0.0:

@@ -37,7 +37,7 @@ Two implementations sit behind :func:`forward` / :func:`backward`:
   place, see :class:`._attention_probs.HeadBatches`), masks as ``-inf``, a softmax that returns
   0 on rows without any key, an explicit dropout keep-mask.  A large batch runs
   in chunks of sequences whose operands are copied to fold (see
-  ``_attention_probs._CHUNK_BYTES``), so that each chunk's buffers stay in
+  ``_attention_probs._CHUNK_BYTES_PER_THREAD``), so that each chunk's buffers stay in
   cache from one op to the next.  When autograd will run the
   backward pass (the op's ``needs_backward``), the forward keeps the
   probabilities, as the naive math does, and the backward applies the
@@ -81,7 +81,10 @@ _PROBS_MAX_SCORES = 128 * 128
 # per block, which the batched matmuls over B * H short score matrices beat.  No-grad forward,
 # 1 thread, B128 H8 D64 with key padding, flash time / materialized time, two runs: on
 # [B, H, L, D] inputs L16 1.19-1.26, L32 1.00-1.01, L40 1.16; on [B, L, H, D] views, which the
-# materialized path copies to fold, L16 0.86-0.93, L32 0.89, L40 1.06: those stay on flash.
+# materialized path copies to fold, L16 0.86-0.93, L32 0.89, L40 1.06: those stay on flash at one
+# thread.  With more, they go to the materialized path too, whose batched ops use every thread where
+# the flash kernel's blocks of a short call did not: at 2 threads, L16 views, against the naive
+# math, flash 0.67x (slower than at 1 thread), materialized 0.97x.
 _INFERENCE_PROBS_MAX_SCORES = 40 * 40
 
 
@@ -121,7 +124,8 @@ def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: b
     """Whether the forward runs on the tiled flash path: a call it can serve, unless the call is
     short and its heads match, when the materialized path runs it instead: when autograd will
     differentiate it, keeping its probabilities for the backward pass (see ``_PROBS_MAX_SCORES``),
-    else when its operands fold as they are (see ``_INFERENCE_PROBS_MAX_SCORES``)."""
+    else when its operands fold as they are or torch runs more than one thread (see
+    ``_INFERENCE_PROBS_MAX_SCORES``)."""
     # The cheap test first: a decoding step's one query row never takes the tiles, and asking how
     # its operands fold cost 3 of its 49 us (greedy decoding of the small preset: 0.97x -> 0.99x).
     if not uses_flash_tiles(query, value, args):
@@ -131,7 +135,9 @@ def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: b
         return True
     if needs_backward:
         return scores > _PROBS_MAX_SCORES
-    return scores > _INFERENCE_PROBS_MAX_SCORES or not HeadBatches.of(query, key, value).folded
+    if scores > _INFERENCE_PROBS_MAX_SCORES:
+        return True
+    return torch.get_num_threads() == 1 and not HeadBatches.of(query, key, value).folded
 
 
 def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
