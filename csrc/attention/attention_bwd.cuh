@@ -373,9 +373,8 @@ constexpr int kRowDotThreads = 256;
 
 template <class T>
 __global__ void __launch_bounds__(kRowDotThreads) row_dot_kernel(const __grid_constant__ BackwardProblem bp) {
-  constexpr int kChunk = 16 / int(sizeof(T));
   const ForwardProblem& p = bp.fwd;
-  const RowDotSplit split = RowDotSplit::of(p.head_dim_v, kChunk);
+  const RowDotSplit split = RowDotSplit::of(p.head_dim_v, kVector);
   const int64_t thread = int64_t(blockIdx.x) * kRowDotThreads + threadIdx.x;
   const int64_t query = split.row(thread);
   const int head_batch = blockIdx.y;
@@ -387,12 +386,11 @@ __global__ void __launch_bounds__(kRowDotThreads) row_dot_kernel(const __grid_co
     const T* out = static_cast<const T*>(p.out) + batch * p.out_stride.b + head * p.out_stride.h +
                    query * p.out_stride.l;
     for (int col = split.first_col(thread); col < p.head_dim_v; col += split.col_step()) {
-      const uint4 d_out_chunk = *reinterpret_cast<const uint4*>(d_out + col);
-      const uint4 out_chunk = *reinterpret_cast<const uint4*>(out + col);
-      const T* d_out_values = reinterpret_cast<const T*>(&d_out_chunk);
-      const T* out_values = reinterpret_cast<const T*>(&out_chunk);
+      float d_out_values[kVector], out_values[kVector];
+      load8(d_out + col, d_out_values);
+      load8(out + col, out_values);
       CUTE_UNROLL
-      for (int i = 0; i < kChunk; ++i) sum += float(d_out_values[i]) * float(out_values[i]);
+      for (int i = 0; i < kVector; ++i) sum += d_out_values[i] * out_values[i];
     }
   }
   for (int offset = split.lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -432,7 +430,7 @@ cudaError_t run(const BackwardProblem& p, cudaStream_t stream) {
   static_assert(grad_query_smem_bytes<QueryTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   static_assert(grad_key_value_smem_bytes<KvTraits>() <= kMaxSmemBytes, "fits an sm_80 block's shared memory");
   const ForwardProblem& f = p.fwd;
-  const RowDotSplit row_dot = RowDotSplit::of(f.head_dim_v, 16 / int(sizeof(T)));
+  const RowDotSplit row_dot = RowDotSplit::of(f.head_dim_v, kVector);
   const int queries_per_block = kRowDotThreads / 32 * row_dot.rows_per_warp();
   cudaError_t error = cudaSuccess;
   if (f.seq_len_q > 0 && f.batch * f.heads_q > 0) {

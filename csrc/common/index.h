@@ -163,6 +163,26 @@ TK_HOST_DEVICE int conv_output_length(int length_in, int kernel_size, int pad_le
 }
 
 // ------------------------------------------------------------------------------------------------
+// Vector loads: the decoding step and the attention's dO . O pre-pass read their operands 16 bytes
+// at a time, eight 16-bit elements.
+
+constexpr int kVector = 8;  // elements per 16-byte load
+
+// Eight elements from a 16-byte aligned address, as floats: one 16-byte load for 16-bit types.
+template <class T>
+TK_HOST_DEVICE void load8(const T* src, float (&dst)[kVector]) {
+  if constexpr (sizeof(T) == 2) {
+    struct alignas(16) Chunk {
+      T values[kVector];
+    };
+    const Chunk chunk = *reinterpret_cast<const Chunk*>(src);
+    for (int i = 0; i < kVector; ++i) dst[i] = float(chunk.values[i]);
+  } else {
+    for (int i = 0; i < kVector; ++i) dst[i] = float(src[i]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Row dot products (the attention backward's dO . O pre-pass): every row of `cols` elements is
 // summed by `lanes` lanes of one warp, each lane reading 16-byte chunks of `chunk` elements,
 // lanes = the row's chunks rounded up to a power of two, at most 32.  So 32 / lanes rows share a

@@ -10,22 +10,6 @@
 
 namespace tk::glu_conv {
 
-constexpr int kStepVector = 8;  // elements per 16-byte load
-
-// Eight elements from a 16-byte aligned address, as floats: one 16-byte load for 16-bit types.
-template <class T>
-TK_HOST_DEVICE void load8(const T* src, float (&dst)[kStepVector]) {
-  if constexpr (sizeof(T) == 2) {
-    struct alignas(16) Chunk {
-      T values[kStepVector];
-    };
-    const Chunk chunk = *reinterpret_cast<const Chunk*>(src);
-    for (int i = 0; i < kStepVector; ++i) dst[i] = float(chunk.values[i]);
-  } else {
-    for (int i = 0; i < kStepVector; ++i) dst[i] = float(src[i]);
-  }
-}
-
 // window [B, C_in, k] and weight [2C, C_in, k] contiguous (row width C_in * k, a multiple of 8);
 // z = window . weight^T, out = (z[:, c] * sigmoid(z[:, C + c]) + residual) * scale.
 template <class T>
@@ -50,15 +34,15 @@ struct StepArgs {
                                    float (&gate)[kRows]) const {
     const T* value_row = weight + int64_t(c) * width();
     const T* gate_row = weight + int64_t(c + channels_out) * width();
-    for (int k = lane * kStepVector; k < width(); k += lanes * kStepVector) {
-      float w_value[kStepVector], w_gate[kStepVector];
+    for (int k = lane * kVector; k < width(); k += lanes * kVector) {
+      float w_value[kVector], w_gate[kVector];
       load8(value_row + k, w_value);
       load8(gate_row + k, w_gate);
       for (int r = 0; r < kRows; ++r) {
         if (b0 + r < batch) {
-          float x[kStepVector];
+          float x[kVector];
           load8(window + int64_t(b0 + r) * width() + k, x);
-          for (int i = 0; i < kStepVector; ++i) {
+          for (int i = 0; i < kVector; ++i) {
             value[r] += x[i] * w_value[i];
             gate[r] += x[i] * w_gate[i];
           }

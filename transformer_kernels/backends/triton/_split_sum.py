@@ -88,9 +88,9 @@ def split_sum_pointers(*sums: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.
 def split_sum_template(*sums: tuple[torch.Tensor, torch.Tensor]) -> tuple[KernelLaunch, ...]:
     """The template (:meth:`LaunchTemplates.template`) of :func:`split_sum_launch`, whose pointers
     are :func:`split_sum_pointers`'."""
-    (partials, out), (_, second_out) = sums[0], sums[-1]
-    numel, second_numel, num_splits = out.numel(), second_out.numel() if len(sums) > 1 else 0, partials.shape[0]
     pointers = split_sum_pointers(*sums)
+    partials, out, _, second_out = pointers
+    numel, second_numel, num_splits = out.numel(), second_out.numel() if len(sums) > 1 else 0, partials.shape[0]
 
     def build() -> KernelLaunch:
         grid = (cdiv(numel, _CONFIG.block_m) + cdiv(second_numel, _CONFIG.block_m),)
