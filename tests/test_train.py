@@ -1,12 +1,15 @@
 """The training command: a short run learns, the data options work, and a DistributedDataParallel
 step on two processes updates the parameters as one process on the whole batch does."""
 
+import faulthandler
 import os
 import socket
+import threading
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from transformer_kernels import train as train_module
@@ -58,7 +61,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_DEADLINE_S = 240
+
+
 def _one_step(rank: int, world_size: int, port: int, model: str, path: str) -> None:
+    faulthandler.dump_traceback_later(_DEADLINE_S - 20, exit=True)  # a hung rank shows where, in the test's output
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_default_dtype(torch.float64)  # Adam's first step is sign-like: rounding noise must stay tiny
@@ -76,12 +83,12 @@ def test_ddp_step_matches_one_process_on_the_whole_batch(model, tmp_path, monkey
     processes = mp.start_processes(_one_step, args=(2, _free_port(), model, str(tmp_path / "ddp.pt")), nprocs=2,
                                    start_method="spawn", join=False)
     # A rendezvous that never completes fails here in minutes, not at gloo's 30-minute timeout.
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + _DEADLINE_S
     while not processes.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each process ends
         if time.monotonic() >= deadline:
             for process in processes.processes:
                 process.kill()
-            pytest.fail("the two DDP processes did not finish within 240 s")
+            pytest.fail(f"the two DDP processes did not finish within {_DEADLINE_S} s")
     ddp = torch.load(tmp_path / "ddp.pt")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -106,3 +113,17 @@ def test_more_processes_than_gpus_is_named(monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=r"LOCAL_RANK=1, but only 1 CUDA device\(s\) are visible"):
         train(TrainConfig(model="transformer", preset="tiny", steps=1))
+
+
+def test_the_group_goes_only_once_no_collective_holds_the_reduced_tensor():
+    """The DDP test's hang at exit: a communication thread still holding a reduced tensor needs the
+    GIL to drop it, while the group's destructor holds the GIL and waits for that thread."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    reduced = torch.zeros(1)
+    dist.all_reduce(reduced)
+    holder = [reduced.view(1)]  # stands for a work not yet dropped: a second reference to the tensor
+    assert reduced._use_count() > 1
+    threading.Timer(0.3, holder.clear).start()
+    start = time.monotonic()
+    train_module._leave_process_group(reduced, settle_s=0.0)
+    assert time.monotonic() - start >= 0.25 and not dist.is_initialized()

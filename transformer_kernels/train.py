@@ -246,6 +246,7 @@ def train(config: TrainConfig) -> dict:
     progress = Progress(config.steps, desc="training", unit="step", every=config.steps // 20, enabled=is_main)
     losses, tokens_seen, elapsed = [], 0, 0.0
     rows = config.batch_size // world_size
+    loss_sum = torch.zeros(1, device=device)  # one tensor for every step's all-reduce: see _leave_process_group
     for _, pairs in zip(range(config.steps), batches(corpus, config.batch_size, config.seed)):
         total_tokens = sum(len(t) + 1 for _, t in pairs)  # targets predicted: the words and eos
         src, tgt = pad_batch(pairs[rank * rows:(rank + 1) * rows], device)
@@ -253,9 +254,9 @@ def train(config: TrainConfig) -> dict:
         loss = train_step(step_model, optimizer, scaler, src, tgt, total_tokens=total_tokens, world_size=world_size,
                           autocast=autocast)
         if distributed:
-            summed = torch.tensor([loss], device=device)
-            dist.all_reduce(summed)
-            loss = float(summed)
+            loss_sum.fill_(loss)
+            dist.all_reduce(loss_sum)
+            loss = float(loss_sum)
         elapsed += time.perf_counter() - start
         tokens_seen += total_tokens
         losses.append(loss)
@@ -270,29 +271,27 @@ def train(config: TrainConfig) -> dict:
               f"({summary['tokens_per_s']:,.0f} tokens/s)")
         summary["examples"] = _decode_examples(trained, corpus, config.examples, device)
     if distributed:
-        _leave_process_group()
+        _leave_process_group(loss_sum)
     return summary
 
 
-_LEFT_KEY = "transformer_kernels/ranks_left"  # the store counter of ranks that destroyed their group
+def _leave_process_group(reduced: torch.Tensor, wait_s: float = 30.0, settle_s: float = 0.25) -> None:
+    """Destroy the process group once its communication threads hold no Python object.
 
-
-def _leave_process_group(wait_s: float = 60.0) -> None:
-    """Tear the process group down with rank 0 last.  Rank 0 hosts the rendezvous store, and a rank
-    still tearing down its group once rank 0 has exited waits on that store until gloo's 30-minute
-    timeout: an intermittent hang at exit (pytorch/pytorch#75097; a barrier first was not enough).
-    So every rank passes a barrier, the others destroy their group and say so through the store,
-    and rank 0 destroys its own once they all have (or after ``wait_s``)."""
-    store = dist.distributed_c10d._get_default_store()
-    others = dist.get_world_size() - 1
-    dist.barrier()
-    if dist.get_rank() != 0:
-        dist.destroy_process_group()
-        store.add(_LEFT_KEY, 1)
-        return
+    A gloo worker thread drops a finished collective's work under the group's lock, and takes the
+    GIL to do so when the work holds a Python object: a tensor Python made, or the thread-local
+    state captured where the work was made (autograd stashes a Python context there during the
+    backward, when DistributedDataParallel all-reduces the gradients). The group's destructor, run
+    where its last reference goes (here, or with the DistributedDataParallel wrapper), waits for
+    that lock and those threads while it holds the GIL: a deadlock, seen under load as a hang at
+    exit (``~ProcessGroupGloo`` against ``~AsyncWork``). Nothing public tells when a thread is idle.
+    So wait, with the GIL released, until the tensor every step reduced is ours alone (its work is
+    gone, and with it the work of the thread that ran it), then ``settle_s`` more for a thread that
+    finished a gradient all-reduce but was not scheduled since."""
     deadline = time.monotonic() + wait_s
-    while store.add(_LEFT_KEY, 0) < others and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while reduced._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(settle_s)
     dist.destroy_process_group()
 
 
