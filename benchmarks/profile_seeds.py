@@ -20,14 +20,24 @@ model on the Triton backend against the reference model (and, for the Transforme
 ``nn.Transformer`` stack).  The H200 report of 2026-11-27 (03ce1d0) timed the ConvSeq2Seq step at
 0.91x the reference's, while each of its layers' GLU convolution alone ran faster than torch's: the
 model's own profile says which kernels and which host work make up the difference.
+
+For ours on the ops (the ``triton`` rows), two more lines say where the host path goes: the
+host-device synchronizations one step makes (``torch.cuda.set_sync_debug_mode``: none is expected),
+and the Python functions that take the most of a step's host time, by their own time under
+``cProfile`` (its overhead inflates each call about alike, so read the ranking, not the sums).
+The same step with launches stubbed on a CPU (benchmarks/host_time.py) took about 58 us; the
+H200's 697 us per step at 16 tokens, kernels 43 us, left most of the difference unexplained.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import math
+import pstats
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +151,36 @@ def _inference(forward) -> tuple[torch.Tensor, ...]:
     return outputs if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
+def _host_syncs(run) -> str:
+    """The host-device synchronizations one call of ``run`` makes, as torch's sync debug mode warns of them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return f"host-device syncs per step: {len(syncs)}" + (f" (first: {syncs[0]})" if syncs else "")
+
+
+def _python_hotspots(run, rows: int) -> list[str]:
+    """The Python functions of ``STEPS`` calls of ``run``, by their own time under cProfile, per call."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(STEPS):
+        run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, total s, callers)
+    hottest = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
+    lines = [f"{'own us':>8} {'total us':>9} {'calls':>6}  function"]
+    for (file, line, function), (_, calls, own, total, _) in hottest:
+        where = function if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line}({function})"
+        lines.append(f"{own / STEPS * 1e6:8.1f} {total / STEPS * 1e6:9.1f} {calls / STEPS:6.1f}  {where}")
+    return lines
+
+
 def _profiled(forward, leaves, rows: int) -> list[str]:
     """The timings of one implementation's step, then its ops by own CPU time and by GPU time."""
     for _ in range(5):
@@ -178,6 +218,10 @@ def main() -> None:
             for implementation, (forward, leaves) in implementations.items():
                 timings, *tables = _profiled(forward, leaves, rows)
                 emit(f"\n=== {name} {implementation}: {timings}", *tables)
+                if cases is _op_cases and implementation.startswith("triton"):
+                    step = functools.partial(_step, forward, leaves)
+                    emit(_host_syncs(step), "Python functions of a step, by own time (cProfile, per step):",
+                         *_python_hotspots(step, OP_ROWS))
     if out is not None:
         out.close()
 
