@@ -119,11 +119,15 @@ def test_the_group_goes_only_once_no_collective_holds_the_reduced_tensor():
     """The DDP test's hang at exit: a communication thread still holding a reduced tensor needs the
     GIL to drop it, while the group's destructor holds the GIL and waits for that thread."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    reduced = torch.zeros(1)
-    dist.all_reduce(reduced)
-    holder = [reduced.view(1)]  # stands for a work not yet dropped: a second reference to the tensor
-    assert reduced._use_count() > 1
-    threading.Timer(0.3, holder.clear).start()
-    start = time.monotonic()
-    train_module._leave_process_group(reduced, settle_s=0.0)
-    assert time.monotonic() - start >= 0.25 and not dist.is_initialized()
+    try:
+        reduced = torch.zeros(1)
+        dist.all_reduce(reduced)
+        holder = [reduced.view(1)]  # stands for a work not yet dropped: a second reference to the tensor
+        assert reduced._use_count() > 1
+        threading.Timer(0.3, holder.clear).start()
+        start = time.monotonic()
+        train_module._leave_process_group(reduced, settle_s=0.0)
+        assert time.monotonic() - start >= 0.25 and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():  # a failure above leaves no group to later tests
+            dist.destroy_process_group()
