@@ -41,7 +41,7 @@ _LAUNCH_PREPARATION = "--launch-preparation"
 os.environ["TRITON_INTERPRET"] = "0" if _LAUNCH_PREPARATION in sys.argv else "1"
 
 import torch  # noqa: E402
-from transformer_kernels.bench.timing import Schedule, Summary, measure  # noqa: E402
+from transformer_kernels.bench.timing import Schedule, Summary, host_speed, measure  # noqa: E402
 
 import transformer_kernels as tk  # noqa: E402
 from transformer_kernels.backends.triton import _common  # noqa: E402
@@ -168,6 +168,7 @@ def main() -> None:
         return
     _common.KernelLaunch.__call__ = lambda self: None
     result = measure(_calls(), torch.device("cpu"), Schedule(rounds, rounds, 0.0, 0.02))
+    print(host_speed())
     print(f"host time per call, kernel launches stubbed ({rounds} rounds; torch {torch.__version__}, 1 thread)")
     for name, times in result["times_s"].items():
         summary = Summary.of([t * 1e6 for t in times])

@@ -21,10 +21,12 @@ model on the Triton backend against the reference model (and, for the Transforme
 0.91x the reference's, while each of its layers' GLU convolution alone ran faster than torch's: the
 model's own profile says which kernels and which host work make up the difference.
 
-For ours on the ops (the ``triton`` rows), two more lines say where the host path goes: the
-host-device synchronizations one step makes (``torch.cuda.set_sync_debug_mode``: none is expected),
-and the Python functions that take the most of a step's host time, by their own time under
-``cProfile`` (its overhead inflates each call about alike, so read the ranking, not the sums).
+Its first line is the host's speed at a call's kinds of work (``bench.timing.host_speed``), which
+``benchmarks/host_time.py`` prints on the CPU it times too.  For ours on the ops (the ``triton``
+rows), two more lines say where the host path goes: the host-device synchronizations one step
+makes (``torch.cuda.set_sync_debug_mode``: none is expected), and the Python functions that take
+the most of a step's host time, by their own time under ``cProfile`` (its overhead inflates each
+call about alike, so read the ranking, not the sums).
 The same step with launches stubbed on a CPU (benchmarks/host_time.py) took about 58 us; the
 H200's 697 us per step at 16 tokens, kernels 43 us, left most of the difference unexplained.
 """
@@ -45,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import transformer_kernels as tk
 from transformer_kernels.bench.graphs import captured
+from transformer_kernels.bench.timing import host_speed
 from transformer_kernels.bench.suites import Setting
 from transformer_kernels.bench.suites import models as model_suite
 
@@ -212,7 +215,7 @@ def main() -> None:
                 out.write(line + "\n")
                 out.flush()
 
-    emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each")
+    emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each", host_speed())
     for cases, rows in ((_op_cases, OP_ROWS), (_model_cases, MODEL_ROWS)):
         for name, implementations in cases(DEVICE, DTYPE).items():
             for implementation, (forward, leaves) in implementations.items():

@@ -283,11 +283,14 @@ def test_seed_layer_paths_compute_one_step():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_host_time_script_prints_every_call_and_launch():
-    """``benchmarks/host_time.py`` (timings, no target asserted here) still runs end to end: a host
-    time per call, then Triton's and the direct launch preparation per launch."""
+    """``benchmarks/host_time.py`` (timings, no target asserted here) still runs end to end: the
+    host's speed at a call's kinds of work, a host time per call, then Triton's and the direct
+    launch preparation per launch."""
     script = pathlib.Path(__file__).parents[1] / "benchmarks" / "host_time.py"
     text = script_output(script, "--rounds", "1", timeout=300)
     calls = re.findall(r"^  (.+?) +([0-9.]+) us  \(p10-p90", text, re.MULTILINE)
     launches = re.findall(r"kernel\[grid\] +([0-9.]+) us, direct +([0-9.]+) us$", text, re.MULTILINE)
+    speeds = re.findall(r"(?:a Python call|torch\.empty\(16\)|a transpose) ([0-9.]+) us", text.splitlines()[0])
+    assert len(speeds) == 3 and all(float(us) > 0.0 for us in speeds), text
     assert len(calls) == 10 and all(math.isfinite(float(us)) for _, us in calls), text
     assert len(launches) == 12 and all(math.isfinite(float(us)) for pair in launches for us in pair), text

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -196,6 +197,29 @@ def timed_call(forward: Callable[[], object], direction: str, leaves: Sequence[t
 
 
 # ----------------------------------------------------------------------------- statistics
+
+
+def host_speed() -> str:
+    """How fast this machine's host runs the kinds of work a call's host path is made of (a Python
+    call, a small allocation and a view of a CPU tensor), medians of 20 samples of 1000 calls:
+    printed where a host path is timed (benchmarks/host_time.py here, benchmarks/profile_seeds.py
+    on a GPU machine), they tell how much of a gap between two machines' host times is the host's."""
+    def noop() -> None:
+        return None
+
+    tensor = torch.empty(16, 16)
+    work = {"a Python call": noop, "torch.empty(16)": functools.partial(torch.empty, 16),
+            "a transpose": functools.partial(tensor.transpose, 0, 1)}
+    medians = []
+    for name, call in work.items():
+        samples = []
+        for _ in range(20):
+            started = time.perf_counter()
+            for _ in range(1000):
+                call()
+            samples.append((time.perf_counter() - started) * 1e3)  # microseconds per call
+        medians.append(f"{name} {sorted(samples)[len(samples) // 2]:.3f} us")
+    return "host speed (CPU, medians of 20 x 1000 calls): " + ", ".join(medians)
 
 
 def quantile(values: list[float], q: float) -> float:
