@@ -69,10 +69,13 @@ def cases(fake: FakeTensorMode) -> dict:
         def empty(*shape):
             return torch.empty(shape, device="cuda", dtype=torch.float16)
 
-        query, key = empty(2, 4, 16, 64), empty(2, 2, 24, 64)
-        value, grad_out = empty(2, 2, 24, 64), empty(2, 4, 16, 64)
-        padding = torch.zeros(2, 24, dtype=torch.bool, device="cuda")
-        scores_bias = empty(2, 1, 16, 24)  # one float mask for every head
+        # Keys long enough for key bounds (past SHORT_MAX_LENGTH), and short ones, which go without.
+        query, key = empty(2, 4, 16, 64), empty(2, 2, 72, 64)
+        value, grad_out = empty(2, 2, 72, 64), empty(2, 4, 16, 64)
+        padding = torch.zeros(2, 72, dtype=torch.bool, device="cuda")
+        short_key, short_value = empty(2, 2, 24, 64), empty(2, 2, 24, 64)
+        short_padding = torch.zeros(2, 24, dtype=torch.bool, device="cuda")
+        scores_bias = empty(2, 1, 16, 72)  # one float mask for every head
         seed = torch.zeros(2, dtype=torch.int64, device="cuda")
         x, weight, bias = empty(2, 16, 64), empty(192, 64), empty(192)
         glu_x, glu_weight, glu_bias = empty(2, 32, 20), empty(64, 32, 3), empty(64)
@@ -106,6 +109,7 @@ def cases(fake: FakeTensorMode) -> dict:
 
     traced = {
         "attention": _traced(attention, query, key, value, grad_out, padding, seed),
+        "attention_short_keys": _traced(attention, query, short_key, short_value, grad_out, short_padding, seed),
         "attention_float_mask": _traced(attention_float_mask, query, key, value, grad_out, scores_bias),
         "attention_on_eager": _traced(attention_on_eager, query, key, value, grad_out, padding),
         "qkv": _traced(qkv, x, weight, bias),

@@ -74,7 +74,7 @@ FALLBACKS = {
         "under cp.async's 4-byte minimum (float32 x is pipelined)"
     ),
     ("glu_conv_*16-tf32-ragged@sm_*", "sync:x_tile"): "as channel-first x of whole rows",
-    ("attention_forward_fp16_d256_all_masks@sm_80", "sync:*"): "num_stages 1 in its config",
+    ("attention_forward_fp16_d256_all_masks*@sm_80", "sync:*"): "num_stages 1 in its config",
     ("attention_grad_key_value_*_d256_*@sm_*", "sync:*"): "num_stages 1 in its config",
     ("attention_grad_query_*_d256_*@sm_80", "sync:*"): "num_stages 1 in its config",
     ("attention_grad_query_fp16_d256_*@sm_90", "sync:*"): "num_stages 1 in its config (MASKED tile)",

@@ -216,6 +216,12 @@ _GRAD_KEY_VALUE_APART = {("masked", 256)} if _OLD_TRITON else set()
 # read then, not per launch), so the tiles follow that choice; reading the
 # environment on every launch cost host time.
 _INTERPRETED = interpreter_enabled()
+# Key bounds (their kernel's launch and allocation on every call) pay where they let the kernels
+# skip key blocks of padding and run whole blocks of kept keys unmasked: keys at most
+# SHORT_MAX_LENGTH long (the seeds' batches) are a block or two, which go without (``KEY_BOUNDS``
+# off: each block masked, reading its padding).  Under the interpreter, from two of its 16-key
+# blocks on, so that the tests' short lengths take both ways.
+_BOUNDED_KEYS_FROM = 33 if _INTERPRETED else SHORT_MAX_LENGTH + 1
 _INTERPRETER_CONFIGS = {
     "forward": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
     "grad_key_value": KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=1),
@@ -341,13 +347,12 @@ def _mask_arguments(
     """The strides (in kernel order, from stride_kpb on) and the constexpr
     switches of the optional masks, as ``_Masks.pointers`` holds them; absent
     tensors have zero strides."""
-    if key_padding_mask is None:
-        padding_strides = (0, 0, 0, 0)  # the mask's and key_bounds'
-    else:
-        padding_strides = (*key_padding_mask.stride(), *key_bounds.stride())
+    padding_strides = (0, 0) if key_padding_mask is None else key_padding_mask.stride()
+    padding_strides = (*padding_strides, *((0, 0) if key_bounds is None else key_bounds.stride()))
     strides = [*padding_strides, *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0))]
     switches = dict(
         HAS_KEY_PADDING=key_padding_mask is not None,
+        KEY_BOUNDS=key_bounds is not None,
         HAS_DENSE_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
     )
@@ -403,8 +408,8 @@ def _chunked_launches(
 
 class _Masks:
     """A call's :class:`AttentionArgs` and the kernel arguments built from them;
-    ``key_bounds`` ``[B, 3]`` int32 with a key padding mask, which
-    :func:`_key_bounds_launches` fills with what
+    ``key_bounds`` ``[B, 3]`` int32 with a key padding mask of keys long enough
+    (:func:`_empty_key_bounds`), which :func:`_key_bounds_launches` fills with what
     :func:`~transformer_kernels.ops.attention.key_padding_bounds` gives the
     other backends (first and last + 1 kept key, kept count), in one kernel;
     ``capability``: the GPU's the launches are for (``compute_capability``),
@@ -425,13 +430,13 @@ class _Masks:
     __slots__ = ("args", "key_bounds", "capability", "pointers", "layout", "call_kwargs")
 
     def __init__(self, args: AttentionArgs, key_bounds: Optional[torch.Tensor], capability: Optional[int]) -> None:
-        if (args.key_padding_mask is None) != (key_bounds is None):
-            raise ValueError("key_bounds must accompany key_padding_mask, and only it")
+        if args.key_padding_mask is None and key_bounds is not None:
+            raise ValueError("key_bounds come only with a key_padding_mask")
         self.args, self.key_bounds, self.capability = args, key_bounds, capability
         padding, attn_mask = _unit_last_stride(args.key_padding_mask), _unit_last_stride(args.attn_mask)
         self.pointers = (padding, key_bounds, attn_mask)
         self.layout = (
-            None if padding is None else (padding.stride(), key_bounds.stride()),
+            None if padding is None else (padding.stride(), None if key_bounds is None else key_bounds.stride()),
             None if attn_mask is None else (attn_mask.stride(), attn_mask.dtype),
             args.causal, args.scale, args.dropout_p, capability,
         )
@@ -463,9 +468,11 @@ class _Masks:
 
 
 def _empty_key_bounds(padding: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The ``[B, 3]`` int32 key bounds that :func:`_key_bounds_launches` fills for ``padding`` (None
-    without key padding)."""
-    return None if padding is None else padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
+    """The ``[B, 3]`` int32 key bounds that :func:`_key_bounds_launches` fills for ``padding``: None
+    without key padding, and for keys too short for bounds to pay (``_BOUNDED_KEYS_FROM``)."""
+    if padding is None or padding.shape[-1] < _BOUNDED_KEYS_FROM:
+        return None
+    return padding.new_empty((padding.shape[0], 3), dtype=torch.int32)
 
 
 def _call_kwargs(args: AttentionArgs) -> dict:
@@ -554,13 +561,13 @@ def _forward_template(query, key, value, out, lse, masks: _Masks) -> tuple[Kerne
 
 
 def _key_bounds_launches(masks: _Masks) -> list[KernelLaunch]:
-    """The launch filling ``masks.key_bounds``; none without key padding."""
+    """The launch filling ``masks.key_bounds``; none without them."""
     padding, bounds, _ = masks.pointers
-    return [] if padding is None else filled(_key_bounds_template(masks), (padding, bounds), {})
+    return [] if bounds is None else filled(_key_bounds_template(masks), (padding, bounds), {})
 
 
 def _key_bounds_template(masks: _Masks) -> tuple[KernelLaunch, ...]:
-    """The template of :func:`_key_bounds_launches` with key padding, whose pointers are the padding
+    """The template of :func:`_key_bounds_launches` with key bounds, whose pointers are the padding
     mask and the bounds."""
     padding, bounds, _ = masks.pointers
 
@@ -750,7 +757,7 @@ class _PreparedForward:
     def __init__(self, query, key, value, args: AttentionArgs) -> None:
         masks = _Masks.of(args, query.device)
         out, lse = empty_output(query, value), empty_lse(query)
-        self.key_bounds = () if args.key_padding_mask is None else _key_bounds_template(masks)
+        self.key_bounds = () if masks.key_bounds is None else _key_bounds_template(masks)
         self.forward = _forward_template(query, key, value, out, lse, masks)
         self.capability, self.block_config = masks.capability, block_config
         # empty_output's and empty_lse's results, made again from their layouts: 2 of the 5 us
@@ -790,9 +797,9 @@ class _PreparedForward:
 
     def key_bounds_launches(self, padding: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], list]:
         """A call's key bounds (:func:`_empty_key_bounds`) and the launch filling them, from the kept
-        template (none without key padding): what this forward and its prepared backward run first."""
+        template (none without bounds): what this forward and its prepared backward run first."""
         bounds = _empty_key_bounds(padding)
-        return bounds, [] if padding is None else filled(self.key_bounds, (padding, bounds), {})
+        return bounds, [] if bounds is None else filled(self.key_bounds, (padding, bounds), {})
 
 
 def _kept_launches_serve(kept_block_config: Callable, *tensors: torch.Tensor) -> bool:
@@ -921,25 +928,27 @@ _TARGET_VARIANTS = {
 
 
 def _target_launch(
-    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int, capability: Optional[int],
-    index: int = 0,
+    kernel_name: str, head_dim: int, dtype: torch.dtype, variant: str, length: int, key_length: int,
+    capability: Optional[int], index: int = 0,
 ) -> KernelLaunch:
     """The launch (the ``index``-th of its kernel's, for dK/dV in passes) the backend makes on a GPU
     of compute ``capability`` for the representative problem with the switches of ``variant`` (a
-    key of ``_TARGET_VARIANTS``), sequences ``length`` long."""
+    key of ``_TARGET_VARIANTS``), queries ``length`` and keys ``key_length`` long (with key
+    padding, keys that short go without key bounds: ``_BOUNDED_KEYS_FROM``)."""
     causal, padded, all_masks = _TARGET_VARIANTS[variant]
     batch, heads, kv_heads = _TARGET_BATCH, _TARGET_HEADS, _TARGET_KV_HEADS
     query, grad_out, out, dq = (torch.empty(batch, heads, length, head_dim, dtype=dtype) for _ in range(4))
-    key, value, dk, dv = (torch.empty(batch, kv_heads, length, head_dim, dtype=dtype) for _ in range(4))
+    key, value, dk, dv = (torch.empty(batch, kv_heads, key_length, head_dim, dtype=dtype) for _ in range(4))
     lse, delta = (torch.empty(batch, heads, length) for _ in range(2))
     key_padding_mask = key_bounds = attn_mask = grad_scores = None
     if padded:
-        key_padding_mask = torch.zeros(batch, length, dtype=torch.bool)
-        key_bounds = torch.tensor([[0, length, length]] * batch, dtype=torch.int32)
+        key_padding_mask = torch.zeros(batch, key_length, dtype=torch.bool)
+        if key_length >= _BOUNDED_KEYS_FROM:
+            key_bounds = torch.tensor([[0, key_length, key_length]] * batch, dtype=torch.int32)
     dropout_p, dropout_seed = 0.0, None
     if all_masks:
-        attn_mask = torch.empty(batch, 1, length, length, dtype=dtype).expand(batch, heads, length, length)
-        grad_scores = torch.empty(batch, heads, length, length)
+        attn_mask = torch.empty(batch, 1, length, key_length, dtype=dtype).expand(batch, heads, length, key_length)
+        grad_scores = torch.empty(batch, heads, length, key_length)
         dropout_p, dropout_seed = 0.1, torch.tensor([1234567, 89], dtype=torch.int64)
     masks = _Masks(
         AttentionArgs(
@@ -964,15 +973,19 @@ def _target_launch(
 
 # Which problems the compile targets stand for, each with the heaviest
 # switches its table can be chosen with (lighter switches only remove code):
-# (table variant, dtype, target switches, length, name suffix).  DENSE and
-# FAST/SHORT compile in bfloat16, MASKED in float16, so both 16-bit types are
-# covered.
+# (table variant, dtype, target switches, query length, key length, name
+# suffix).  DENSE and FAST/SHORT compile in bfloat16, MASKED in float16, so
+# both 16-bit types are covered.  Key padding compiles with key bounds and,
+# for keys too short for them (queries longer: cross-attention), without.
 _TARGET_PROBLEMS = (
-    ("dense", torch.bfloat16, "dense", _TARGET_LENGTH, ""),
-    ("fast", torch.bfloat16, "causal_padding", _TARGET_LENGTH, ""),
-    ("fast", torch.bfloat16, "causal_padding", SHORT_MAX_LENGTH, "_short"),
-    ("masked", torch.float16, "all_masks", _TARGET_LENGTH, ""),
-    ("masked", torch.float32, "all_masks", _TARGET_LENGTH, ""),
+    ("dense", torch.bfloat16, "dense", _TARGET_LENGTH, _TARGET_LENGTH, ""),
+    ("fast", torch.bfloat16, "causal_padding", _TARGET_LENGTH, _TARGET_LENGTH, ""),
+    ("fast", torch.bfloat16, "causal_padding", _TARGET_LENGTH, SHORT_MAX_LENGTH, "_short_keys"),
+    ("fast", torch.bfloat16, "causal_padding", SHORT_MAX_LENGTH, SHORT_MAX_LENGTH, "_short"),
+    ("masked", torch.float16, "all_masks", _TARGET_LENGTH, _TARGET_LENGTH, ""),
+    ("masked", torch.float16, "all_masks", _TARGET_LENGTH, SHORT_MAX_LENGTH, "_short_keys"),
+    ("masked", torch.float32, "all_masks", _TARGET_LENGTH, _TARGET_LENGTH, ""),
+    ("masked", torch.float32, "all_masks", _TARGET_LENGTH, SHORT_MAX_LENGTH, "_short_keys"),
 )
 
 
@@ -985,10 +998,10 @@ def compile_targets() -> list[CompileTarget]:
     entries, have one."""
     targets = []
     kernels_and_buckets = list(itertools.product(("forward", "grad_key_value", "grad_query"), (64, 128, 256)))
-    for (variant, dtype, switches, length, suffix), (kernel_name, bucket) in itertools.product(
+    for (variant, dtype, switches, length, key_length, suffix), (kernel_name, bucket) in itertools.product(
         _TARGET_PROBLEMS, kernels_and_buckets
     ):
-        if suffix:
+        if length <= SHORT_MAX_LENGTH:
             if (kernel_name, bucket) not in _SHORT_CONFIGS and ("short", kernel_name, bucket) not in _SM90_CONFIGS:
                 continue
         elif (kernel_name, bucket) not in (_FLOAT32_CONFIGS if dtype == torch.float32 else _CONFIG_TABLES[variant]):
@@ -997,7 +1010,7 @@ def compile_targets() -> list[CompileTarget]:
         # for dQ, one SPLIT_KEYS.
         by_config: dict[tuple[KernelConfig, bool], list[int]] = {}
         for capability in COMPILE_CAPABILITIES:
-            config = _table_config(kernel_name, bucket, dtype, variant, length, capability)
+            config = _table_config(kernel_name, bucket, dtype, variant, max(length, key_length), capability)
             splits = kernel_name == "grad_query" and _grad_query_splits_keys(variant, capability)
             by_config.setdefault((config, splits), []).append(capability)
         name = f"attention_{kernel_name}_{TORCH_TO_TRITON_DTYPE[dtype]}_d{bucket}_{switches}{suffix}"
@@ -1006,16 +1019,17 @@ def compile_targets() -> list[CompileTarget]:
             for index, (grad_key, grad_value) in enumerate(passes):
                 pass_name = "" if len(passes) == 1 else ("_dk" if grad_key else "_dv")
                 launch = functools.partial(
-                    _target_launch, kernel_name, bucket, dtype, switches, length, capabilities[0], index
+                    _target_launch, kernel_name, bucket, dtype, switches, length, key_length, capabilities[0], index
                 )
                 targets.append(CompileTarget(name + pass_name, launch, tuple(capabilities)))
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 256)):
         targets.append(CompileTarget(
             f"attention_delta_{TORCH_TO_TRITON_DTYPE[dtype]}_d{head_dim}",
-            functools.partial(_target_launch, "delta", head_dim, dtype, "dense", _TARGET_LENGTH, None),
+            functools.partial(_target_launch, "delta", head_dim, dtype, "dense", _TARGET_LENGTH, _TARGET_LENGTH, None),
         ))
     targets.append(CompileTarget(
         "attention_key_bounds",
-        functools.partial(_target_launch, "key_bounds", 64, torch.float16, "causal_padding", _TARGET_LENGTH, None),
+        functools.partial(_target_launch, "key_bounds", 64, torch.float16, "causal_padding", _TARGET_LENGTH,
+                          _TARGET_LENGTH, None),
     ))
     return targets

@@ -11,11 +11,13 @@ with any strides, ``Hq % Hk == 0`` (grouped-query attention: query head ``h`` re
   (``j <= i + Lk - Lq``).  Key blocks wholly above the diagonal
   are never visited; only the blocks the diagonal crosses pay for the mask.
 * ``HAS_KEY_PADDING``: bool ``[B, Lk]`` (True = padding) read one key block at
-  a time; ``key_bounds`` ``[B, 3]`` int32 (first kept key, last kept key + 1,
-  number of kept keys) lets the kernels skip whole key blocks of padding, and
-  where the kept keys are contiguous, read no padding inside them.  A small
-  kernel finds the bounds first (one launch, where torch ops would take a
-  dozen).
+  a time; with ``KEY_BOUNDS``, ``key_bounds`` ``[B, 3]`` int32 (first kept key,
+  last kept key + 1, number of kept keys) lets the kernels skip whole key blocks
+  of padding, and where the kept keys are contiguous, read no padding inside
+  them.  A small kernel finds the bounds first (one launch, where torch ops
+  would take a dozen).  Keys too short for that to pay (a block or two) go
+  without: every key block is masked and reads its padding, and dK/dV skips a
+  block whose keys are all padding.
 * ``HAS_DENSE_MASK``: a ``[B, Hq, Lq, Lk]`` view (stride 0 where broadcast),
   bool (``MASK_IS_BOOL``, True = takes part) or float (added to the scaled
   scores).
@@ -212,6 +214,7 @@ def _key_range(
     row_start, seq_len_q, seq_len_k, causal_shift,
     key_bounds_ptr, stride_kbb, stride_kbe, batch,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    KEY_BOUNDS: tl.constexpr,
 ):
     # Keys that rows [row_start, row_start + BLOCK_M) can see: [lo, hi), split
     # at `full_end`, and whether padding sits between the kept keys (`holes`:
@@ -219,16 +222,20 @@ def _key_range(
     # blocks of kept keys that every row of the block sees: they need no mask of
     # any kind.  The blocks of [full_end, hi) do: a partial tail, the diagonal,
     # and, with holes, all of them.  Without holes every key in [lo, hi) is
-    # kept, so the masked blocks need not read the padding.
+    # kept, so the masked blocks need not read the padding.  Key padding
+    # without bounds counts as holes everywhere.
     # Blocks start on any key: K and V rows are 16-element aligned each, and
     # dropout draws each element's bits from its own coordinates.
     lo = 0
     hi = seq_len_k
     holes = False
     if HAS_KEY_PADDING:
-        lo = tl.load(key_bounds_ptr + batch * stride_kbb)
-        hi = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
-        holes = hi - lo != tl.load(key_bounds_ptr + batch * stride_kbb + 2 * stride_kbe)
+        if KEY_BOUNDS:
+            lo = tl.load(key_bounds_ptr + batch * stride_kbb)
+            hi = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
+            holes = hi - lo != tl.load(key_bounds_ptr + batch * stride_kbb + 2 * stride_kbe)
+        else:
+            holes = True
     seen_by_all = hi
     if CAUSAL != NO_CAUSAL:
         row_end = tl.minimum(row_start + BLOCK_M, seq_len_q)
@@ -400,7 +407,7 @@ def _attention_forward_kernel(
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
     qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
-    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, KEY_BOUNDS: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -443,7 +450,7 @@ def _attention_forward_kernel(
     )
     key_lo, key_full_end, key_hi, holes = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
-        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING, KEY_BOUNDS,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -611,7 +618,7 @@ def _grad_key_value_inner(
 # The group's heads are summed inside the program rather than with atomics:
 # the result is deterministic, needs no fp32 scratch copy of dK/dV, and the
 # grid (key blocks x B*Hk) still fills the GPU at the lengths where it matters.
-# Key blocks outside the key bounds skip the loop and write zeros.  GRAD_KEY and
+# Key blocks outside the key bounds (without bounds: all padding) skip the loop and write zeros.  GRAD_KEY and
 # GRAD_VALUE (both by default) pick the gradients a launch accumulates and
 # stores: a pass each where both would not fit in registers.
 @_kernel
@@ -630,7 +637,7 @@ def _attention_grad_key_value_kernel(
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, num_kv_heads, head_batch_start,
     scale, qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
-    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, KEY_BOUNDS: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_GRAD_SCORES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, GRAD_KEY: tl.constexpr = True, GRAD_VALUE: tl.constexpr = True,
@@ -684,11 +691,14 @@ def _attention_grad_key_value_kernel(
     if HAS_KEY_PADDING:
         padding = tl.load(key_padding_ptr + batch64 * stride_kpb + offs_n * stride_kpn, mask=key_in, other=1)
         key_keep = key_keep & (padding == 0)
-        first_key = tl.load(key_bounds_ptr + batch * stride_kbb)
-        end_key = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
-        outside_bounds = (key_start >= end_key) | (key_start + BLOCK_N <= first_key)
-        row_lo = tl.where(outside_bounds, seq_len_q, row_lo)
-        row_full = tl.where(outside_bounds, seq_len_q, row_full)
+        if KEY_BOUNDS:
+            first_key = tl.load(key_bounds_ptr + batch * stride_kbb)
+            end_key = tl.load(key_bounds_ptr + batch * stride_kbb + stride_kbe)
+            skipped = (key_start >= end_key) | (key_start + BLOCK_N <= first_key)
+        else:  # the block's own padding, just read: no kept key in it
+            skipped = tl.max(key_keep.to(tl.int32), 0) == 0
+        row_lo = tl.where(skipped, seq_len_q, row_lo)
+        row_full = tl.where(skipped, seq_len_q, row_full)
 
     # Each key's dK and dV rows take only its own scores, so the scores of keys
     # outside the sequence or of padding need no -inf in the loop (rows past the
@@ -819,7 +829,7 @@ def _attention_grad_query_kernel(
     stride_mb: tl.int64, stride_mh: tl.int64, stride_mm: tl.int64, stride_mn,
     num_q_heads, group_size, seq_len_q, seq_len_k, head_dim, head_dim_v, head_batch_start,
     scale, qk_scale, dropout_seed_ptr, dropout_threshold, dropout_scale,
-    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, KEY_BOUNDS: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr,
@@ -870,7 +880,7 @@ def _attention_grad_query_kernel(
 
     key_lo, key_full_end, key_hi, holes = _key_range(
         row_start, seq_len_q, seq_len_k, causal_shift, key_bounds_ptr, stride_kbb, stride_kbe, batch,
-        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, CAUSAL, HAS_KEY_PADDING, KEY_BOUNDS,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # SPLIT_KEYS: the stages of the forward kernel (whole blocks every row sees,
