@@ -994,8 +994,9 @@ def compile_targets() -> list[CompileTarget]:
     one ``block_config`` picks there (``_table_config``): DENSE configs with no switch, FAST and
     SHORT ones with bottom-right causal and key padding, MASKED and FLOAT32
     ones with every switch on (bottom-right causal, key padding, float mask,
-    dropout, dS store).  A SHORT target only where the SHORT table, or the SM90 table's "short"
-    entries, have one."""
+    dropout, dS store), key padding with key bounds and, for keys too short for them, without
+    (``_short_keys``; SHORT ones always without).  A SHORT target only where the SHORT table, or
+    the SM90 table's "short" entries, have one."""
     targets = []
     kernels_and_buckets = list(itertools.product(("forward", "grad_key_value", "grad_query"), (64, 128, 256)))
     for (variant, dtype, switches, length, key_length, suffix), (kernel_name, bucket) in itertools.product(
