@@ -618,9 +618,10 @@ def _grad_key_value_inner(
 # The group's heads are summed inside the program rather than with atomics:
 # the result is deterministic, needs no fp32 scratch copy of dK/dV, and the
 # grid (key blocks x B*Hk) still fills the GPU at the lengths where it matters.
-# Key blocks outside the key bounds (without bounds: all padding) skip the loop and write zeros.  GRAD_KEY and
-# GRAD_VALUE (both by default) pick the gradients a launch accumulates and
-# stores: a pass each where both would not fit in registers.
+# Key blocks outside the key bounds (without bounds: all padding) skip the
+# loop and write zeros.  GRAD_KEY and GRAD_VALUE (both by default) pick the
+# gradients a launch accumulates and stores: a pass each where both would not
+# fit in registers.
 @_kernel
 def _attention_grad_key_value_kernel(
     q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, grad_scores_ptr,
