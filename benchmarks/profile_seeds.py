@@ -26,14 +26,15 @@ Its first line is the host's speed at a call's kinds of work (``bench.timing.hos
 rows), two more lines say where the host path goes: the host-device synchronizations one step
 makes (``torch.cuda.set_sync_debug_mode``: none is expected), and the Python functions that take
 the most of a step's host time, by their own time under ``cProfile`` (its overhead inflates each
-call about alike, so read the ranking, not the sums).
-The same step with launches stubbed on a CPU (benchmarks/host_time.py) took about 58 us; the
-H200's 697 us per step at 16 tokens, kernels 43 us, left most of the difference unexplained.
+call about alike, so read the ranking, not the sums): on the H200 (profile_seeds-6f5b769.txt) a
+16-token attention step took many times its kernels' time replayed, far more host time than the
+same step's host path takes on a CPU with launches stubbed (benchmarks/host_time.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import math
@@ -184,8 +185,9 @@ def _python_hotspots(run, rows: int) -> list[str]:
     return lines
 
 
-def _profiled(forward, leaves, rows: int) -> list[str]:
-    """The timings of one implementation's step, then its ops by own CPU time and by GPU time."""
+def _profiled(forward, leaves, rows: int, host_path: bool) -> list[str]:
+    """The timings of one implementation's step, then its ops by own CPU time and by GPU time, and
+    with ``host_path`` its host-device syncs and Python functions by own time."""
     for _ in range(5):
         _step(forward, leaves)
     step = functools.partial(_step, forward, leaves)
@@ -197,36 +199,35 @@ def _profiled(forward, leaves, rows: int) -> list[str]:
             _step(forward, leaves)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    return [timings] + [events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
-                        for sort in ("self_cpu_time_total", "self_device_time_total")]
+    lines = [timings] + [events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+                         for sort in ("self_cpu_time_total", "self_device_time_total")]
+    if host_path:
+        lines += [_host_syncs(step), "Python functions of a step, by own time (cProfile, per step):",
+                  *_python_hotspots(step, rows)]
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
-    out = open(args.out, "w") if args.out else None
+    with open(args.out, "w") if args.out else contextlib.nullcontext() as out:
 
-    def emit(*lines: str) -> None:
-        # Case by case, so that a run its time limit cuts off keeps what it measured.
-        for line in lines:
-            print(line, flush=True)
-            if out is not None:
-                out.write(line + "\n")
-                out.flush()
+        def emit(*lines: str) -> None:
+            # Case by case, so that a run its time limit cuts off keeps what it measured.
+            for line in lines:
+                print(line, flush=True)
+                if out is not None:
+                    out.write(line + "\n")
+                    out.flush()
 
-    emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each", host_speed())
-    for cases, rows in ((_op_cases, OP_ROWS), (_model_cases, MODEL_ROWS)):
-        for name, implementations in cases(DEVICE, DTYPE).items():
-            for implementation, (forward, leaves) in implementations.items():
-                timings, *tables = _profiled(forward, leaves, rows)
-                emit(f"\n=== {name} {implementation}: {timings}", *tables)
-                if cases is _op_cases and implementation.startswith("triton"):
-                    step = functools.partial(_step, forward, leaves)
-                    emit(_host_syncs(step), "Python functions of a step, by own time (cProfile, per step):",
-                         *_python_hotspots(step, OP_ROWS))
-    if out is not None:
-        out.close()
+        emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each", host_speed())
+        # Ours on the ops (the "triton" rows) also get their host path's syncs and Python functions.
+        for cases, rows, host_path in ((_op_cases, OP_ROWS, True), (_model_cases, MODEL_ROWS, False)):
+            for name, implementations in cases(DEVICE, DTYPE).items():
+                for implementation, (forward, leaves) in implementations.items():
+                    timings, *rest = _profiled(forward, leaves, rows, host_path and implementation.startswith("triton"))
+                    emit(f"\n=== {name} {implementation}: {timings}", *rest)
 
 
 if __name__ == "__main__":

@@ -196,9 +196,6 @@ def timed_call(forward: Callable[[], object], direction: str, leaves: Sequence[t
     return call
 
 
-# ----------------------------------------------------------------------------- statistics
-
-
 def host_speed() -> str:
     """How fast this machine's host runs the kinds of work a call's host path is made of (a Python
     call, a small allocation and a view of a CPU tensor), medians of 20 samples of 1000 calls:
@@ -218,8 +215,11 @@ def host_speed() -> str:
             for _ in range(1000):
                 call()
             samples.append((time.perf_counter() - started) * 1e3)  # microseconds per call
-        medians.append(f"{name} {sorted(samples)[len(samples) // 2]:.3f} us")
+        medians.append(f"{name} {quantile(samples, 0.5):.3f} us")
     return "host speed (CPU, medians of 20 x 1000 calls): " + ", ".join(medians)
+
+
+# ----------------------------------------------------------------------------- statistics
 
 
 def quantile(values: list[float], q: float) -> float:

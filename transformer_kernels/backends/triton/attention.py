@@ -348,8 +348,9 @@ def _mask_arguments(
     switches of the optional masks, as ``_Masks.pointers`` holds them; absent
     tensors have zero strides."""
     padding_strides = (0, 0) if key_padding_mask is None else key_padding_mask.stride()
-    padding_strides = (*padding_strides, *((0, 0) if key_bounds is None else key_bounds.stride()))
-    strides = [*padding_strides, *(attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0))]
+    bounds_strides = (0, 0) if key_bounds is None else key_bounds.stride()
+    mask_strides = (0, 0, 0, 0) if attn_mask is None else attn_mask.stride()
+    strides = [*padding_strides, *bounds_strides, *mask_strides]
     switches = dict(
         HAS_KEY_PADDING=key_padding_mask is not None,
         KEY_BOUNDS=key_bounds is not None,
