@@ -200,7 +200,8 @@ inline void check_bcl(const at::Tensor& t, const at::Tensor& reference, int64_t 
 inline tk::attention::HeadStrides head_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // The attention problem of q [B, Hq, Lq, E], k [B, Hk, Lk, E], v [B, Hk, Lk, Ev] and its masks:
-// key_padding_mask bool [B, Lk] with key_bounds int32 [B, 3] (both contiguous), attn_mask
+// key_padding_mask bool [B, Lk] with or without its key_bounds int32 [B, 3] (both contiguous; without
+// bounds the kernels test every key's padding, see common/attention_masks.h's row_keys), attn_mask
 // [B, Hq, Lq, Lk] bool or q's dtype (any strides), dropout_seed int64 [2]: each optional.
 inline tk::attention::ForwardProblem attention_problem(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_padding_mask,
@@ -240,18 +241,20 @@ inline tk::attention::ForwardProblem attention_problem(
   TORCH_CHECK(causal >= 0 && causal <= 2, op, ": causal must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
   p.causal = int(causal);
   p.scale = float(scale);
-  TORCH_CHECK(key_padding_mask.has_value() == key_bounds.has_value(), op,
-              ": key_padding_mask and key_bounds come together");
+  TORCH_CHECK(key_padding_mask.has_value() || !key_bounds.has_value(), op,
+              ": key_bounds come with a key_padding_mask");
   if (key_padding_mask.has_value()) {
     const at::Tensor& pad = *key_padding_mask;
-    const at::Tensor& bounds = *key_bounds;
     TORCH_CHECK(pad.device() == q.device() && pad.scalar_type() == at::kBool && pad.is_contiguous() &&
                     pad.sizes() == at::IntArrayRef({batch, lk}),
                 op, ": key_padding_mask must be a contiguous bool [B, Lk] tensor on query's device, got ", pad.sizes());
+    p.key_padding = reinterpret_cast<const uint8_t*>(pad.data_ptr<bool>());
+  }
+  if (key_bounds.has_value()) {
+    const at::Tensor& bounds = *key_bounds;
     TORCH_CHECK(bounds.device() == q.device() && bounds.scalar_type() == at::kInt && bounds.is_contiguous() &&
                     bounds.sizes() == at::IntArrayRef({batch, 3}),
                 op, ": key_bounds must be a contiguous int32 [B, 3] tensor on query's device");
-    p.key_padding = reinterpret_cast<const uint8_t*>(pad.data_ptr<bool>());
     p.key_bounds = bounds.data_ptr<int32_t>();
   }
   if (attn_mask.has_value()) {

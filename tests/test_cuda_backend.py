@@ -17,7 +17,7 @@ from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, MEASURED_FA
 from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
-from transformer_kernels.ops.attention import AttentionArgs, Causal, key_padding_bounds
+from transformer_kernels.ops.attention import KEY_BOUNDS_MIN_LENGTH, AttentionArgs, Causal, key_padding_bounds
 from transformer_kernels.ops.glu_conv import GluConvArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
@@ -113,8 +113,11 @@ class _HostAttentionOps:
         excluded = torch.zeros(batch, heads_q, lq, lk, dtype=torch.bool)
         if key_padding_mask is not None:
             assert key_padding_mask.is_contiguous() and key_padding_mask.shape == (batch, lk)
-            assert key_bounds.dtype == torch.int32 and key_bounds.shape == (batch, 3)
-            assert torch.equal(key_bounds, key_padding_bounds(key_padding_mask))
+            # Bounds only where they pay; without them the kernels test every key's padding.
+            assert (key_bounds is not None) == (lk >= KEY_BOUNDS_MIN_LENGTH)
+            if key_bounds is not None:
+                assert key_bounds.dtype == torch.int32 and key_bounds.shape == (batch, 3)
+                assert torch.equal(key_bounds, key_padding_bounds(key_padding_mask))
             excluded |= key_padding_mask[:, None, None, :]
         else:
             assert key_bounds is None
@@ -182,6 +185,7 @@ GLUE_CASES = [
     ((2, 2, 7, 12), 2, 7, 20, Causal.TOP_LEFT, False, "bool"),  # head dims padded to 16 and 24
     ((1, 3, 12, 8), 1, 5, 8, Causal.BOTTOM_RIGHT, True, None),  # rows without keys
     ((2, 2, 6, 24), 1, 10, 40, Causal.NONE, False, "float"),  # the float mask's gradient
+    ((2, 2, 5, 16), 1, 70, 16, Causal.TOP_LEFT, True, None),  # keys long enough for bounds
 ]
 
 
@@ -342,6 +346,9 @@ ATTENTION_CASES = [
     ((2, 4, 160, 192), 2, 160, 192, Causal.TOP_LEFT, False, None, 0.0),
     ((2, 4, 128, 32), 4, 128, 32, Causal.NONE, True, "float", 0.3),  # the Triton backend's keep-mask
     ((2, 4, 150, 64), 2, 170, 64, Causal.TOP_LEFT, True, "float", 0.0),  # is_causal with a mask: both apply
+    # Keys short enough to go without bounds (the seeds' batches); a row of padding only.
+    ((3, 8, 40, 64), 8, 40, 64, Causal.NONE, True, None, 0.0),
+    ((3, 4, 30, 64), 2, 64, 64, Causal.BOTTOM_RIGHT, True, "bool", 0.0),
 ]
 
 
@@ -359,9 +366,9 @@ def test_attention_agrees_with_triton_and_eager(
     k = torch.randn(batch, heads_k, lk, dim, device="cuda", dtype=dtype)
     v = torch.randn(batch, heads_k, lk, dim_v, device="cuda", dtype=dtype)
     key_padding_mask = None
-    if padded:  # suffix, left padding and holes
+    if padded:  # suffix, left padding and holes, padding only
         keys = torch.arange(lk, device="cuda")
-        key_padding_mask = torch.stack([keys >= lk * 2 // 3, (keys < lk // 4) | (keys % 5 == 2)])[:batch]
+        key_padding_mask = torch.stack([keys >= lk * 2 // 3, (keys < lk // 4) | (keys % 5 == 2), keys >= 0])[:batch]
     attn_mask = None
     if mask_kind == "bool":  # broadcast over heads
         attn_mask = torch.rand(batch, 1, lq, lk, device="cuda") > 0.3

@@ -362,6 +362,28 @@ def _visible(padding_row: torch.Tensor, lq: int, causal: bool, shift: int) -> to
     return visible & (keys <= rows + shift) if causal else visible
 
 
+@pytest.mark.parametrize("with_bounds", [True, False], ids=["bounds", "no_bounds"])
+@pytest.mark.parametrize("padding", [None, "suffix", "left", "holes", "all"])
+def test_row_keys_keep_exactly_the_kept_keys_with_or_without_bounds(attention_h, padding, with_bounds):
+    """A batch row's key range and per-key test keep its kept keys and no other, whether the caller
+    computed its bounds (``key_padding_bounds``) or left them out (short keys); with bounds, only a
+    row with padding between its kept keys pays for the per-key test."""
+    lk = 40
+    keys = torch.arange(lk)
+    pad = {
+        None: torch.zeros(lk, dtype=torch.bool), "suffix": keys >= 25, "left": keys < 7,
+        "holes": (keys % 7 == 3) | (keys < 5), "all": torch.ones(lk, dtype=torch.bool),
+    }[padding]
+    bounds = key_padding_bounds(pad[None])[0].tolist() if padding is not None and with_bounds else None
+    query = ("row_keys", int(bounds is not None), *(bounds or (0, 0, 0)), int(padding is not None), lk)
+    first, end, holes = map(int, attention_h([query])[0])
+    kept = (keys >= first) & (keys < end)
+    if holes:
+        kept &= ~pad
+    assert torch.equal(kept, ~pad)
+    assert holes == (padding == "holes" if bounds is not None else padding is not None)
+
+
 KEY_BLOCK_CASES = [
     # Lq, Lk, causal kind, padding kind
     (100, 100, Causal.NONE, "suffix"), (100, 100, Causal.TOP_LEFT, None), (70, 200, Causal.BOTTOM_RIGHT, "left"),

@@ -90,8 +90,9 @@ CASES = {
                          "conv: C_in must be a positive multiple of 8, got 12"),
     "conv_xpad_short": (f"conv {_contiguous('f16', 2, 12, 16)} {_contiguous('f16', 8, 48)} 12 1",
                         "conv: xpad of length 12 does not hold 12 positions after 1 of padding"),
-    "attention": (f"attention {Q} {KV} {KV} - - - 0 - 0", "ok 2 4 2 10 12 64 64"),
-    "attention_broadcast_mask": (f"attention {Q} {KV} {KV} - - bool:2,4,10,12:0,0,12,1 1 - 0", "ok 2 4 2 10 12 64 64"),
+    "attention": (f"attention {Q} {KV} {KV} - - - 0 - 0", "ok 2 4 2 10 12 64 64 padding 0 bounds 0"),
+    "attention_broadcast_mask": (f"attention {Q} {KV} {KV} - - bool:2,4,10,12:0,0,12,1 1 - 0",
+                                 "ok 2 4 2 10 12 64 64 padding 0 bounds 0"),
     "attention_heads": (f"attention {Q} {_contiguous('f16', 2, 3, 12, 64)} {_contiguous('f16', 2, 3, 12, 64)} - - - 0 - 0",
                         "attention: Hk must divide Hq, got Hq = 4, Hk = 3"),
     "attention_head_dim": (f"attention {_contiguous('f16', 2, 4, 10, 264)} {_contiguous('f16', 2, 2, 12, 264)} "
@@ -99,14 +100,17 @@ CASES = {
     "attention_mask_dtype": (f"attention {Q} {KV} {KV} - - {_contiguous('f32', 2, 4, 10, 12)} 0 - 0",
                              r"attention: attn_mask must be a bool or Half \[B, Hq, Lq, Lk\] tensor"),
     "attention_padding": (f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} {_contiguous('i32', 2, 3)} - 0 - 0",
-                          "ok 2 4 2 10 12 64 64"),
+                          "ok 2 4 2 10 12 64 64 padding 1 bounds 1"),
     # The bounds carry the kept count (ops.attention.key_padding_bounds), which tells the kernels
     # whether a row has holes, hence whether they must read its padding mask.
     "attention_bounds_without_count": (
         f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} {_contiguous('i32', 2, 2)} - 0 - 0",
         r"attention: key_bounds must be a contiguous int32 \[B, 3\] tensor"),
+    # Short keys go without bounds: the kernels then test every key's padding.
     "attention_padding_alone": (f"attention {Q} {KV} {KV} {_contiguous('bool', 2, 12)} - - 0 - 0",
-                                "attention: key_padding_mask and key_bounds come together"),
+                                "ok 2 4 2 10 12 64 64 padding 1 bounds 0"),
+    "attention_bounds_alone": (f"attention {Q} {KV} {KV} - {_contiguous('i32', 2, 3)} - 0 - 0",
+                               "attention: key_bounds come with a key_padding_mask"),
     "attention_causal": (f"attention {Q} {KV} {KV} - - - 3 - 0", r"attention: causal must be 0 \(none\), 1"),
     "attention_dropout_threshold": (f"attention {Q} {KV} {KV} - - - 0 {_contiguous('i64', 2)} 70000",
                                     r"attention: dropout_threshold must be in \[0, 65536\), got 70000"),

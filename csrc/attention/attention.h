@@ -33,7 +33,8 @@ struct ForwardProblem {
   float scale;
   // Key padding: bool [B, Lk] contiguous (true = padding) and its bounds int32 [B, 3] contiguous
   // (first kept key, last kept key + 1, count of kept keys: short of their difference where padding
-  // sits between them); both null without key padding.
+  // sits between them); both null without key padding.  Bounds may be null with padding: every key's
+  // padding is then tested (row_keys in common/attention_masks.h).
   const uint8_t* key_padding;
   const int32_t* key_bounds;
   // Dense mask [B, Hq, Lq, Lk] with any strides (0 where broadcast): bool (true = attend) or the

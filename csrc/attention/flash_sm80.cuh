@@ -183,7 +183,7 @@ struct HeadRows {
 // The masks of one (batch, query head), applied to a score in base-2 units: -inf where the key is
 // excluded (outside the key bounds, a padding hole, causal, a False bool mask), the float mask's
 // bias added otherwise.  Full tests, for blocks that are not interior.  The padding mask is read
-// only for a batch row with holes: otherwise the bounds hold every kept key and nothing else.
+// only for a batch row with holes (row_keys): otherwise the bounds hold every kept key and nothing else.
 template <class T>
 struct ScoreMasks {
   int first_key, end_key, seq_len_q, shift;
@@ -198,9 +198,11 @@ struct ScoreMasks {
     causal = p.causal != int(Causal::kNone);
     shift = causal_shift(Causal(p.causal), p.seq_len_q, p.seq_len_k);
     seq_len_q = p.seq_len_q;
-    first_key = p.key_bounds != nullptr ? p.key_bounds[3 * batch] : 0;
-    end_key = p.key_bounds != nullptr ? p.key_bounds[3 * batch + 1] : p.seq_len_k;
-    holes = p.key_bounds != nullptr && p.key_bounds[3 * batch + 2] != end_key - first_key;
+    const RowKeys keys =
+        row_keys(p.key_bounds != nullptr ? p.key_bounds + 3 * batch : nullptr, p.key_padding != nullptr, p.seq_len_k);
+    first_key = keys.first_key;
+    end_key = keys.end_key;
+    holes = keys.holes;
     padding = p.key_padding != nullptr ? p.key_padding + int64_t(batch) * p.seq_len_k : nullptr;
     mask_is_bool = p.mask_is_bool;
     mask = head_mask(p, batch, head);

@@ -22,6 +22,23 @@ TK_HOST_DEVICE int causal_shift(Causal causal, int seq_len_q, int seq_len_k) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// The keys one batch row may see, from its key padding: [first_key, end_key) and whether padding
+// sits between them (holes: then each key's padding is tested).  `key_bounds` is that row's
+// (first kept key, last kept key + 1, count of kept keys), or null: without key padding every key,
+// and for key padding without bounds (keys too short for them to pay: a block or two, which the
+// caller masks key by key rather than spend launches on bounds) every key, each tested.
+
+struct RowKeys {
+  int first_key, end_key;
+  bool holes;
+};
+
+TK_HOST_DEVICE RowKeys row_keys(const int32_t* key_bounds, bool has_padding, int seq_len_k) {
+  if (key_bounds == nullptr) return RowKeys{0, seq_len_k, has_padding};
+  return RowKeys{key_bounds[0], key_bounds[1], key_bounds[2] != key_bounds[1] - key_bounds[0]};
+}
+
+// ------------------------------------------------------------------------------------------------
 // Key blocks of one query block.  Query rows [row_start, row_start + block_m) (those < Lq) see key j
 // when first_key <= j < end_key (the key bounds, [0, Lk) without key padding) and, if causal,
 // j <= i + shift.  The block visits key blocks [begin, end) of block_n keys; the blocks in

@@ -18,6 +18,12 @@ int main() {
       std::cin >> row_start >> block_m >> block_n >> seq_len_q >> causal >> shift >> first_key >> end_key;
       at::KeyBlocks b = at::key_blocks(row_start, block_m, block_n, seq_len_q, causal != 0, shift, first_key, end_key);
       std::cout << b.begin << ' ' << b.end << ' ' << b.full_begin << ' ' << b.full_end << '\n';
+    } else if (function == "row_keys") {
+      int has_bounds, has_padding, seq_len_k;
+      int32_t bounds[3];
+      std::cin >> has_bounds >> bounds[0] >> bounds[1] >> bounds[2] >> has_padding >> seq_len_k;
+      at::RowKeys keys = at::row_keys(has_bounds != 0 ? bounds : nullptr, has_padding != 0, seq_len_k);
+      std::cout << keys.first_key << ' ' << keys.end_key << ' ' << keys.holes << '\n';
     } else if (function == "query_rows") {
       int key_start, block_n, seq_len_q, causal, shift;
       std::cin >> key_start >> block_n >> seq_len_q >> causal >> shift;

@@ -81,7 +81,8 @@ std::string call(std::istream& in) {
     const tk::attention::ForwardProblem p = tk::bindings::attention_problem(
         q, k, v, key_padding_mask, key_bounds, attn_mask, causal, 1.0, dropout_seed, threshold, 1.0, "attention");
     out << p.batch << ' ' << p.heads_q << ' ' << p.heads_k << ' ' << p.seq_len_q << ' ' << p.seq_len_k << ' '
-        << p.head_dim << ' ' << p.head_dim_v;
+        << p.head_dim << ' ' << p.head_dim_v << " padding " << (p.key_padding != nullptr) << " bounds "
+        << (p.key_bounds != nullptr);
   } else {
     throw std::invalid_argument("unknown builder " + builder);
   }

@@ -113,6 +113,13 @@ def grads_like_inputs(query: Tensor, key: Tensor, value: Tensor, saved: Tensor, 
     return False
 
 
+# Key bounds pay on a GPU where they let the kernels skip key blocks of padding and run whole blocks
+# of kept keys without per-key tests.  Keys at most this long (the seeds' padded batches) are a block
+# or two: both GPU backends then test each key's padding instead, and spare every call the bounds'
+# launches (a kernel for Triton, a dozen small ops for the CUDA backend).
+KEY_BOUNDS_MIN_LENGTH = 65
+
+
 def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
     """int32 ``[B, 3]``: each row's first non-padding key, its last one + 1 ((0, 0) for a row of
     padding only) and the count of non-padding keys, short of their difference where padding sits

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from ...ops.attention import (
-    MAX_HEAD_DIM, AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output, key_padding_bounds,
+    KEY_BOUNDS_MIN_LENGTH, MAX_HEAD_DIM, AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output,
+    key_padding_bounds,
 )
 from ...ops.attention import grads_like_inputs as grads_contiguous
 from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
@@ -68,9 +69,12 @@ def _into(target: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_arguments(args: AttentionArgs) -> tuple:
-    """The raw ops' arguments from key_padding_mask to dropout_scale."""
+    """The raw ops' arguments from key_padding_mask to dropout_scale: the key bounds only past
+    ``KEY_BOUNDS_MIN_LENGTH`` keys (shorter ones, the kernels mask key by key)."""
     padding = args.key_padding_mask
-    bounds = None if padding is None else key_padding_bounds(padding)
+    bounds = None
+    if padding is not None and padding.shape[1] >= KEY_BOUNDS_MIN_LENGTH:
+        bounds = key_padding_bounds(padding)
     dropout = args.dropout_p > 0.0
     threshold, scale = dropout_threshold(args.dropout_p) if dropout else (0, 1.0)
     seed = args.dropout_seed if dropout else None

@@ -23,7 +23,8 @@ import torch
 import triton
 
 from ...ops.attention import (
-    MAX_HEAD_DIM, AttentionArgs, Causal, dropout_threshold, empty_grads, empty_lse, empty_output,
+    KEY_BOUNDS_MIN_LENGTH, MAX_HEAD_DIM, AttentionArgs, Causal, dropout_threshold, empty_grads, empty_lse,
+    empty_output,
 )
 from ...ops.attention import grads_like_inputs as grads_contiguous
 from . import interpreter_enabled
@@ -216,12 +217,11 @@ _GRAD_KEY_VALUE_APART = {("masked", 256)} if _OLD_TRITON else set()
 # read then, not per launch), so the tiles follow that choice; reading the
 # environment on every launch cost host time.
 _INTERPRETED = interpreter_enabled()
-# Key bounds (their kernel's launch and allocation on every call) pay where they let the kernels
-# skip key blocks of padding and run whole blocks of kept keys unmasked: keys at most
-# SHORT_MAX_LENGTH long (the seeds' batches) are a block or two, which go without (``KEY_BOUNDS``
-# off: each block masked, reading its padding).  Under the interpreter, from two of its 16-key
-# blocks on, so that the tests' short lengths take both ways.
-_BOUNDED_KEYS_FROM = 33 if _INTERPRETED else SHORT_MAX_LENGTH + 1
+# Key bounds (their kernel's launch and allocation on every call) only from KEY_BOUNDS_MIN_LENGTH
+# keys on (see there); shorter keys go without (``KEY_BOUNDS`` off: each block masked, reading its
+# padding).  Under the interpreter, from two of its 16-key blocks on, so that the tests' short
+# lengths take both ways.
+_BOUNDED_KEYS_FROM = 33 if _INTERPRETED else KEY_BOUNDS_MIN_LENGTH
 _INTERPRETER_CONFIGS = {
     "forward": KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1),
     "grad_key_value": KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=1),
