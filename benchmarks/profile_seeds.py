@@ -23,7 +23,7 @@ model's own profile says which kernels and which host work make up the differenc
 
 Its first line is the host's speed at a call's kinds of work (``bench.timing.host_speed``), which
 ``benchmarks/host_time.py`` prints on the CPU it times too.  For ours on the ops (the ``triton``
-rows), two more lines say where the host path goes: the host-device synchronizations one step
+rows, and the attention's ``cuda`` rows where the extension is built), two more lines say where the host path goes: the host-device synchronizations one step
 makes (``torch.cuda.set_sync_debug_mode``: none is expected), and the Python functions that take
 the most of a step's host time, by their own time under ``cProfile`` (its overhead inflates each
 call about alike, so read the ranking, not the sums): on the H200 (profile_seeds-6f5b769.txt) a
@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 import transformer_kernels as tk
 from transformer_kernels.bench.graphs import captured
 from transformer_kernels.bench.timing import host_speed
-from transformer_kernels.bench.suites import Setting
+from transformer_kernels.bench.suites import Setting, backends_for
 from transformer_kernels.bench.suites import models as model_suite
 
 STEPS = 10
@@ -68,18 +68,23 @@ def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
         return (torch.randn(*shape, generator=generator) * scale).to(device, dtype).requires_grad_()
 
     cases = {}
+    # The CUDA extension's attention too, where it is built: at these lengths it takes no key bounds.
+    ours = [name for name in ("triton", "cuda")
+            if name in backends_for("attention", Setting(device, dtype, "quick")).ours]
     for length in (16, 64):
         # The leaves themselves: a view taken outside the step would put its backward node on the
         # stream it ran on, which a captured backward then waits on (and the capture fails).
         q, k, v = (leaf(BATCH, length, HEADS, HEAD_DIM) for _ in range(3))
         lengths = torch.randint(length // 4, length + 1, (BATCH,), generator=generator)
         padding = (torch.arange(length) >= lengths[:, None]).to(device)
-        cases[f"attention_B{BATCH}_L{length}_padded"] = ([q, k, v], {
-            "triton": lambda q=q, k=k, v=v, p=padding: tk.scaled_dot_product_attention(
-                *(t.transpose(1, 2) for t in (q, k, v)), key_padding_mask=p, backend="triton"),
-            "torch_sdpa": lambda q=q, k=k, v=v, p=padding: F.scaled_dot_product_attention(
-                *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=~p[:, None, None, :]),
-        })
+        attention = {
+            name: lambda q=q, k=k, v=v, p=padding, name=name: tk.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), key_padding_mask=p, backend=name)
+            for name in ours
+        }
+        attention["torch_sdpa"] = lambda q=q, k=k, v=v, p=padding: F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=~p[:, None, None, :])
+        cases[f"attention_B{BATCH}_L{length}_padded"] = ([q, k, v], attention)
     x, weight = leaf(BATCH, 16, EMBED), leaf(3 * EMBED, EMBED, scale=EMBED**-0.5)
     cases[f"qkv_B{BATCH}_L16_E{EMBED}"] = ([x, weight], {
         "triton": lambda: tk.qkv_projection(x, weight, num_heads=HEADS, backend="triton"),
@@ -222,11 +227,12 @@ def main() -> None:
                     out.flush()
 
         emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each", host_speed())
-        # Ours on the ops (the "triton" rows) also get their host path's syncs and Python functions.
+        # Ours on the ops (the "triton" and "cuda" rows) also get their host path's syncs and Python functions.
         for cases, rows, host_path in ((_op_cases, OP_ROWS, True), (_model_cases, MODEL_ROWS, False)):
             for name, implementations in cases(DEVICE, DTYPE).items():
                 for implementation, (forward, leaves) in implementations.items():
-                    timings, *rest = _profiled(forward, leaves, rows, host_path and implementation.startswith("triton"))
+                    timings, *rest = _profiled(forward, leaves, rows,
+                                                  host_path and implementation.startswith(("triton", "cuda")))
                     emit(f"\n=== {name} {implementation}: {timings}", *rest)
 
 
