@@ -18,7 +18,7 @@ from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
 from transformer_kernels.ops.attention import KEY_BOUNDS_MIN_LENGTH, AttentionArgs, Causal, key_padding_bounds
-from transformer_kernels.ops.glu_conv import GluConvArgs
+from transformer_kernels.ops.glu_conv import GluConvArgs, empty_output
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
@@ -56,6 +56,40 @@ def test_glu_conv_reasons():
     assert not cuda_glu_conv._uses_step_kernel(torch.empty(2, 12, 3, **half), odd, step)
     assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 3, **half), weight, step).shape == (2, 1, 16)
     assert cuda_glu_conv.empty_saved(torch.empty(2, 24, 9, **half), weight, same).shape == (16, 72)
+
+
+class _HostStepOps:
+    """A host stand-in for the raw decoding-step op, to the contract ``csrc/bindings.cpp`` states:
+    a contiguous window in, a contiguous ``[B, C, 1]`` output and the ``[B, 1, 2C]`` pre-activation out."""
+
+    @staticmethod
+    def glu_conv1d_step(window, weight, bias, residual, residual_scale):
+        assert window.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        z = torch.nn.functional.conv1d(window, weight, bias)  # [B, 2C, 1]
+        out = torch.nn.functional.glu(z, 1)
+        if residual is not None:
+            out = out + residual
+        return (out * residual_scale).contiguous(), z.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("channel_last", [False, True], ids=["contiguous", "channel_last"])
+def test_decoding_step_python_layer_returns_the_layout_the_fake_states(monkeypatch, channel_last):
+    """The step's output in the layout of ``empty_output`` of its window (what the fake kernel states),
+    the values untouched."""
+    monkeypatch.setattr(cuda_glu_conv, "raw_ops", _HostStepOps)
+    generator = torch.Generator().manual_seed(0)
+    batch, channels_in, channels, kernel_size = 3, 8, 4, 3
+    rows = torch.randn(batch, kernel_size, channels_in, generator=generator)
+    window = rows.transpose(1, 2) if channel_last else rows.transpose(1, 2).contiguous()
+    weight = torch.randn(2 * channels, channels_in, kernel_size, generator=generator)
+    bias, residual = torch.randn(2 * channels, generator=generator), torch.randn(batch, channels, 1, generator=generator)
+    args = GluConvArgs(0, 0, 0.0, 0.5)
+    assert cuda_glu_conv._uses_step_kernel(window, weight, args)
+    out, z = cuda_glu_conv.forward(window, weight, bias, residual, args)
+    expected = (torch.nn.functional.glu(torch.nn.functional.conv1d(window, weight, bias), 1) + residual) * 0.5
+    assert out.stride() == empty_output(window, channels, 1).stride()
+    torch.testing.assert_close(out, expected)
+    assert z.shape == cuda_glu_conv.empty_saved(window, weight, args).shape
 
 
 def test_attention_reasons():

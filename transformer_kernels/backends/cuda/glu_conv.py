@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ...ops.glu_conv import GluConvArgs, empty_output
+from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 from ...ops.glu_conv import results_in_x_layout as results_channel_last
 from ..eager import glu_conv as eager_glu_conv
 from ._common import dtype_reason, raw_ops
@@ -107,9 +107,8 @@ def forward(
             x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), residual,
             args.residual_scale,
         )
-        expected = empty_output(x, channels_z // 2, 1)
-        if expected.stride() != out.stride():  # a channel-last window: the same memory, other strides
-            out = expected.copy_(out)
+        if is_channels_last(x):  # a channel-last window: the kernel's contiguous memory, other strides
+            out = empty_output(x, channels_z // 2, 1).copy_(out)
         return out, z
     packed = _packed_weight(weight)
     out = empty_output(x, channels_z // 2, args.output_length(x.shape[2], kernel_size))
