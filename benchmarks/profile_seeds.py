@@ -23,9 +23,10 @@ model's own profile says which kernels and which host work make up the differenc
 
 Its first line is the host's speed at a call's kinds of work (``bench.timing.host_speed``), which
 ``benchmarks/host_time.py`` prints on the CPU it times too.  For ours on the ops (the ``triton``
-rows, and the attention's ``cuda`` rows where the extension is built), two more lines say where the host path goes: the host-device synchronizations one step
-makes (``torch.cuda.set_sync_debug_mode``: none is expected), and the Python functions that take
-the most of a step's host time, by their own time under ``cProfile`` (its overhead inflates each
+rows, and the attention's ``cuda`` rows where the extension is built), two more lines say where
+the host path goes: the host-device synchronizations one step makes
+(``torch.cuda.set_sync_debug_mode``: none is expected), and the Python functions that take the
+most of a step's host time, by their own time under ``cProfile`` (its overhead inflates each
 call about alike, so read the ranking, not the sums): on the H200 (profile_seeds-6f5b769.txt) a
 16-token attention step took many times its kernels' time replayed, far more host time than the
 same step's host path takes on a CPU with launches stubbed (benchmarks/host_time.py).

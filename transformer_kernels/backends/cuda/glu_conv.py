@@ -108,7 +108,7 @@ def forward(
             args.residual_scale,
         )
         if is_channels_last(x):  # a channel-last window: the kernel's contiguous memory, other strides
-            out = empty_output(x, channels_z // 2, 1).copy_(out)
+            out = empty_output(x, channels_z // 2, 1, channel_last=True).copy_(out)
         return out, z
     packed = _packed_weight(weight)
     out = empty_output(x, channels_z // 2, args.output_length(x.shape[2], kernel_size))
