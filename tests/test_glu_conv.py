@@ -166,6 +166,50 @@ def test_eager_fp32_timed_pairs_match_reference(forward, backward, padding, pad_
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("forward,backward,gemm_speedup,recorded", [
+    ("onednn", "onednn", 1.0, True),
+    ("onednn", "onednn", 2.0, False),  # a fast oneDNN: the weight gradient as a GEMM on its kernels
+    ("onednn", "im2col", 1.0, False),
+    ("onednn", "winograd", 1.0, False),
+    ("winograd", "onednn", 1.0, False),
+], ids=["onednn_both_ways", "onednn_gemm_gradients", "im2col_backward", "winograd_backward", "winograd_forward"])
+@pytest.mark.parametrize("residual_kind", ["x", "other", "none"])
+@pytest.mark.parametrize("padding,pad_value", [("same", 0.0), ("causal", 1.0)])
+def test_eager_calls_on_onednn_both_ways_are_recorded_by_autograd(
+    forward, backward, gemm_speedup, recorded, residual_kind, padding, pad_value, monkeypatch
+):
+    """Where both directions convolve with oneDNN and the backward computes no gradient as a GEMM,
+    its backward is the kernels of torch's own ops, so autograd records those ops (their grad_fn,
+    not the op's Function); elsewhere the op's Function runs.  Either way: the reference's output,
+    in the layout the fake states, and gradients (the seeds' residual=x summed from both paths)."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+    from transformer_kernels.backends.eager import onednn
+
+    chosen = {"forward": forward, "backward": backward}
+    monkeypatch.setattr(eager_glu_conv, "algorithm", lambda x, weight, length, direction, timed=True: chosen[direction])
+    monkeypatch.setattr(onednn, "_speedup", gemm_speedup)
+    # C_in * k = 1536 and 280 positions: where a fast oneDNN takes the GEMM gradients.
+    x, weight, bias, other = _make_inputs(2, 3, 140, 512, 512, dtype=torch.float32, channels_last=True)
+    x, weight, bias, other = _leaves(x, weight, bias, other)
+    residual = {"x": x, "other": other, "none": None}[residual_kind]
+    kwargs = dict(padding=padding, pad_value=pad_value, residual_scale=SCALE)
+    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend="eager", **kwargs)
+    # A Python autograd.Function's node, or one of torch's own.
+    assert isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction) != recorded
+    assert _has_layout(out, forward != "onednn")
+
+    leaves = (x, weight, bias, other) if residual_kind == "other" else (x, weight, bias)
+    reference_leaves = _leaves(*leaves)
+    reference_residual = {"x": reference_leaves[0], "other": reference_leaves[-1], "none": None}[residual_kind]
+    expected = reference_glu_conv1d(*reference_leaves[:3], residual=reference_residual, **kwargs)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(expected)
+    for name, got, want in zip(INPUT_NAMES, torch.autograd.grad(out, leaves, grad),
+                               torch.autograd.grad(expected, reference_leaves, grad)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("fastest", ["blas", "onednn"])
 def test_algorithms_are_timed_once_per_size(fastest, monkeypatch):
     """float32 past the im2col GEMM's few positions: where the rule takes Winograd (k = 3, from a

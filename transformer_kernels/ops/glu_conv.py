@@ -164,6 +164,13 @@ def glu_conv1d(
     gradient ``[B, 2*C, L]`` exists only while backward runs).  The eager backend also keeps its pre-activation
     ``[B, L, 2*C]``, as ``nn.Conv1d`` + ``F.glu`` keep theirs, because on a CPU
     recomputing the convolution would cost more than the memory saves.
+    Where the eager backend convolves with oneDNN both ways and its backward
+    is the kernels of torch's own ops (float32 on a CPU, past a few hundred
+    positions, outside ``torch.compile`` and dispatch modes), autograd records
+    ``F.conv1d``, ``F.glu``, the add and the multiply themselves, as in the
+    seed's layer, whose C++ nodes cost the host less than this op's Python
+    backward: ``grad_fn`` is then torch's, and causal or non-zero padding
+    saves a padded copy of ``x``, as the seed's ``F.pad`` does.
     """
     x, weight, bias, residual = autocast(x, x, weight, bias, residual)
 

@@ -65,7 +65,8 @@ from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 from . import _tuning, onednn, winograd
 
 __all__ = [
-    "forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last", "algorithm", "padded_rows",
+    "forward", "prepare_forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last", "algorithm",
+    "padded_rows",
 ]
 
 # Crossovers in output positions (B * L_out), measured on a 2-core AVX-512 CPU,
@@ -256,6 +257,55 @@ def forward(
     """``(out, z)``: ``out`` in ``x``'s layout; ``z`` ``[B, L_out, 2C]`` (strides as
     :func:`empty_saved` states) kept for backward."""
     return _forward(x, weight, bias, residual, args, _call_algorithm(x, weight, args, "forward"))
+
+
+def prepare_forward(x, weight, bias, residual, args: GluConvArgs) -> Optional["_ForwardOnTorchAutograd"]:
+    """:func:`forward` for the calls of this one's layout, where autograd may record it as torch's
+    own ops (see :class:`_ForwardOnTorchAutograd`): float32 on a CPU with oneDNN built in; else None."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return _FORWARD_ON_TORCH_AUTOGRAD
+    return None
+
+
+class _ForwardOnTorchAutograd:
+    """:func:`forward`, and for a call that autograd records where both directions convolve with
+    oneDNN as torch's own ops do, those ops (:meth:`recorded_by_autograd`).
+
+    There this backend's backward is ``glu_backward`` and ``convolution_backward``, the very
+    kernels the autograd nodes of ``F.conv1d`` + ``F.glu`` + add + mul run, so the op's Python
+    ``autograd.Function`` would add host time and nothing else: at a small ConvSeq2Seq's layers
+    (C = 128, 320-640 positions, 2 threads) it made a layer's forward and backward 0.90x as fast
+    as the seed's ops, recorded by autograd 0.96-0.97x (torch's ops alone, without the call's
+    checks and choices, 1.00-1.03x: the seed pads in an op of its own)."""
+
+    __slots__ = ()
+
+    def __call__(self, x, weight, bias, residual, args: GluConvArgs, backend: str):
+        """The registered op's implementation (same signature)."""
+        return forward(x, weight, bias, residual, args)
+
+    def recorded_by_autograd(self, x, weight, bias, residual, args: GluConvArgs, backend: str):
+        """``(out, z)`` as :func:`forward` computes them (out contiguous, z ``[B, L_out, 2C]``
+        transposed), by differentiable ops, where the forward and backward both convolve with
+        oneDNN and the backward none of its gradients as GEMMs (see ``_on_gemms``); else None."""
+        kernel_size = weight.shape[2]
+        length_out = args.output_length(x.shape[2], kernel_size)
+        if (algorithm(x, weight, length_out, "forward", args.timed_choices) != "onednn"
+                or algorithm(x, weight, length_out, "backward", args.timed_choices) != "onednn"
+                # the larger of the two GEMM gradients' limits (_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS)
+                or _on_gemms(x, weight.shape[1] * kernel_size, length_out, _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS)):
+            return None
+        conv_input, padding = _conv_input(x, args.pad_left, args.pad_right, args.pad_value)
+        z = F.conv1d(conv_input, weight, bias, padding=padding)
+        out = F.glu(z, 1)
+        if residual is not None:
+            out = out + residual  # out's (contiguous) layout: the first operand's
+        if args.residual_scale != 1.0:
+            out = out * args.residual_scale
+        return out, z.transpose(1, 2)
+
+
+_FORWARD_ON_TORCH_AUTOGRAD = _ForwardOnTorchAutograd()
 
 
 def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple[torch.Tensor, torch.Tensor]:
