@@ -263,6 +263,20 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
   check_launch(tk::attention::backward(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 
+// The key bounds of a key padding mask [B, Lk]: int32 [B, 3] (ForwardProblem::key_bounds).
+at::Tensor attention_key_bounds(const at::Tensor& key_padding_mask) {
+  constexpr const char* op = "attention_key_bounds";
+  check_cuda(key_padding_mask, op, "key_padding_mask");
+  const auto [batch, seq_len_k] = key_bounds_problem(key_padding_mask, op);
+  const c10::cuda::OptionalCUDAGuard guard(key_padding_mask.device());
+  at::Tensor key_bounds = at::empty({batch, 3}, key_padding_mask.options().dtype(at::kInt));
+  check_launch(tk::attention::key_padding_bounds(reinterpret_cast<const uint8_t*>(key_padding_mask.data_ptr<bool>()),
+                                                 batch, seq_len_k, key_bounds.data_ptr<int32_t>(),
+                                                 c10::cuda::getCurrentCUDAStream()),
+               op);
+  return key_bounds;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(transformer_kernels_C, m) {
@@ -273,6 +287,7 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
         "Tensor(a!) delta, Tensor? key_padding_mask, Tensor? key_bounds, Tensor? attn_mask, int causal, float scale, "
         "Tensor? dropout_seed, int dropout_threshold, float dropout_scale, Tensor(b!) dq, Tensor(c!) dk, "
         "Tensor(d!) dv, Tensor(e!)? grad_scores) -> ()");
+  m.def("attention_key_bounds(Tensor key_padding_mask) -> Tensor");
   m.def("qkv_forward(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor[]");
   m.def("qkv_grad_input(Tensor[] grads, Tensor x, Tensor weight) -> Tensor");
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
@@ -291,6 +306,7 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
 TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
   m.impl("attention_forward", &attention_forward);
   m.impl("attention_backward", &attention_backward);
+  m.impl("attention_key_bounds", &attention_key_bounds);
   m.impl("qkv_forward", &qkv_forward);
   m.impl("qkv_grad_input", &qkv_grad_input);
   m.impl("qkv_grad_weight", &qkv_grad_weight);

@@ -17,7 +17,7 @@ NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 KERNEL_SOURCES = [
     "csrc/qkv/qkv.cu", "csrc/glu_conv/glu_conv.cu", "csrc/glu_conv/glu_step.cu",
     "csrc/attention/attention_fwd_fp16.cu", "csrc/attention/attention_fwd_bf16.cu",
-    "csrc/attention/attention_bwd_fp16.cu", "csrc/attention/attention_bwd_bf16.cu",
+    "csrc/attention/attention_bwd_fp16.cu", "csrc/attention/attention_bwd_bf16.cu", "csrc/attention/key_bounds.cu",
 ]
 # Sources without kernels, built by nvcc too: the attention launchers' dispatch.
 HOST_SOURCES = ["csrc/attention/attention.cu"]

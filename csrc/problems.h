@@ -280,6 +280,18 @@ inline tk::attention::ForwardProblem attention_problem(
   return p;
 }
 
+// The key bounds' input (attention_key_bounds): a contiguous bool [B, Lk] key padding mask, B and Lk
+// below 2**31.  Returns (B, Lk).
+inline std::pair<int, int> key_bounds_problem(const at::Tensor& key_padding_mask, const char* op) {
+  TORCH_CHECK(key_padding_mask.scalar_type() == at::kBool && key_padding_mask.dim() == 2 &&
+                  key_padding_mask.is_contiguous(),
+              op, ": key_padding_mask must be a contiguous bool [B, Lk] tensor, got ", key_padding_mask.scalar_type(),
+              " of shape ", key_padding_mask.sizes(), " and strides ", key_padding_mask.strides());
+  TORCH_CHECK(key_padding_mask.size(0) < (int64_t(1) << 31) && key_padding_mask.size(1) < (int64_t(1) << 31), op,
+              ": key_padding_mask must have fewer than 2**31 rows and keys");
+  return {int(key_padding_mask.size(0)), int(key_padding_mask.size(1))};
+}
+
 inline void check_rows(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name) {
   TORCH_CHECK(t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                   t.sizes() == q.sizes().slice(0, 3),

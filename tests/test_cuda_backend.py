@@ -173,6 +173,10 @@ class _HostAttentionOps:
         probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
         return probs, lse.masked_fill(empty, float("inf")), keys, values
 
+    def attention_key_bounds(self, key_padding_mask):
+        assert key_padding_mask.dtype == torch.bool and key_padding_mask.dim() == 2 and key_padding_mask.is_contiguous()
+        return key_padding_bounds(key_padding_mask)
+
     def attention_forward(self, q, k, v, key_padding_mask, key_bounds, attn_mask, causal, scale, dropout_seed,
                           dropout_threshold, dropout_scale, out, lse):
         probs, row_lse, _, values = self._problem(
@@ -367,6 +371,23 @@ def test_raw_ops_name_what_is_wrong(backend):
     with pytest.raises(RuntimeError, match="weight must be \\[n\\*E, E\\]"):
         raw.qkv_forward(x, weight[:, :16], None, 4)
 
+
+
+@pytest.mark.parametrize("backend", [_cuda_case(op="attention", id="cuda")])
+@pytest.mark.parametrize("lk", [65, 256, 1000, 5000])
+def test_key_bounds_kernel_gives_key_padding_bounds(backend, lk):
+    """The extension's key bounds kernel against ``key_padding_bounds``: random, suffix, left and
+    hole padding, a row of padding only, a row without padding, a kept last key alone; no rows."""
+    keys = torch.arange(lk, device="cuda")
+    padding = torch.stack([
+        torch.rand(lk, device="cuda") > 0.5, keys >= lk // 3, keys < lk // 2, (keys % 7 == 3) | (keys < 5),
+        keys >= 0, keys < 0, keys != lk - 1,
+    ])
+    raw = torch.ops.transformer_kernels_C
+    assert torch.equal(raw.attention_key_bounds(padding), key_padding_bounds(padding))
+    assert raw.attention_key_bounds(padding[:0]).shape == (0, 3)
+    with pytest.raises(RuntimeError, match="attention_key_bounds: key_padding_mask must be a contiguous bool"):
+        raw.attention_key_bounds(padding.t())
 
 
 ATTENTION_CASES = [

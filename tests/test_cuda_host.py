@@ -384,6 +384,23 @@ def test_row_keys_keep_exactly_the_kept_keys_with_or_without_bounds(attention_h,
     assert holes == (padding == "holes" if bounds is not None else padding is not None)
 
 
+@pytest.mark.parametrize("threads", [1, 32, 256])
+@pytest.mark.parametrize("lk", [65, 300, 1000])
+@pytest.mark.parametrize("padding", [None, "suffix", "left", "holes", "all", "last_only"])
+def test_key_bounds_reduction_gives_key_padding_bounds(attention_h, padding, lk, threads):
+    """The bounds kernel's reduction (each thread's keys, then the threads' bounds merged) gives what
+    ``key_padding_bounds`` gives the eager backend, a row of padding only included."""
+    keys = torch.arange(lk)
+    pad = {
+        None: torch.zeros(lk, dtype=torch.bool), "suffix": keys >= lk // 3, "left": keys < lk // 2,
+        "holes": (keys % 7 == 3) | (keys < 5) | (keys >= lk - 9), "all": torch.ones(lk, dtype=torch.bool),
+        "last_only": keys != lk - 1,
+    }[padding]
+    bits = "".join("1" if p else "0" for p in pad.tolist())
+    (got,) = attention_h([("key_bounds", threads, lk, bits)])
+    assert list(map(int, got)) == key_padding_bounds(pad[None])[0].tolist()
+
+
 KEY_BLOCK_CASES = [
     # Lq, Lk, causal kind, padding kind
     (100, 100, Causal.NONE, "suffix"), (100, 100, Causal.TOP_LEFT, None), (70, 200, Causal.BOTTOM_RIGHT, "left"),

@@ -70,6 +70,11 @@ struct BackwardProblem {
 
 cudaError_t backward(const BackwardProblem& p, cudaStream_t stream);
 
+// The key bounds of key_padding (bool [batch, seq_len_k] contiguous, true = padding) into key_bounds
+// (int32 [batch, 3] contiguous), as ForwardProblem::key_bounds holds them (key_bounds.cu).
+cudaError_t key_padding_bounds(const uint8_t* key_padding, int batch, int seq_len_k, int32_t* key_bounds,
+                               cudaStream_t stream);
+
 // forward and backward for one element type (cutlass::half_t or cutlass::bfloat16_t) and a padded
 // head dim: specialized in a source file per direction and type (attention_{fwd,bwd}_{fp16,bf16}.cu),
 // so that the build compiles the four in parallel.

@@ -38,6 +38,35 @@ TK_HOST_DEVICE RowKeys row_keys(const int32_t* key_bounds, bool has_padding, int
   return RowKeys{key_bounds[0], key_bounds[1], key_bounds[2] != key_bounds[1] - key_bounds[0]};
 }
 
+// A batch row's key bounds (key_padding_bounds in transformer_kernels/ops/attention.py: first kept
+// key, last kept key + 1, count of kept keys; (0, 0, 0) for a row of padding only) as the bounds
+// kernel reduces them: each thread adds the keys it reads, then the threads' partial bounds merge in
+// any order (min, max and sum).
+struct KeyBounds {
+  int first, end, count;  // first is seq_len_k until a kept key is added
+
+  TK_HOST_DEVICE static KeyBounds none(int seq_len_k) { return KeyBounds{seq_len_k, 0, 0}; }
+
+  TK_HOST_DEVICE void add_key(int key, bool padding) {
+    if (padding) return;
+    first = key < first ? key : first;
+    end = key + 1 > end ? key + 1 : end;
+    ++count;
+  }
+
+  TK_HOST_DEVICE void merge(const KeyBounds& other) {
+    first = other.first < first ? other.first : first;
+    end = other.end > end ? other.end : end;
+    count += other.count;
+  }
+
+  TK_HOST_DEVICE void store(int32_t* bounds) const {
+    bounds[0] = count > 0 ? first : 0;
+    bounds[1] = end;
+    bounds[2] = count;
+  }
+};
+
 // ------------------------------------------------------------------------------------------------
 // Key blocks of one query block.  Query rows [row_start, row_start + block_m) (those < Lq) see key j
 // when first_key <= j < end_key (the key bounds, [0, Lk) without key padding) and, if causal,

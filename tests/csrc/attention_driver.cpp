@@ -4,6 +4,7 @@
 #include <iomanip>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "common/attention_masks.h"
 
@@ -24,6 +25,20 @@ int main() {
       std::cin >> has_bounds >> bounds[0] >> bounds[1] >> bounds[2] >> has_padding >> seq_len_k;
       at::RowKeys keys = at::row_keys(has_bounds != 0 ? bounds : nullptr, has_padding != 0, seq_len_k);
       std::cout << keys.first_key << ' ' << keys.end_key << ' ' << keys.holes << '\n';
+    } else if (function == "key_bounds") {
+      // "<threads> <seq_len_k> <padding bits>": the bounds kernel's partition of one row's keys
+      // (thread t adds keys t, t + threads, ...), its partial bounds merged in butterfly order.
+      int threads, seq_len_k;
+      std::string bits;
+      std::cin >> threads >> seq_len_k >> bits;
+      std::vector<at::KeyBounds> partial(threads, at::KeyBounds::none(seq_len_k));
+      for (int key = 0; key < seq_len_k; ++key) partial[key % threads].add_key(key, bits[key] == '1');
+      for (int offset = threads / 2; offset > 0; offset /= 2) {
+        for (int t = 0; t < offset; ++t) partial[t].merge(partial[t + offset]);
+      }
+      int32_t bounds[3];
+      partial[0].store(bounds);
+      std::cout << bounds[0] << ' ' << bounds[1] << ' ' << bounds[2] << '\n';
     } else if (function == "query_rows") {
       int key_start, block_n, seq_len_q, causal, shift;
       std::cin >> key_start >> block_n >> seq_len_q >> causal >> shift;

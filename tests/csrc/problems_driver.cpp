@@ -5,6 +5,7 @@
 //   step <window> <weight> <bias> <residual>
 //   conv <xpad> <packed_weight> <length_in> <pad_left>
 //   attention <q> <k> <v> <key_padding_mask> <key_bounds> <attn_mask> <causal> <dropout_seed> <threshold>
+//   key_bounds <key_padding_mask>
 // A tensor is "dtype:sizes:strides[:offset]" (sizes and strides comma-separated, the offset in
 // elements into a larger buffer), or "-" for none.
 #include <algorithm>
@@ -83,6 +84,9 @@ std::string call(std::istream& in) {
     out << p.batch << ' ' << p.heads_q << ' ' << p.heads_k << ' ' << p.seq_len_q << ' ' << p.seq_len_k << ' '
         << p.head_dim << ' ' << p.head_dim_v << " padding " << (p.key_padding != nullptr) << " bounds "
         << (p.key_bounds != nullptr);
+  } else if (builder == "key_bounds") {
+    const auto [batch, seq_len_k] = tk::bindings::key_bounds_problem(*next(), "key_bounds");
+    out << batch << ' ' << seq_len_k;
   } else {
     throw std::invalid_argument("unknown builder " + builder);
   }

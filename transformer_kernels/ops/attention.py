@@ -116,7 +116,7 @@ def grads_like_inputs(query: Tensor, key: Tensor, value: Tensor, saved: Tensor, 
 # Key bounds pay on a GPU where they let the kernels skip key blocks of padding and run whole blocks
 # of kept keys without per-key tests.  Keys at most this long (the seeds' padded batches) are a block
 # or two: both GPU backends then test each key's padding instead, and spare every call the bounds'
-# launches (a kernel for Triton, a dozen small ops for the CUDA backend).
+# launch (a kernel of each backend's own).
 KEY_BOUNDS_MIN_LENGTH = 65
 
 
@@ -124,8 +124,8 @@ def key_padding_bounds(key_padding_mask: Tensor) -> Tensor:
     """int32 ``[B, 3]``: each row's first non-padding key, its last one + 1 ((0, 0) for a row of
     padding only) and the count of non-padding keys, short of their difference where padding sits
     between them (holes): without holes the bounds say all, and kernels skip the per-key test.
-    For the CUDA and eager backends; the Triton kernels find them themselves (a dozen small ops
-    here would be a dozen launches per call)."""
+    For the eager backend and the tests; the GPU backends find them in a kernel of their own (a
+    dozen small ops here would be a dozen launches per call)."""
     lk = key_padding_mask.shape[1]
     index = torch.arange(lk, device=key_padding_mask.device, dtype=torch.int32)
     kept = ~key_padding_mask

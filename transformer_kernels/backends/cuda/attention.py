@@ -18,7 +18,6 @@ import torch
 
 from ...ops.attention import (
     KEY_BOUNDS_MIN_LENGTH, MAX_HEAD_DIM, AttentionArgs, dropout_threshold, empty_grads, empty_lse, empty_output,
-    key_padding_bounds,
 )
 from ...ops.attention import grads_like_inputs as grads_contiguous
 from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
@@ -69,12 +68,12 @@ def _into(target: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_arguments(args: AttentionArgs) -> tuple:
-    """The raw ops' arguments from key_padding_mask to dropout_scale: the key bounds only past
-    ``KEY_BOUNDS_MIN_LENGTH`` keys (shorter ones, the kernels mask key by key)."""
+    """The raw ops' arguments from key_padding_mask to dropout_scale: the key bounds (one launch)
+    only past ``KEY_BOUNDS_MIN_LENGTH`` keys (shorter ones, the kernels mask key by key)."""
     padding = args.key_padding_mask
     bounds = None
     if padding is not None and padding.shape[1] >= KEY_BOUNDS_MIN_LENGTH:
-        bounds = key_padding_bounds(padding)
+        bounds = raw_ops().attention_key_bounds(padding)
     dropout = args.dropout_p > 0.0
     threshold, scale = dropout_threshold(args.dropout_p) if dropout else (0, 1.0)
     seed = args.dropout_seed if dropout else None
