@@ -5,6 +5,7 @@ the CPU, also on a GPU machine (whose runs are benchmarks/gpu_check.sh's)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -197,6 +198,25 @@ def test_compare_command_exits_non_zero_on_a_regression(tmp_path, capsys):
 @pytest.mark.parametrize("low, high, status", [(1.1, 1.3, "met"), (0.9, 1.2, "within noise"), (0.7, 0.95, "MISSED")])
 def test_target_status_from_the_ratio_spread(low, high, status):
     assert report.target_status(timing.Summary((low + high) / 2, low, high), 1.0) == status
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["complete", "cut_short"])
+def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
+    """A run that ends early (``timeout`` sends SIGTERM) still writes its report, whose targets left
+    unmeasured say that the run was cut short, not that the case needs --full."""
+    target = suites.Target("glu_conv1d", "enc_B2_C8_L4_k3", "fwd", "eager", "seed", 1.0, "cpu")
+    monkeypatch.setattr(report, "load_targets", lambda names: [target])
+
+    def run_suites(*args, **kwargs):
+        if cut_short:
+            raise SystemExit(124)
+
+    monkeypatch.setattr(run, "run_suites", run_suites)
+    with pytest.raises(SystemExit) if cut_short else contextlib.nullcontext():
+        cli.main(["--device", "cpu", "--only", "glu", "--out", str(tmp_path)])
+    (result,) = json.loads((tmp_path / "results.json").read_text())["targets"]
+    assert result["status"] == "not measured"
+    assert result["why_not"] == (report.CUT_SHORT if cut_short else report.NOT_IN_THIS_RUN)
 
 
 def test_readme_section_names_device_date_and_commit(tiny_run, tmp_path):

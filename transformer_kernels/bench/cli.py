@@ -99,11 +99,13 @@ def _benchmark(args, device: torch.device) -> int:
 
     targeted = {(t.op, t.case, t.direction) for t in targets if t.device == device.type}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the report below
+    why_absent = report.CUT_SHORT
     try:
         run.run_suites(names, setting, timing.Schedule.for_device(device, size), save,
                        first=lambda group: (group.op, group.case, group.direction) in targeted)
+        why_absent = report.NOT_IN_THIS_RUN
     finally:
-        target_results = report.evaluate_targets(targets, records, device.type)
+        target_results = report.evaluate_targets(targets, records, device.type, why_absent)
         report.write_results(out / "results.json", env, records, target_results)
         plot_names, no_plots = plots.write_plots(out, records)
         report.write_report(out / "report.md", env, records, target_results, plot_names)

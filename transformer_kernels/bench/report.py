@@ -49,14 +49,22 @@ def target_status(speedup: Optional[timing.Summary], minimum: float) -> str:
     return "within noise" if speedup.high >= minimum else "MISSED"
 
 
-def evaluate_targets(targets: Iterable[suites.Target], records: list[dict], device_type: str) -> list[dict]:
+# Why a target's case has no record: the run's size left it out, or the run ended before it.
+NOT_IN_THIS_RUN = "not in this run (the case is in --full)"
+CUT_SHORT = "the run ended before this case (cut short)"
+
+
+def evaluate_targets(targets: Iterable[suites.Target], records: list[dict], device_type: str,
+                     why_absent: str = NOT_IN_THIS_RUN) -> list[dict]:
+    """Each target of ``device_type`` against the records; a target without a record is "not
+    measured", ``why_absent`` (:data:`NOT_IN_THIS_RUN` or :data:`CUT_SHORT`)."""
     by_key = {(r["op"], r["case"], r["direction"]): r for r in records}
     results = []
     for target in targets:
         if target.device != device_type:
             continue
         record = by_key.get((target.op, target.case, target.direction))
-        why_not = "not in this run (the case is in --full)" if record is None else None
+        why_not = why_absent if record is None else None
         speedup = memory_ratio = None
         if record is not None:
             speedup = timing.ratio_summary(record["times_s"], target.baseline, target.impl)
