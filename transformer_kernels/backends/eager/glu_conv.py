@@ -115,6 +115,8 @@ _GEMM_INPUT_GRADIENT_MAX_POSITIONS = 640
 # oneDNN's input gradient erred 2.1x its convolution backward's (RMS, C = 512), in blocks of 256
 # 1.4x, in the same time.
 _INPUT_GRADIENT_BLOCK = 256
+# Up to this many positions, the oneDNN backward may compute some gradient as a GEMM.
+_GEMM_GRADIENTS_MAX_POSITIONS = max(_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS, _GEMM_INPUT_GRADIENT_MAX_POSITIONS)
 
 
 def algorithm(x: torch.Tensor, weight: torch.Tensor, length_out: int, direction: str, timed: bool = True) -> str:
@@ -290,10 +292,10 @@ class _ForwardOnTorchAutograd:
         oneDNN and the backward none of its gradients as GEMMs (see ``_on_gemms``); else None."""
         kernel_size = weight.shape[2]
         length_out = args.output_length(x.shape[2], kernel_size)
-        if (algorithm(x, weight, length_out, "forward", args.timed_choices) != "onednn"
-                or algorithm(x, weight, length_out, "backward", args.timed_choices) != "onednn"
-                # the larger of the two GEMM gradients' limits (_GEMM_WEIGHT_GRADIENT_MAX_POSITIONS)
-                or _on_gemms(x, weight.shape[1] * kernel_size, length_out, _GEMM_WEIGHT_GRADIENT_MAX_POSITIONS)):
+        # The cheap test first: where it holds, the Function's forward makes the choices anyway.
+        if (_on_gemms(x, weight.shape[1] * kernel_size, length_out, _GEMM_GRADIENTS_MAX_POSITIONS)
+                or algorithm(x, weight, length_out, "forward", args.timed_choices) != "onednn"
+                or algorithm(x, weight, length_out, "backward", args.timed_choices) != "onednn"):
             return None
         conv_input, padding = _conv_input(x, args.pad_left, args.pad_right, args.pad_value)
         z = F.conv1d(conv_input, weight, bias, padding=padding)
