@@ -254,7 +254,7 @@ def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, se
     a shorter one): each chunk with its slice of the key padding and of a per-sequence float mask
     (a broadcast one whole), its folded copies of the operands in the buffers the chunks share, and
     its results written into the call's outputs, gradients and mask gradient."""
-    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value, needs_backward: sequences_per_chunk)
     case = make_case(kind, 3, heads, kv_heads, lq, 12, 16)
     if layout == "blhd":
         for name in ("query", "key", "value"):
@@ -266,7 +266,7 @@ def test_materialized_path_in_batch_chunks(kind, lq, heads, kv_heads, layout, se
 def test_batch_chunks_in_half_precision(monkeypatch):
     """float16 operands computed in float32 by chunk: each chunk's output is rounded into the
     call's float16 output (not written in place by the float32 matmul), and the gradients too."""
-    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: 2)
+    monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value, needs_backward: 2)
     leaves = [torch.randn(3, 9, 4, 16, dtype=torch.float16).requires_grad_() for _ in range(3)]
     padding = torch.arange(9) >= torch.tensor([9, 5, 2])[:, None]
 
@@ -837,7 +837,7 @@ def test_rows_without_keys_give_zero_on_the_materialized_path(kind, lq, lk, sequ
     can have none (see _every_row_sees_a_key, decided once per call): every such row still gives 0,
     in batch chunks and in one piece."""
     if sequences_per_chunk is not None:
-        monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value: sequences_per_chunk)
+        monkeypatch.setattr(eager_probs, "_chunk_size", lambda query, key, value, needs_backward: sequences_per_chunk)
     case = make_case(kind, 4, 2, 2, lq, lk, 8)
     if "causal" in kind and "pad" in kind:
         case["ours"]["key_padding_mask"][1, : 3 + max(0, lk - lq)] = True  # shared with the reference's

@@ -274,9 +274,14 @@ class _BatchChunk:
         return target
 
 
-def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, needs_backward: bool) -> int:
     """Sequences per chunk of the materialized path: about a chunk's bytes of score-sized buffers
-    and, where the operands must be copied to fold, of operands and gradients; the whole batch for
+    (three with a backward pass: probabilities, their gradient and the scores'; two without:
+    scores and probabilities) and, where the operands must be copied to fold, of operands and,
+    with a backward pass, gradients (a forward without one, B128 H8 D64 [B, L, H, D] views with key
+    padding, 2 threads, against the naive math, counting the buffers it has rather than those of a
+    backward pass: L16 0.97-1.03x -> 0.99-1.07x over four runs, L32 1.31x -> 1.36x, L40 1.31x ->
+    1.39x); the whole batch for
     one query row (a decoding step's one score row per head leaves nothing to keep in cache
     between ops, and a loop would cost host time).  Operands that fold as they are are read once
     per matmul, where a chunk keeps nothing in cache for a later op: they do not count (ConvSeq2Seq's
@@ -286,18 +291,21 @@ def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     if lq == 1:
         return batch_size
     num_kv_heads, lk, value_head_dim = key.shape[1], key.shape[2], value.shape[-1]
-    per_sequence = 3 * num_heads * lq * lk
+    per_sequence = (3 if needs_backward else 2) * num_heads * lq * lk
     if not HeadBatches.of(query, key, value).folded:
-        per_sequence += 2 * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk)
+        copies = 2 if needs_backward else 1
+        per_sequence += copies * (head_dim + value_head_dim) * (num_heads * lq + num_kv_heads * lk)
     return max(1, _chunk_bytes() // (compute_dtype(query.dtype).itemsize * per_sequence))
 
 
 def runs_in_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the materialized path cuts the batch into several chunks (:func:`_batch_chunks`)."""
-    return _chunk_size(query, key, value) < query.shape[0]
+    """Whether the materialized path cuts the batch of a call with a backward pass into several
+    chunks (:func:`_batch_chunks`)."""
+    return _chunk_size(query, key, value, needs_backward=True) < query.shape[0]
 
 
-def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, dtype):
+def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, dtype,
+                  needs_backward: bool):
     """The materialized path's work cut into ranges of sequences (see ``_CHUNK_BYTES_PER_THREAD``),
     each with the masks and dropout factor cut to it; one chunk, over the operands as they are, when
     the batch fits."""
@@ -305,7 +313,7 @@ def _batch_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     dropout = None
     if args.dropout_p > 0.0:
         dropout = _dropout_scale((batch_size, num_heads, lq, key.shape[2]), args, query.device, dtype)
-    step = _chunk_size(query, key, value)
+    step = _chunk_size(query, key, value, needs_backward)
     if step >= batch_size:
         return [_BatchChunk(None, args, dropout)]
     attn_mask = None if args.attn_mask is None else undo_broadcast(args.attn_mask)
@@ -349,7 +357,7 @@ def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
     dtype = compute_dtype(query.dtype)
     out = empty_output(query, value)
     saved = empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
-    chunks = _batch_chunks(query, key, value, args, dtype)
+    chunks = _batch_chunks(query, key, value, args, dtype, needs_backward)
     # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
     may_sync = query.device.type == "cpu" or len(chunks) > 1
     zero_empty_rows = not _every_row_sees_a_key(query.shape[2], key.shape[2], args, may_sync)
@@ -387,7 +395,7 @@ def probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn
     dmask = query.new_empty(0, dtype=torch.float32)
     if attn_mask_needs_grad:
         dmask = query.new_empty((*query.shape[:3], key.shape[2]), dtype=dtype)
-    for chunk in _batch_chunks(query, key, value, args, dtype):
+    for chunk in _batch_chunks(query, key, value, args, dtype, needs_backward=True):
         operands, batches = chunk.operands(grad_out, query, key, value)
         d_out, q, k, v = (_as_dtype(t, dtype) for t in operands)
         if saved.dim() == 4:
