@@ -195,6 +195,26 @@ def test_compare_command_exits_non_zero_on_a_regression(tmp_path, capsys):
     assert "| attention | c | fwd | eager |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6])
+def test_rounds_run_every_implementation_right_after_every_other_equally_often(count):
+    """Over ``len(round_orders(n))`` rounds ``timing.measure`` times each implementation once per
+    round, in every position equally often, and right after each other implementation (within a
+    round) equally often, so that no implementation always pays for the same predecessor."""
+    ran = []
+    fns = {index: (lambda index=index: ran.append(index)) for index in range(count)}
+    rounds = len(timing.round_orders(count))
+    schedule = timing.Schedule(min_rounds=rounds, max_rounds=rounds, budget_s=0.0, min_sample_s=0.0)
+    timing.measure(fns, torch.device("cpu"), schedule)
+    timed = ran[-rounds * count:]  # after the warm-up, estimate and peak-memory calls
+    orders = [timed[r * count:(r + 1) * count] for r in range(rounds)]
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    positions = {(position, index) for order in orders for position, index in enumerate(order)}
+    assert len(positions) == count * count
+    followers = [(a, b) for order in orders for a, b in zip(order, order[1:])]
+    assert len(set(followers)) == count * (count - 1)
+    assert len(followers) == len(set(followers)) * (1 if count % 2 == 0 else 2)
+
+
 @pytest.mark.parametrize("low, high, status", [(1.1, 1.3, "met"), (0.9, 1.2, "within noise"), (0.7, 0.95, "MISSED")])
 def test_target_status_from_the_ratio_spread(low, high, status):
     assert report.target_status(timing.Summary((low + high) / 2, low, high), 1.0) == status

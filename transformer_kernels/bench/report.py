@@ -189,8 +189,8 @@ def write_report(path: Path, env: dict, records: list[dict], target_results: lis
     lines = ["# transformer_kernels benchmark report", "", *_environment_lines(env), ""]
     lines += [
         "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
-        "(a sample of back-to-back calls, reported per call; on CUDA after an L2 flush, with CUDA events), in an "
-        f"order that rotates each round. Times are medians over rounds with their {LOW}–{HIGH} range; a speed-up "
+        "(a sample of back-to-back calls, reported per call; on CUDA after an L2 flush, with CUDA events), in "
+        "orders that let each run right after each other one equally often. Times are medians over rounds with their {LOW}–{HIGH} range; a speed-up "
         f"is the median of the per-round ratios (the other's time / this one's, same round) with their {LOW}–{HIGH} "
         f"range. A target is met when the ratio's {LOW} reaches it, within noise when the range straddles it, "
         f"MISSED when even its {HIGH} falls short. TFLOP/s count useful work (padding excluded, causal halved); "

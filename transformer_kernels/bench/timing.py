@@ -4,9 +4,12 @@ Sequential timings (all rounds of A, then all rounds of B) on a shared machine
 drift by 2x between runs, so a ratio of two medians taken minutes apart says
 little.  Here the compared implementations of one benchmark group run in
 rounds: after warm-up, each round times every implementation once, one after
-the other (the order rotates each round, so no implementation always runs
-first), and a ratio is computed per round from the two samples taken moments
-apart.  The report shows the median of those per-round ratios and its spread
+the other, and a ratio is computed per round from the two samples taken moments
+apart.  The rounds' orders (:func:`round_orders`) let every implementation run
+right after every other one equally often: what one implementation leaves behind
+(cold caches, memory to fault in, threads asleep) slows the next one's first call,
+and an order that merely rotated kept each implementation's predecessor the same
+in every round.  The report shows the median of those per-round ratios and its spread
 (``SPREAD`` quantiles); a target is met only when the spread's lower end is at
 or above it.
 
@@ -128,6 +131,21 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - start
 
 
+def round_orders(count: int) -> list[list[int]]:
+    """Orders in which successive rounds run ``count`` implementations (indices): a Williams design,
+    the rows of a Latin square in which each implementation runs right after each other one exactly
+    once (``count`` rows; for an odd ``count``, twice over those rows and their mirror images).  So
+    every implementation runs in every position, and no implementation always follows the same one.
+
+    (Rotating one order each round kept every implementation's predecessor: on a CPU the seeds'
+    attention always ran right after SDPA on jagged nested tensors, whose 13 ms of work left it
+    0.5 ms slower (1.5 -> 2.0 ms, B128 L16 forward), and it measured 0.89x the naive math, which
+    ran after it, where the two run level after any one predecessor.)"""
+    first = [0] + [(i + 1) // 2 if i % 2 else count - i // 2 for i in range(1, count)]
+    rows = [[(index + shift) % count for index in first] for shift in range(count)]
+    return rows if count % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule: Schedule) -> dict:
     """Times the implementations ``fns`` (name -> zero-argument callable) interleaved.
 
@@ -149,11 +167,11 @@ def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    orders = round_orders(len(names))
     try:
         for r in range(rounds):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
-                times[name].append(_sample(fns[name], calls[name], device))
+            for index in orders[r % len(orders)]:
+                times[names[index]].append(_sample(fns[names[index]], calls[names[index]], device))
     finally:
         if gc_was_enabled:
             gc.enable()
