@@ -70,6 +70,7 @@ def test_tiny_run_reports_every_case_with_finite_time_and_error(tiny_run):
     expected = _expected_groups()
     assert expected and set(expected) <= set(records)
     report_md = (out / "report.md").read_text()
+    assert not re.search(r"\{[A-Za-z_]+\}", report_md), "a placeholder left unformatted"
     for key in expected:
         record = records[key]
         assert record["ours"] == ["eager"], (key, record["unavailable"], record["failed"])

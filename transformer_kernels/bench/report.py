@@ -190,12 +190,12 @@ def write_report(path: Path, env: dict, records: list[dict], target_results: lis
     lines += [
         "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
         "(a sample of back-to-back calls, reported per call; on CUDA after an L2 flush, with CUDA events), in "
-        "orders that let each run right after each other one equally often. Times are medians over rounds with their {LOW}–{HIGH} range; a speed-up "
-        f"is the median of the per-round ratios (the other's time / this one's, same round) with their {LOW}–{HIGH} "
-        f"range. A target is met when the ratio's {LOW} reaches it, within noise when the range straddles it, "
-        f"MISSED when even its {HIGH} falls short. TFLOP/s count useful work (padding excluded, causal halved); "
-        "max error is the largest absolute difference of the outputs from the exact math (float64 on CPU, float32 "
-        "on CUDA). Peak memory is measured on CUDA only.",
+        "orders that let each run right after each other one equally often. Times are medians over rounds with "
+        f"their {LOW}–{HIGH} range; a speed-up is the median of the per-round ratios (the other's time / this "
+        f"one's, same round) with their {LOW}–{HIGH} range. A target is met when the ratio's {LOW} reaches it, "
+        f"within noise when the range straddles it, MISSED when even its {HIGH} falls short. TFLOP/s count useful "
+        "work (padding excluded, causal halved); max error is the largest absolute difference of the outputs from "
+        "the exact math (float64 on CPU, float32 on CUDA). Peak memory is measured on CUDA only.",
         "",
     ]
     failures = [(r, impl, why) for r in records for impl, why in r["failed"].items()]
