@@ -7,11 +7,11 @@ rounds: after warm-up, each round times every implementation once, one after
 the other, and a ratio is computed per round from the two samples taken moments
 apart.  The rounds' orders (:func:`round_orders`) let every implementation run
 right after every other one equally often: what one implementation leaves behind
-(cold caches, memory to fault in, threads asleep) slows the next one's first call,
-and an order that merely rotated kept each implementation's predecessor the same
-in every round.  The report shows the median of those per-round ratios and its spread
-(``SPREAD`` quantiles); a target is met only when the spread's lower end is at
-or above it.
+(cold caches, memory to fault in, threads asleep) slows the next one's first
+call, and an order that merely rotated kept each implementation's predecessor
+the same in every round.  The report shows the median of those per-round ratios
+and its spread (``SPREAD`` quantiles); a target is met only when the spread's
+lower end is at or above it.
 
 A sample is ``calls`` back-to-back calls (``calls`` chosen from a timed warm-up
 call so that a sample lasts at least ``min_sample_s``), divided by ``calls``.

@@ -276,17 +276,17 @@ class _BatchChunk:
 
 def _chunk_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, needs_backward: bool) -> int:
     """Sequences per chunk of the materialized path: about a chunk's bytes of score-sized buffers
-    (three with a backward pass: probabilities, their gradient and the scores'; two without:
-    scores and probabilities) and, where the operands must be copied to fold, of operands and,
-    with a backward pass, gradients (a forward without one, B128 H8 D64 [B, L, H, D] views with key
-    padding, 2 threads, against the naive math, counting the buffers it has rather than those of a
-    backward pass: L16 0.97-1.03x -> 0.99-1.07x over four runs, L32 1.31x -> 1.36x, L40 1.31x ->
-    1.39x); the whole batch for
-    one query row (a decoding step's one score row per head leaves nothing to keep in cache
-    between ops, and a loop would cost host time).  Operands that fold as they are are read once
-    per matmul, where a chunk keeps nothing in cache for a later op: they do not count (ConvSeq2Seq's
-    decoder attention at B128, L40, one head of 256, forward+backward: 0.95x -> 1.02x the naive
-    math, whole rather than in 11 chunks)."""
+    (with a backward pass three: the probabilities and the gradients of probabilities and scores;
+    without one two: scores and probabilities) and, where the operands must be copied to fold, of
+    operands and, with a backward pass, their gradients; the whole batch for one query row (a
+    decoding step's one score row per head leaves nothing to keep in cache between ops, and a loop
+    would cost host time).  A forward without a backward pass counts only the buffers it has (B128
+    H8 D64 [B, L, H, D] views with key padding, 2 threads, against the naive math: L16 0.97-1.03x
+    -> 0.99-1.07x over four runs, L32 1.31x -> 1.36x, L40 1.31x -> 1.39x, where it counted those of
+    a backward pass).  Operands that fold as they are are read once per matmul, where a chunk keeps
+    nothing in cache for a later op: they do not count (ConvSeq2Seq's decoder attention at B128,
+    L40, one head of 256, forward+backward: 0.95x -> 1.02x the naive math, whole rather than in 11
+    chunks)."""
     batch_size, num_heads, lq, head_dim = query.shape
     if lq == 1:
         return batch_size
