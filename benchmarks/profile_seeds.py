@@ -12,7 +12,9 @@ per step, the same step replayed from a CUDA graph (its kernels without the host
 them), the same two for the forward alone without autograd (inference), then the ops by their own
 CPU time and by their GPU time, so a step's time can be split into host work, kernels and waits.
 The GLU convolution also runs ours on the two inputs its kernels treat apart: the decoder's causal
-padding holding a value, and channel-first x.
+padding holding a value, and channel-first x.  One long case follows, dense attention over 16k
+tokens of 1024, whose GPU-time table splits ours (Triton, and the CUDA extension where it is built)
+and SDPA's forward+backward by kernel.
 
 Then the seed models' training steps (forward, loss and every parameter's gradient), exactly as the
 report's ``models`` groups time them (:mod:`transformer_kernels.bench.suites.models`): the fused
@@ -111,6 +113,22 @@ def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
     })
     return {name: {implementation: (forward, leaves) for implementation, forward in implementations.items()}
             for name, (leaves, implementations) in cases.items()}
+
+
+def _long_attention_cases(device: torch.device, dtype: torch.dtype) -> dict:
+    """name -> {implementation: (forward, leaves)}: dense attention over 16k tokens of 1024 (the
+    report's ``dense_B16_L1024_D64``), ours against torch SDPA's own choice, whose profile tables
+    give each kernel's GPU time: forward and backward apart (the H200 report of 2026-11-27, 03ce1d0,
+    timed only their sum, the CUDA extension's at about twice the Triton kernels')."""
+    generator = torch.Generator().manual_seed(0)
+    batch, length, heads = 16, 1024, 2048 // HEAD_DIM
+    q, k, v = (torch.randn(batch, heads, length, HEAD_DIM, generator=generator).to(device, dtype).requires_grad_()
+               for _ in range(3))
+    ours = backends_for("attention", Setting(device, dtype, "quick")).ours
+    attention = {name: lambda name=name: tk.scaled_dot_product_attention(q, k, v, backend=name) for name in ours}
+    attention["torch_sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
+    return {f"attention_B{batch}_L{length}_D{HEAD_DIM}_dense": {
+        implementation: (forward, [q, k, v]) for implementation, forward in attention.items()}}
 
 
 def _model_cases(device: torch.device, dtype: torch.dtype) -> dict:
@@ -229,7 +247,8 @@ def main() -> None:
 
         emit(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, {STEPS} steps each", host_speed())
         # Ours on the ops (the "triton" and "cuda" rows) also get their host path's syncs and Python functions.
-        for cases, rows, host_path in ((_op_cases, OP_ROWS, True), (_model_cases, MODEL_ROWS, False)):
+        for cases, rows, host_path in ((_op_cases, OP_ROWS, True), (_long_attention_cases, OP_ROWS, False),
+                                       (_model_cases, MODEL_ROWS, False)):
             for name, implementations in cases(DEVICE, DTYPE).items():
                 for implementation, (forward, leaves) in implementations.items():
                     timings, *rest = _profiled(forward, leaves, rows,
