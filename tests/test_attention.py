@@ -281,15 +281,19 @@ def test_batch_chunks_in_half_precision(monkeypatch):
         torch.testing.assert_close(half.float(), full, atol=2e-3, rtol=2e-3)
 
 
-def test_batch_chunks_keep_the_call_wide_dropout_mask(monkeypatch):
-    """Chunks cut the one keep-mask the call's seed draws: a chunked call matches an unchunked one."""
-    q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_batch_chunks_keep_the_call_wide_dropout_mask(layout, monkeypatch):
+    """Chunks cut the one keep-mask the call's seed draws: a chunked call matches an unchunked one
+    (on [B, L, H, D] views, with the operands' folded copies kept for the backward pass both ways)."""
+    shape = (3, 2, 9, 8) if layout == "bhld" else (3, 9, 2, 8)
+    leaves = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    q, k, v = leaves if layout == "bhld" else [t.transpose(1, 2) for t in leaves]
     results = []
     for chunk_bytes in (eager_probs._CHUNK_BYTES_PER_THREAD, 1):
         monkeypatch.setattr(eager_probs, "_CHUNK_BYTES_PER_THREAD", chunk_bytes)
         torch.manual_seed(5)
         out = tk.scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="eager")
-        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+        results.append((out, *torch.autograd.grad(out, leaves, torch.ones_like(out))))
     for unchunked, chunked in zip(*results):
         torch.testing.assert_close(chunked, unchunked, rtol=1e-12, atol=1e-12)
 
@@ -1225,8 +1229,9 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
 
 @pytest.mark.parametrize(("layout", "length", "needs_backward", "chunk_bytes", "saved_dim", "threads"), [
     ("bhld", 9, True, None, 4, None),   # short, differentiated: the probabilities
-    ("blhd", 9, True, None, 4, None),   # ... of any layout
-    ("blhd", 9, True, 1, 4, None),      # ... in chunks of sequences: batch-major
+    ("blhd", 9, True, None, 1, None),   # ... with the folded copies of views (one flat buffer)
+    ("blhd", 9, True, 1, 1, None),      # ... made chunk by chunk
+    ("bhld", 9, True, 1, 4, None),      # ... the probabilities alone, in chunks: batch-major
     ("bhld", 9, False, None, 1, None),  # no backward, operands that fold: the materialized path, keeping nothing
     ("blhd", 9, False, None, 3, 1),     # ... but views it would copy to fold, at one thread: the flash path's lse
     ("blhd", 9, False, None, 1, 2),     # ... and at more: the materialized path
@@ -1237,8 +1242,9 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
 def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backward, chunk_bytes, saved_dim, threads,
                                                    monkeypatch, request):
     """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
-    calls with one head count keep the probabilities, short calls without a backward pass nothing
-    (a backward recomputes the probabilities), the others the lse."""
+    calls with one head count keep the probabilities (with the folded copies of operands it copies
+    to fold them), short calls without a backward pass nothing (a backward recomputes the
+    probabilities), the others the lse."""
     if chunk_bytes is not None:
         monkeypatch.setattr(eager_probs, "_CHUNK_BYTES_PER_THREAD", chunk_bytes)
     if threads is not None:  # torch's own setter, restored after (never a monkeypatched torch attribute)
@@ -1255,8 +1261,8 @@ def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backwar
     assert saved.dim() == saved_dim
     backward_args = (torch.randn_like(out), q, k, v, out, saved, padding, None, 1, 0.25, 0.0, None, False, "eager")
     torch.library.opcheck(torch.ops.transformer_kernels.attention_backward, backward_args)
-    # The gradients' layout, which the fake states too: contiguous where the chunks' folded matmuls
-    # wrote them, else like the inputs.
+    # The gradients' layout, which the fake states too: contiguous where folded matmuls wrote them
+    # (in chunks, or on the folded operands the forward kept), else like the inputs.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     real = torch.ops.transformer_kernels.attention_backward(*backward_args)
@@ -1264,9 +1270,9 @@ def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backwar
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in backward_args]
         fake = torch.ops.transformer_kernels.attention_backward(*fake_args)
     assert [t.stride() for t in fake] == [t.stride() for t in real]
-    chunked = chunk_bytes is not None and layout != "gqa"
+    folded = (chunk_bytes is not None or saved.dim() == 1 and saved.numel() > 0) and layout != "gqa"
     for grad, like in zip(real[:3], (q, k, v)):
-        assert grad.stride() == (grad.contiguous().stride() if chunked else torch.empty_like(like).stride())
+        assert grad.stride() == (grad.contiguous().stride() if folded else torch.empty_like(like).stride())
 
 
 # Graph-level caches key on the graph, not on the op's fake implementation: a stale entry would

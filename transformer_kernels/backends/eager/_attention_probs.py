@@ -5,14 +5,16 @@ sequences that stay in cache (see :mod:`.attention` for when it runs)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from ...ops.attention import AttentionArgs, empty_grads, empty_output
 from ._attention_common import causal_shift, in_layout, undo_broadcast
 
-__all__ = ["HeadBatches", "compute_dtype", "empty_probs", "runs_in_chunks", "probs_forward", "probs_backward"]
+__all__ = ["HeadBatches", "compute_dtype", "empty_saved_probs", "holds_operands", "runs_in_chunks", "probs_forward",
+           "probs_backward"]
 
 # The materialized path runs in chunks of sequences of about this many bytes of operands,
 # gradients and score-sized buffers (each chunk's operands copied to [B, H, L, D], which folds),
@@ -20,8 +22,11 @@ __all__ = ["HeadBatches", "compute_dtype", "empty_probs", "runs_in_chunks", "pro
 # streams every intermediate through memory (the machine's bandwidth, not its FLOPs, bounds these
 # small matmuls).  B128 H8 D64 L16 [B, L, H, D] views, forward+backward, per-round median vs the
 # naive math by chunk size: 1 MB 0.79x, 2 MB 0.96x, 4 MB 1.09x, 8 MB 1.03x, whole batch 0.79x.
-# The copies are what let a chunk's matmuls read from cache: a backward on folded copies that its
-# forward kept (none made per chunk) ran its matmuls 1.6x slower, reading memory, and no faster in all.
+# The copies are what let a chunk's matmuls read from cache.  A backward takes the copies its
+# forward kept (keeps_operands) rather than copying the operands again, and, as they fold, in chunks
+# that count the score-sized buffers alone (the whole batch at L16): B128 H8 D64 L16, the backward
+# against the naive math's, 0.80x copying each chunk's operands again, 0.90x reading the kept ones
+# in the forward's chunks, 0.995x in one piece.
 # Those were one thread's: a chunk holds this much per torch thread, each thread's share in its
 # core's cache, and the ops of a chunk then have work for every thread (at 2 threads a 4 MB chunk
 # held the second one idle much of the time: B128 H8 D64 [B, L, H, D] views with key padding,
@@ -229,11 +234,14 @@ class _BatchChunk:
     dropout: Optional[torch.Tensor]
     buffers: Optional[_ChunkBuffers] = None  # shared by the call's chunks (None: the whole call)
 
-    def operands(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], HeadBatches]:
+    def operands(self, *tensors: torch.Tensor, into: Optional[Sequence[torch.Tensor]] = None
+                 ) -> tuple[list[torch.Tensor], HeadBatches]:
         """The chunk of each ``[B, H, L, X]`` operand, and how their matmuls run.  When their heads
         match they fold (``[B, L, H, X]`` views would take per-head matmuls): a chunk's copied into
         the chunk buffers where they are not contiguous; the whole call's copied where they do not
-        fold and are :func:`_small`, else all read in place per head."""
+        fold and are :func:`_small`, else all read in place per head.  ``into``: contiguous
+        whole-call tensors, one per operand, that take the copies instead (the forward's kept for
+        the backward pass, see :func:`keeps_operands`)."""
         heads = tensors[0].shape[1]
         if any(t.shape[1] != heads for t in tensors):
             return [self.of(t) for t in tensors], HeadBatches(False)
@@ -242,12 +250,18 @@ class _BatchChunk:
             if all(folds):
                 return list(tensors), HeadBatches(True)
             if all(f or _small(t) for f, t in zip(folds, tensors)):
-                return [t if f else t.contiguous() for f, t in zip(folds, tensors)], HeadBatches(True)
+                copies = [t.contiguous() if into is None else into[index].copy_(t)
+                          for index, t in enumerate(tensors)]
+                return [t if f else copy for f, t, copy in zip(folds, tensors, copies)], HeadBatches(True)
             return list(tensors), HeadBatches(False)
         chunks = [t[self.batch] for t in tensors]
-        chunks = [t if t.is_contiguous() else self.buffers.like(f"operand{index}", t).copy_(t)
+        chunks = [t if t.is_contiguous() else self.copy_buffer(index, t, into).copy_(t)
                   for index, t in enumerate(chunks)]
         return chunks, HeadBatches(True)
+
+    def copy_buffer(self, index: int, chunk: torch.Tensor, into: Optional[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Where the chunk of operand ``index`` is copied: its part of ``into[index]``, else the chunk buffer."""
+        return self.buffers.like(f"operand{index}", chunk) if into is None else into[index][self.batch]
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.batch is None else tensor[self.batch]
@@ -356,19 +370,22 @@ def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
     """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
     dtype = compute_dtype(query.dtype)
     out = empty_output(query, value)
-    saved = empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+    saved = empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+    kept = _kept_for_backward(saved, query, key, value)
     chunks = _batch_chunks(query, key, value, args, dtype, needs_backward)
     # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
     may_sync = query.device.type == "cpu" or len(chunks) > 1
     zero_empty_rows = not _every_row_sees_a_key(query.shape[2], key.shape[2], args, may_sync)
     for chunk in chunks:
-        (q, k, v), batches = chunk.operands(query, key, value)
+        (q, k, v), batches = chunk.operands(query, key, value, into=kept.operands)
         scores, masked = _scores(q, k, chunk.args, batches)
         probs = _softmax(scores, masked and zero_empty_rows, batches)
         dropped = probs if chunk.dropout is None else probs * chunk.dropout
         product = batches.matmul(dropped, _as_dtype(v, dtype), out=chunk.destination(out, "out", dtype))
         out = chunk.store(product, out)
-        if needs_backward:
+        if kept.operands is not None:
+            chunk.of(kept.probs).copy_(probs)  # into the one buffer saved, wherever softmax wrote it
+        elif needs_backward:
             saved = chunk.store(probs, saved)
     return out, saved
 
@@ -385,7 +402,8 @@ def _recomputed_probs(query, key, args: AttentionArgs) -> torch.Tensor:
 
 def probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn_mask_needs_grad, contiguous: bool):
     """Softmax-attention backward on the materialized probabilities ``P`` (``saved`` when it holds
-    them, else recomputed as the scores' softmax, see :func:`_recomputed_probs`):
+    them, with the folded operands where the forward kept them, else recomputed as the scores'
+    softmax, see :func:`_recomputed_probs`):
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(P * dP))``, ``dQ = dS K``,
     ``dK = dS^T Q`` (the last two scaled); ``dq, dk, dv`` contiguous or laid out like their
     inputs as ``contiguous`` says (the backend's ``grads_contiguous``)."""
@@ -395,13 +413,12 @@ def probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn
     dmask = query.new_empty(0, dtype=torch.float32)
     if attn_mask_needs_grad:
         dmask = query.new_empty((*query.shape[:3], key.shape[2]), dtype=dtype)
+    kept = _kept_for_backward(saved, query, key, value)
+    query, key, value = kept.operands or (query, key, value)
     for chunk in _batch_chunks(query, key, value, args, dtype, needs_backward=True):
         operands, batches = chunk.operands(grad_out, query, key, value)
         d_out, q, k, v = (_as_dtype(t, dtype) for t in operands)
-        if saved.dim() == 4:
-            probs = chunk.of(saved)
-        else:
-            probs = _recomputed_probs(q, k, chunk.args)
+        probs = _recomputed_probs(q, k, chunk.args) if kept.probs is None else chunk.of(kept.probs)
         d_probs = batches.matmul(d_out, v.transpose(-1, -2))
         dropped = probs
         if chunk.dropout is not None:
@@ -426,10 +443,69 @@ def probs_backward(grad_out, query, key, value, saved, args: AttentionArgs, attn
 
 
 
-def empty_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The materialized path's probabilities ``[B, Hq, Lq, Lk]``: batch-major where the operands
-    fold as :meth:`_BatchChunk.operands` hands them over (always when the batch runs in chunks),
-    else head-major, as :class:`HeadBatches` lays out per-head products."""
+def keeps_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the forward of a call with a backward pass keeps the folded copies it makes of query,
+    key and value (beside the probabilities, :func:`empty_saved_probs`), so that its backward reads
+    them rather than copying the operands again: float32 or float64 operands (computed in their own
+    dtype) with one head count, none of which folds as it is, all copied by :meth:`_BatchChunk.operands`
+    (in chunks, or whole where :func:`_small`).  They take as much memory as the naive math's
+    autograd keeps of its own copies.  B128 H8 D64 [B, L, H, D] views with key padding, 2 threads,
+    forward+backward against the naive math, copying the operands again -> reading the kept ones:
+    L16 0.85x -> 0.93x (the backward alone 0.80x -> 0.995x), L32 1.09x -> 1.11x, L64 1.15x -> 1.17x."""
+    tensors = (query, key, value)
+    heads = query.shape[1]
+    return (query.dtype == compute_dtype(query.dtype)
+            and all(t.shape[1] == heads and not _folds(t) for t in tensors)
+            and (runs_in_chunks(*tensors) or all(_small(t) for t in tensors)))
+
+
+def holds_operands(saved: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``saved``, what a forward saved for its backward pass, holds its folded operands
+    (see :func:`keeps_operands`)."""
+    return saved.dim() == 1 and saved.numel() > 0 and keeps_operands(query, key, value)
+
+
+class _KeptForBackward(NamedTuple):
+    """What a forward saved for its backward pass, as views: the probabilities ``[B, Hq, Lq, Lk]``
+    (None: recompute them) and, where :func:`keeps_operands`, the folded copies of query, key and
+    value (contiguous ``[B, H, L, X]``; else None)."""
+
+    probs: Optional[torch.Tensor]
+    operands: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _kept_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shapes in the one buffer of :func:`empty_saved_probs` that keeps the operands: the
+    probabilities, then query, key and value."""
+    return [(*query.shape[:3], key.shape[2]), tuple(query.shape), tuple(key.shape), tuple(value.shape)]
+
+
+def _kept_for_backward(saved: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor) -> _KeptForBackward:
+    """``saved`` (:func:`empty_saved_probs`; or an empty tensor, or the tiled path's lse, whose
+    backward the materialized path runs where a float mask's gradient is asked for) seen as what
+    it holds."""
+    if saved.dim() == 4:
+        return _KeptForBackward(saved, None)
+    if not holds_operands(saved, query, key, value):
+        return _KeptForBackward(None, None)
+    views, start = [], 0
+    for shape in _kept_shapes(query, key, value):
+        size = math.prod(shape)
+        views.append(saved[start:start + size].view(shape))
+        start += size
+    return _KeptForBackward(views[0], tuple(views[1:]))
+
+
+def empty_saved_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """What the materialized path saves for a backward pass: where :func:`keeps_operands`, one flat
+    buffer of ``dtype`` holding the probabilities and the folded operands (all contiguous, see
+    :func:`_kept_for_backward`); else the probabilities ``[B, Hq, Lq, Lk]``, batch-major where the
+    operands fold as :meth:`_BatchChunk.operands` hands them over (always when the batch runs in
+    chunks), else head-major, as :class:`HeadBatches` lays out per-head products."""
+    if keeps_operands(query, key, value):
+        return query.new_empty(sum(math.prod(shape) for shape in _kept_shapes(query, key, value)), dtype=dtype)
     batch_size, num_heads, lq, _ = query.shape
     batches = HeadBatches(runs_in_chunks(query, key, value) or _whole_call_folds(query, key, value))
     return batches.empty(batch_size, num_heads, lq, key.shape[2], query, dtype)

@@ -60,7 +60,9 @@ from typing import Optional
 import torch
 
 from ...ops.attention import AttentionArgs, empty_lse
-from ._attention_probs import HeadBatches, compute_dtype, empty_probs, probs_backward, probs_forward, runs_in_chunks
+from ._attention_probs import (
+    HeadBatches, compute_dtype, empty_saved_probs, holds_operands, probs_backward, probs_forward, runs_in_chunks,
+)
 from ._attention_tiles import flash_backward, flash_forward, plan, uses_flash_tiles
 
 __all__ = ["unsupported_reason", "empty_saved", "grads_contiguous", "forward", "backward"]
@@ -102,12 +104,13 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
     """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path
     (see :func:`_takes_flash_tiles`), the lse (:func:`~transformer_kernels.ops.attention.empty_lse`);
-    on the materialized path, the probabilities (float32 or wider, :func:`empty_probs`), or an
-    empty tensor when no backward pass will run."""
+    on the materialized path, the probabilities (float32 or wider) and where they are kept the
+    folded operands (:func:`._attention_probs.empty_saved_probs`), or an empty tensor when no
+    backward pass will run."""
     if _takes_flash_tiles(query, key, value, args, needs_backward):
         return empty_lse(query)
     dtype = compute_dtype(query.dtype)
-    return empty_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+    return empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
 
 
 def forward(
@@ -163,14 +166,15 @@ def _lse_is_exact(lse: torch.Tensor, args: AttentionArgs) -> bool:
 
 def grads_contiguous(query, key, value, saved: torch.Tensor, args: AttentionArgs, attn_mask_needs_grad) -> bool:
     """Whether :func:`backward`'s ``dq, dk, dv`` are contiguous rather than laid out like their
-    inputs: on the materialized path in batch chunks with one head count, whose folded matmuls
-    write each chunk's gradients in place there.  Storing them into ``[B, L, H, D]`` inputs'
-    layout instead cost a copy of each, 4% of the seeds' backward at B=128, L=16; the
-    projection's backward before the attention's copies (or concatenates) them either way."""
+    inputs: on the materialized path with one head count, in batch chunks or on the folded
+    operands its forward kept, whose folded matmuls write the gradients in place there.  Storing
+    them into ``[B, L, H, D]`` inputs' layout instead cost a copy of each, 4% of the seeds'
+    backward at B=128, L=16; the projection's backward before the attention's copies (or
+    concatenates) them either way."""
     return (
         not _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad)
         and key.shape[1] == query.shape[1]
-        and runs_in_chunks(query, key, value)
+        and (runs_in_chunks(query, key, value) or holds_operands(saved, query, key, value))
     )
 
 
@@ -186,9 +190,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous where :func:`grads_contiguous` says so, else laid out like their
     inputs) and ``dmask`` (``[B, Hq, Lq, Lk]``, at least float32, when ``attn_mask_needs_grad``,
-    else empty).  ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), the lse
-    (3-D: the flash backward's, or, off that path, the probabilities are computed again), or nothing (an
-    empty tensor: computed again)."""
+    else empty).  ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), or
+    with the folded operands (one flat buffer), the lse (3-D: the flash backward's, or, off that path,
+    the probabilities are computed again), or nothing (an empty tensor: computed again)."""
     if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad) and _lse_is_exact(saved, args):
         tiles = plan(query, key, args)
         dq, dk, dv = flash_backward(grad_out, query, key, value, out, saved, tiles, args.scale)
