@@ -63,6 +63,13 @@ DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 BATCH, HEADS, HEAD_DIM, EMBED, CHANNELS = 128, 8, 64, 512, 512
 
 
+def _gpu_attention_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Our attention backends with GPU kernels that can run here: Triton's, and the CUDA extension's
+    where it is built (the eager one, which runs anywhere, is not profiled)."""
+    ours = backends_for("attention", Setting(device, dtype, "quick")).ours
+    return [name for name in ("triton", "cuda") if name in ours]
+
+
 def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
     """name -> {implementation: (forward, leaves)}: the ops at the seeds' sizes."""
     generator = torch.Generator().manual_seed(0)
@@ -72,8 +79,7 @@ def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
 
     cases = {}
     # The CUDA extension's attention too, where it is built: at these lengths it takes no key bounds.
-    ours = [name for name in ("triton", "cuda")
-            if name in backends_for("attention", Setting(device, dtype, "quick")).ours]
+    ours = _gpu_attention_backends(device, dtype)
     for length in (16, 64):
         # The leaves themselves: a view taken outside the step would put its backward node on the
         # stream it ran on, which a captured backward then waits on (and the capture fails).
@@ -124,8 +130,8 @@ def _long_attention_cases(device: torch.device, dtype: torch.dtype) -> dict:
     batch, length, heads = 16, 1024, 2048 // HEAD_DIM
     q, k, v = (torch.randn(batch, heads, length, HEAD_DIM, generator=generator).to(device, dtype).requires_grad_()
                for _ in range(3))
-    ours = backends_for("attention", Setting(device, dtype, "quick")).ours
-    attention = {name: lambda name=name: tk.scaled_dot_product_attention(q, k, v, backend=name) for name in ours}
+    attention = {name: lambda name=name: tk.scaled_dot_product_attention(q, k, v, backend=name)
+                 for name in _gpu_attention_backends(device, dtype)}
     attention["torch_sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
     return {f"attention_B{batch}_L{length}_D{HEAD_DIM}_dense": {
         implementation: (forward, [q, k, v]) for implementation, forward in attention.items()}}

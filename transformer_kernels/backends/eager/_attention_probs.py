@@ -250,18 +250,20 @@ class _BatchChunk:
             if all(folds):
                 return list(tensors), HeadBatches(True)
             if all(f or _small(t) for f, t in zip(folds, tensors)):
-                copies = [t.contiguous() if into is None else into[index].copy_(t)
-                          for index, t in enumerate(tensors)]
-                return [t if f else copy for f, t, copy in zip(folds, tensors, copies)], HeadBatches(True)
+                return [t if f else self._folded_copy(index, t, into)
+                        for index, (f, t) in enumerate(zip(folds, tensors))], HeadBatches(True)
             return list(tensors), HeadBatches(False)
         chunks = [t[self.batch] for t in tensors]
-        chunks = [t if t.is_contiguous() else self.copy_buffer(index, t, into).copy_(t)
-                  for index, t in enumerate(chunks)]
-        return chunks, HeadBatches(True)
+        return [t if t.is_contiguous() else self._folded_copy(index, t, into)
+                for index, t in enumerate(chunks)], HeadBatches(True)
 
-    def copy_buffer(self, index: int, chunk: torch.Tensor, into: Optional[Sequence[torch.Tensor]]) -> torch.Tensor:
-        """Where the chunk of operand ``index`` is copied: its part of ``into[index]``, else the chunk buffer."""
-        return self.buffers.like(f"operand{index}", chunk) if into is None else into[index][self.batch]
+    def _folded_copy(self, index: int, part: torch.Tensor, into: Optional[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """A contiguous copy of operand ``index``'s ``part`` (this chunk's, or the whole call's): in
+        ``into[index]`` (its part of it) where given, else in the chunk buffer, or a new tensor for
+        the whole call."""
+        if into is not None:
+            return (into[index] if self.batch is None else into[index][self.batch]).copy_(part)
+        return part.contiguous() if self.batch is None else self.buffers.like(f"operand{index}", part).copy_(part)
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.batch is None else tensor[self.batch]
@@ -371,7 +373,7 @@ def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
     dtype = compute_dtype(query.dtype)
     out = empty_output(query, value)
     saved = empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
-    kept = _kept_for_backward(saved, query, key, value)
+    kept = _kept_for_backward(saved, query, key, value)  # views of saved: made once, read by the chunks
     chunks = _batch_chunks(query, key, value, args, dtype, needs_backward)
     # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
     may_sync = query.device.type == "cpu" or len(chunks) > 1
@@ -459,10 +461,11 @@ def keeps_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
             and (runs_in_chunks(*tensors) or all(_small(t) for t in tensors)))
 
 
-def holds_operands(saved: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+def holds_operands(saved: torch.Tensor) -> bool:
     """Whether ``saved``, what a forward saved for its backward pass, holds its folded operands
-    (see :func:`keeps_operands`)."""
-    return saved.dim() == 1 and saved.numel() > 0 and keeps_operands(query, key, value)
+    (see :func:`keeps_operands`): the one flat buffer of :func:`empty_saved_probs`, which no other
+    saved tensor is (the probabilities are 4-D, the tiled path's lse 3-D, nothing saved empty)."""
+    return saved.dim() == 1 and saved.numel() > 0
 
 
 class _KeptForBackward(NamedTuple):
@@ -487,7 +490,7 @@ def _kept_for_backward(saved: torch.Tensor, query: torch.Tensor, key: torch.Tens
     it holds."""
     if saved.dim() == 4:
         return _KeptForBackward(saved, None)
-    if not holds_operands(saved, query, key, value):
+    if not holds_operands(saved):
         return _KeptForBackward(None, None)
     views, start = [], 0
     for shape in _kept_shapes(query, key, value):

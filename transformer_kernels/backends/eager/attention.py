@@ -174,7 +174,7 @@ def grads_contiguous(query, key, value, saved: torch.Tensor, args: AttentionArgs
     return (
         not _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad)
         and key.shape[1] == query.shape[1]
-        and (runs_in_chunks(query, key, value) or holds_operands(saved, query, key, value))
+        and (runs_in_chunks(query, key, value) or holds_operands(saved))
     )
 
 
