@@ -472,6 +472,16 @@ def test_bad_inputs_raise_torchs_exception_types(overrides, error, match):
         reference(**arguments)
 
 
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+@pytest.mark.parametrize("not_a_tensor", [None, [[0.0] * EMBED] * LK])
+def test_inputs_that_are_not_tensors_raise_type_errors_naming_them(name, not_a_tensor):
+    _, ours = module_pair(batch_first=True)
+    arguments = {key: torch.randn(BATCH, LK, EMBED) for key in ("query", "key", "value")}
+    arguments[name] = not_a_tensor
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got {type(not_a_tensor).__name__}"):
+        ours(**arguments)
+
+
 def test_constructor_checks_backend():
     with pytest.raises(ValueError, match="backend must be None or one of"):
         tknn.MultiheadAttention(EMBED, HEADS, backend="cudnn")

@@ -152,6 +152,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
         """See the class docstring: torch's arguments, shapes and outputs."""
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(tensor, Tensor):  # before reading their attributes: a clear error
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if query.is_nested or key.is_nested or value.is_nested:
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
@@ -200,10 +203,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     # ------------------------------------------------------------------ steps of forward
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor]) -> bool:
-        """torch's input checks, with its exception types; returns whether the input is batched."""
-        for name, tensor in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        """torch's input checks, with its exception types, on tensors; returns whether the input is
+        batched."""
         if query.dim() not in (2, 3):
             raise AssertionError(
                 f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
