@@ -456,6 +456,10 @@ BAD_INPUTS = [
     ("mask_4d", {"attn_mask": torch.zeros(1, 1, LK, LK, dtype=torch.bool)}, AssertionError,
      "attn_mask must be 2-D"),
     ("causal_without_mask", {"is_causal": True}, RuntimeError, "Need attn_mask if specifying the is_causal hint"),
+    ("query_dtype", {"query": torch.zeros(BATCH, LK, EMBED, dtype=torch.float64)}, RuntimeError,
+     "query must have the module's parameters' dtype torch.float32, got torch.float64"),
+    ("value_dtype", {"value": torch.zeros(BATCH, LK, EMBED, dtype=torch.float64)}, RuntimeError,
+     "value must have the module's parameters' dtype torch.float32, got torch.float64"),
 ]
 
 

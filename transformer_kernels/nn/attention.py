@@ -234,6 +234,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"key and value must have the same sequence and batch dimensions, "
                 f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
             )
+        parameters_dtype = self.out_proj.weight.dtype
+        if not torch.is_autocast_enabled(query.device.type):  # else the projections cast, as nn.Linear's do
+            for name, tensor in (("query", query), ("key", key), ("value", value)):
+                if tensor.dtype != parameters_dtype:
+                    raise RuntimeError(
+                        f"{name} must have the module's parameters' dtype {parameters_dtype}, got {tensor.dtype}"
+                    )
         batch_dim = 0 if self.batch_first else 1
         if is_batched and key.shape[batch_dim] != query.shape[batch_dim]:
             raise RuntimeError(
