@@ -71,6 +71,30 @@ def test_matches_reference_search(beam_size, seed):
         assert out[row].tolist() == expected
 
 
+class TiedDecoder:
+    """The same log-probabilities at every step, of a vocabulary of 40 whose tokens 3 to 6 tie for
+    the highest (on a CPU, ``topk(1)`` of such a row returned token 5)."""
+
+    def __init__(self):
+        logits = torch.zeros(40, dtype=torch.float64)
+        logits[3:7] = 1.0
+        self.log_probs = logits.log_softmax(-1)
+
+    def step(self, tokens, position, rows):
+        return self.log_probs.expand(tokens.shape[0], -1).clone()
+
+    def reorder(self, rows, indices, *, same_sources=False):
+        return rows[indices]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 0])
+def test_greedy_breaks_ties_to_the_lowest_token_id_and_takes_an_empty_batch(batch_size):
+    out = generate(TiedDecoder(), torch.arange(batch_size), batch_size=batch_size, max_len=4, bos_index=BOS,
+                   eos_index=EOS, pad_index=PAD)
+    assert out.shape[0] == batch_size and out.shape[1] <= 4
+    assert out.tolist() == [[BOS, 3, 3, 3]] * batch_size
+
+
 def test_greedy_is_argmax_and_pads_after_eos():
     batch_size, max_len = 4, 8
     decoder = MarkovDecoder(batch_size, max_len, seed=3)

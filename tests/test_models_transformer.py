@@ -279,6 +279,17 @@ def test_cached_step_log_probs_match_forward(impl):
             assert_close_to_reference(log_probs, expected[:, t], f"step {t}", tol=TOL)
 
 
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_generation_without_decoder_layers_matches_rerunning_forward(beam_size):
+    torch.manual_seed(3)
+    model = tiny_model("fused", num_decoder_layers=0).eval()
+    src, _ = batch()
+    cached = model.generate(src, max_len=5, bos_index=BOS, eos_index=EOS, beam_size=beam_size)
+    full = generate(RedecodingDecoder(model), src, batch_size=src.shape[0], max_len=5, bos_index=BOS,
+                    eos_index=EOS, pad_index=PAD, beam_size=beam_size)
+    assert torch.equal(cached, full)
+
+
 def test_generate_restores_training_mode():
     model = tiny_model(dropout=0.3).train()
     src, _ = batch()

@@ -44,6 +44,20 @@ def test_tsv_errors(tmp_path):
         train(TrainConfig(data=str(bad), steps=1))
 
 
+def test_tsv_source_without_tokens_is_named(tmp_path):
+    data = tmp_path / "pairs.tsv"
+    data.write_text("a b\tx\n" * 80 + " \ty z\n" + "a b\tx\n" * 80, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"pairs.tsv:81: the source \(before the tab\) has no token"):
+        train(TrainConfig(data=str(data), steps=1))
+
+
+def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
+    data = tmp_path / "pairs.tsv"
+    data.write_text("a b\tx\n" * 70, encoding="utf-8")  # 6 training pairs, 64 held out
+    with pytest.raises(ValueError, match=r"batch_size \(8\) exceeds the 6 training pairs"):
+        train(TrainConfig(data=str(data), steps=1, batch_size=8))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "rnn"], "invalid choice"),
     (["--steps", "0"], "must be positive"),

@@ -119,7 +119,10 @@ def tsv_corpus(path: str, held_out: int = 64) -> Corpus:
             columns = line.rstrip("\n").split("\t")
             if len(columns) != 2:
                 raise ValueError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
-            pairs.append((columns[0].split(), columns[1].split()))
+            source, target = columns[0].split(), columns[1].split()
+            if not source:  # the models take sources of at least one token
+                raise ValueError(f"{path}:{number}: the source (before the tab) has no token")
+            pairs.append((source, target))
     if len(pairs) <= held_out:
         raise ValueError(f"{path}: {len(pairs)} sentence pairs; need more than the {held_out} held out")
     return _encode(pairs, held_out)
@@ -227,6 +230,9 @@ def train(config: TrainConfig) -> dict:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
     torch.manual_seed(config.seed)
     corpus = tsv_corpus(config.data) if config.data else synthetic_corpus(seed=config.seed)
+    if config.batch_size > len(corpus.train):
+        raise ValueError(f"batch_size ({config.batch_size}) exceeds the {len(corpus.train)} training pairs "
+                         f"(batches draw distinct pairs)")
     model = build_model(config, corpus).to(device)
     trained = model
     if distributed:

@@ -107,8 +107,12 @@ class _Search:
         # fills: indexing by the mask and a column would read the mask back to the host.)
         log_probs.masked_fill_(self.finished[:, None], float("-inf"))
         log_probs.select(1, self.pad_index).masked_fill_(self.finished, 0.0)
-        candidates = (self.scores.to(log_probs.dtype)[:, None] + log_probs).view(self.batch_size, -1)
-        top_scores, top_indices = candidates.topk(self.beam_size, dim=1)
+        candidates = (self.scores.to(log_probs.dtype)[:, None] + log_probs).view(self.batch_size,
+                                                                                   self.beam_size * vocab_size)
+        if self.beam_size == 1:  # the lowest token id of a tie, as argmax (topk's order among ties is unspecified)
+            top_scores, top_indices = candidates.max(dim=1, keepdim=True)
+        else:
+            top_scores, top_indices = candidates.topk(self.beam_size, dim=1)
         tokens = (top_indices % vocab_size).view(-1)
         self.scores.copy_(top_scores.view(-1))
         if self.beam_size > 1:  # greedy rows never move: gathering them would copy them unchanged
@@ -201,8 +205,10 @@ def generate(
 
     Every row starts with ``bos_index``.  A hypothesis ends when it emits ``eos_index``; from
     then on it holds ``pad_index`` and keeps its score.  Beam search keeps the ``beam_size``
-    prefixes of highest summed log-probability (no length penalty) and returns the best of them;
-    ties go to the lower beam, then the lower token id, as :func:`torch.topk` orders them.
+    prefixes of highest summed log-probability (no length penalty) and returns the best of them.
+    Greedy search breaks a tie to the lowest token id, as :func:`torch.argmax` does; beam search
+    keeps the candidates :func:`torch.topk` returns, whose order among equal scores torch leaves
+    unspecified (the same search serves cached and re-run decoding, so they agree).
 
     Args:
         decoder: the model's :class:`IncrementalDecoder`.
