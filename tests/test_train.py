@@ -51,6 +51,15 @@ def test_tsv_source_without_tokens_is_named(tmp_path):
         train(TrainConfig(data=str(data), steps=1))
 
 
+def test_the_command_reports_a_bad_configuration_or_data_file_without_a_traceback(tmp_path, capsys):
+    assert train_module.main(["--data", str(tmp_path / "missing.tsv"), "--steps", "1"]) == 2
+    assert "transformer_kernels.train: error: [Errno 2] No such file or directory" in capsys.readouterr().err
+    data = tmp_path / "pairs.tsv"
+    data.write_text("a b\tx\n" * 70, encoding="utf-8")
+    assert train_module.main(["--data", str(data), "--steps", "1", "--batch-size", "8"]) == 2
+    assert "error: batch_size (8) exceeds the 6 training pairs" in capsys.readouterr().err
+
+
 def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
     data = tmp_path / "pairs.tsv"
     data.write_text("a b\tx\n" * 70, encoding="utf-8")  # 6 training pairs, 64 held out

@@ -30,6 +30,12 @@ from .models import ConvSeq2Seq, Transformer
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
+
+class ConfigError(ValueError):
+    """A configuration or data file the run cannot take: the command prints its message, not a
+    traceback."""
+
+
 # Model sizes: "seed" is the seed notebooks' configuration (the models' defaults).
 PRESETS = {
     "transformer": {
@@ -118,13 +124,13 @@ def tsv_corpus(path: str, held_out: int = 64) -> Corpus:
                 continue
             columns = line.rstrip("\n").split("\t")
             if len(columns) != 2:
-                raise ValueError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
+                raise ConfigError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
             source, target = columns[0].split(), columns[1].split()
             if not source:  # the models take sources of at least one token
-                raise ValueError(f"{path}:{number}: the source (before the tab) has no token")
+                raise ConfigError(f"{path}:{number}: the source (before the tab) has no token")
             pairs.append((source, target))
     if len(pairs) <= held_out:
-        raise ValueError(f"{path}: {len(pairs)} sentence pairs; need more than the {held_out} held out")
+        raise ConfigError(f"{path}: {len(pairs)} sentence pairs; need more than the {held_out} held out")
     return _encode(pairs, held_out)
 
 
@@ -161,9 +167,9 @@ def batches(corpus: Corpus, batch_size: int, seed: int) -> Iterator[list]:
 
 def build_model(config: TrainConfig, corpus: Corpus) -> torch.nn.Module:
     if config.model not in PRESETS:
-        raise ValueError(f"model must be one of {sorted(PRESETS)}, got {config.model!r}")
+        raise ConfigError(f"model must be one of {sorted(PRESETS)}, got {config.model!r}")
     if config.preset not in PRESETS[config.model]:
-        raise ValueError(f"preset must be one of {sorted(PRESETS[config.model])}, got {config.preset!r}")
+        raise ConfigError(f"preset must be one of {sorted(PRESETS[config.model])}, got {config.preset!r}")
     kwargs = dict(PRESETS[config.model][config.preset], pad_index=PAD, impl=config.impl)
     if config.dropout is not None:
         kwargs["dropout"] = config.dropout
@@ -217,7 +223,7 @@ def train(config: TrainConfig) -> dict:
         if device.type == "cuda":
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             if local_rank >= torch.cuda.device_count():
-                raise ValueError(f"LOCAL_RANK={local_rank}, but only {torch.cuda.device_count()} CUDA device(s) are "
+                raise ConfigError(f"LOCAL_RANK={local_rank}, but only {torch.cuda.device_count()} CUDA device(s) are "
                                  "visible: run one process per GPU, or train on the CPU (--device cpu)")
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
@@ -225,13 +231,13 @@ def train(config: TrainConfig) -> dict:
     else:
         rank, world_size = 0, 1
     if config.batch_size % world_size:
-        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the world size ({world_size})")
+        raise ConfigError(f"batch_size ({config.batch_size}) must be a multiple of the world size ({world_size})")
     if config.dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
+        raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
     torch.manual_seed(config.seed)
     corpus = tsv_corpus(config.data) if config.data else synthetic_corpus(seed=config.seed)
     if config.batch_size > len(corpus.train):
-        raise ValueError(f"batch_size ({config.batch_size}) exceeds the {len(corpus.train)} training pairs "
+        raise ConfigError(f"batch_size ({config.batch_size}) exceeds the {len(corpus.train)} training pairs "
                          f"(batches draw distinct pairs)")
     model = build_model(config, corpus).to(device)
     trained = model
@@ -349,7 +355,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    train(parse_args(argv))
+    config = parse_args(argv)
+    try:
+        train(config)
+    except (ConfigError, OSError) as error:  # a data file missing or unreadable, as argparse reports its errors
+        print(f"transformer_kernels.train: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
