@@ -967,6 +967,33 @@ def test_glu_conv_triton_backend_matches_conv1d_glu():
     torch.testing.assert_close(y_t, ours(x.detach())[:, :, 0], **TOL)
 
 
+def test_torch_jit_trace_records_the_modules():
+    torch.manual_seed(0)
+    conv = tknn.GLUConv1d(EMBED, EMBED, 3, padding="causal")
+    traced_conv = torch.jit.trace(conv, (torch.randn(BATCH, EMBED, LK),))
+    _, mha = module_pair(batch_first=True)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    attention = SelfAttention()
+    traced_attention = torch.jit.trace(attention, (torch.randn(BATCH, LK, EMBED),), check_trace=False)
+    for module, traced, shape in ((conv, traced_conv, (BATCH + 1, EMBED, LK + 2)),
+                                  (attention, traced_attention, (BATCH, LK, EMBED))):
+        x = torch.randn(shape, requires_grad=True)
+        eager, recorded = module(x), traced(x)
+        torch.testing.assert_close(recorded, eager)
+        parameters = [x, *module.parameters()]
+        for ours, expected in zip(torch.autograd.grad(recorded.sum(), parameters),
+                                  torch.autograd.grad(eager.sum(), parameters)):
+            torch.testing.assert_close(ours, expected)
+
+
 def test_glu_conv_argument_errors():
     with pytest.raises(ValueError, match="padding must be one of"):
         tknn.GLUConv1d(4, 4, 3, padding="valid")

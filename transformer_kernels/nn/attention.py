@@ -101,6 +101,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
       statistics are the same).
     - With ``batch_first=True`` the output is contiguous (torch returns a transposed view).
     - ``torch.jit.script`` cannot compile it (``torch.compile`` can, ``fullgraph=True``).
+      ``torch.jit.trace`` records it, but with parameters that require grad its check finds
+      the attention op's flag "a backward pass will run" differing between its traces: trace
+      with ``check_trace=False``, or under ``torch.no_grad()`` for inference.
     - In ``eval()`` under ``torch.no_grad()``, torch's ``TransformerEncoderLayer`` may take
       its fast path, which calls ``torch._transformer_encoder_layer_fwd`` with this
       module's weights and never calls ``forward``: such layers compute with torch's own

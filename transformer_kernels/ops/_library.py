@@ -70,13 +70,15 @@ def _schema_type(annotation: Any) -> str:
 
 def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may skip the dispatcher (and use call plans, ``_call_plans.py``): eager, no
-    dispatch mode or functorch transform active, plain dense tensors (or None) only, so that what
-    their metadata say is what the checks and the kernels see (a sparse tensor reports strides of
-    0, as an expanded dense one does)."""
+    dispatch mode, functorch transform or ``torch.jit.trace`` active (the tracer records the
+    registered op, not a Function whose arguments it cannot hold), plain dense tensors (or None)
+    only, so that what their metadata say is what the checks and the kernels see (a sparse tensor
+    reports strides of 0, as an expanded dense one does)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() != 0
         or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._get_tracing_state() is not None
     ):
         return False
     for tensor in tensors:
