@@ -516,7 +516,7 @@ class _Decoder(nn.Module):
             # Zeros, not empty: a masked key is still multiplied (by a weight of 0), and 0 * NaN is NaN.
             key, value = (memory_key.new_zeros(*memory_key.shape[:2], max_len, memory_key.shape[-1]) for _ in "kv")
             caches.append(_LayerCache(key, value, memory_key, memory_value))
-        fused = any(layer.self_attn.impl == "fused" for layer in self.layers[:1])  # none: no layer steps
+        fused = len(self.layers) > 0 and self.layers[0].self_attn.impl == "fused"
         direct = fused and not torch.is_autocast_enabled(memory.device.type)
         key_positions = torch.arange(max_len, device=memory.device).repeat(memory.shape[0], 1)
         return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct), key_positions)
