@@ -190,7 +190,9 @@ def write_report(path: Path, env: dict, records: list[dict], target_results: lis
     lines += [
         "Each group's implementations ran interleaved: after warm-up, every round times each of them once "
         "(a sample of back-to-back calls, reported per call; on CUDA after an L2 flush, with CUDA events), in "
-        "orders that let each run right after each other one equally often. Times are medians over rounds with "
+        "the orders of a Williams design, which let each run right after each other one equally often over each "
+        "whole design (n rounds for n implementations, 2n for an odd n; a group runs whole designs where its "
+        "round limit holds one). Times are medians over rounds with "
         f"their {LOW}–{HIGH} range; a speed-up is the median of the per-round ratios (the other's time / this "
         f"one's, same round) with their {LOW}–{HIGH} range. A target is met when the ratio's {LOW} reaches it, "
         f"within noise when the range straddles it, MISSED when even its {HIGH} falls short. TFLOP/s count useful "

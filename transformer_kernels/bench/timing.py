@@ -6,7 +6,8 @@ little.  Here the compared implementations of one benchmark group run in
 rounds: after warm-up, each round times every implementation once, one after
 the other, and a ratio is computed per round from the two samples taken moments
 apart.  The rounds' orders (:func:`round_orders`) let every implementation run
-right after every other one equally often: what one implementation leaves behind
+right after every other one equally often over each whole design, and a group runs
+whole designs where its round limit holds one: what one implementation leaves behind
 (cold caches, memory to fault in, threads asleep) slows the next one's first
 call, and an order that merely rotated kept each implementation's predecessor
 the same in every round.  The report shows the median of those per-round ratios
@@ -146,6 +147,16 @@ def round_orders(count: int) -> list[list[int]]:
     return rows if count % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
+def _whole_designs(rounds: int, design_rounds: int, max_rounds: int) -> int:
+    """``rounds`` made a whole number of :func:`round_orders` designs of ``design_rounds`` rounds each,
+    only then balanced: the nearest such count from one design up to ``max_rounds``, where one design
+    fits in ``max_rounds``; else ``rounds`` (the design's first rows)."""
+    if design_rounds > max_rounds:
+        return rounds
+    designs = min(max(1, round(rounds / design_rounds)), max_rounds // design_rounds)
+    return designs * design_rounds
+
+
 def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule: Schedule) -> dict:
     """Times the implementations ``fns`` (name -> zero-argument callable) interleaved.
 
@@ -162,12 +173,13 @@ def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule
     calls = {name: max(1, math.ceil(schedule.min_sample_s / max(estimate[name], 1e-9))) for name in names}
     round_s = sum(estimate[name] * calls[name] for name in names)
     rounds = int(min(schedule.max_rounds, max(schedule.min_rounds, schedule.budget_s // max(round_s, 1e-9))))
+    orders = round_orders(len(names))
+    rounds = _whole_designs(rounds, len(orders), schedule.max_rounds)
     peak = {name: peak_memory(fns[name], device) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
-    orders = round_orders(len(names))
     try:
         for r in range(rounds):
             for index in orders[r % len(orders)]:
