@@ -231,6 +231,15 @@ def test_target_status_from_the_ratio_spread(low, high, status):
     assert report.target_status(timing.Summary((low + high) / 2, low, high), 1.0) == status
 
 
+@pytest.mark.parametrize(("low", "high", "text"), [
+    (0.9712, 0.9961, "0.98x (0.97–0.996)"), (0.9951, 1.0312, "0.98x (0.995–1.03)"), (1.0, 1.2, "0.98x (1.00–1.20)"),
+    (0.99994, 1.2, "0.98x (0.9999–1.20)"), (0.9, 0.95, "0.98x (0.90–0.95)"),
+])
+def test_a_targets_ratio_ends_show_the_side_of_it_they_are_on(low, high, text):
+    assert report.ratio_text(timing.Summary(0.98, low, high), 1.0) == text
+    assert report.ratio_text(timing.Summary(0.98, low, high)).startswith("0.98x (")
+
+
 @pytest.mark.parametrize("cut_short", [False, True], ids=["complete", "cut_short"])
 def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
     """A run that ends early (``timeout`` sends SIGTERM) still writes its report, whose targets left

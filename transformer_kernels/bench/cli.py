@@ -114,7 +114,7 @@ def _benchmark(args, device: torch.device) -> int:
         for t in (t for t in target_results if t["status"] != "not measured"):
             speedup = None if t["speedup"] is None else timing.Summary(**t["speedup"])
             print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} "
-                  f"{report.ratio_text(speedup)} (target {t['min_speedup']}x)")
+                  f"{report.ratio_text(speedup, t['min_speedup'])} (target {t['min_speedup']}x)")
     failed = [(r["op"], r["case"], r["direction"], impl) for r in records for impl in r["failed"]]
     for failure in failed:
         print("FAILED: " + " ".join(failure), file=sys.stderr)

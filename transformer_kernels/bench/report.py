@@ -25,10 +25,19 @@ def median_ms(record: dict, impl: str) -> float:
     return timing.quantile(record["times_s"][impl], 0.5) * 1e3
 
 
-def ratio_text(summary: Optional[timing.Summary]) -> str:
+def ratio_text(summary: Optional[timing.Summary], target: Optional[float] = None) -> str:
+    """``median (low–high)`` to 2 decimals; against a ``target``, the ends to as many more as keep
+    them on the side of it they are on (0.996 shown as 1.00 would contradict its MISSED)."""
     if summary is None:
         return "—"
-    return f"{summary.median:.2f}x ({summary.low:.2f}–{summary.high:.2f})"
+    return f"{summary.median:.2f}x ({_end_text(summary.low, target)}–{_end_text(summary.high, target)})"
+
+
+def _end_text(value: float, target: Optional[float]) -> str:
+    digits = 2
+    while target is not None and digits < 6 and (round(value, digits) >= target) != (value >= target):
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def best_peer(record: dict) -> Optional[str]:
@@ -168,7 +177,8 @@ def targets_table(target_results: list[dict]) -> list[str]:
             memory += f" (≤ {t['max_memory_ratio']}x)"
         status = t["status"] if t["why_not"] is None else f"{t['status']}: {t['why_not']}"
         rows.append([t["op"], t["case"], t["direction"], t["impl"], t["baseline"], _fmt(t["ours_ms"], ".3f"),
-                     _fmt(t["baseline_ms"], ".3f"), ratio_text(speedup), f"≥ {t['min_speedup']}x", memory, status])
+                     _fmt(t["baseline_ms"], ".3f"), ratio_text(speedup, t["min_speedup"]), f"≥ {t['min_speedup']}x",
+                     memory, status])
     return _table(["op", "case", "direction", "ours", "baseline", "ours ms", "baseline ms", f"speed-up ({LOW}–{HIGH})",
                    "target", "peak memory vs baseline", "status"], rows)
 
