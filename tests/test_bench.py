@@ -6,6 +6,7 @@ the CPU, also on a GPU machine (whose runs are benchmarks/gpu_check.sh's)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -198,6 +199,64 @@ def test_compare_command_exits_non_zero_on_a_regression(tmp_path, capsys):
     assert "| attention | c | fwd | eager |" in capsys.readouterr().out
 
 
+def test_compare_names_what_it_cannot_compare_and_what_failed(tmp_path, capsys):
+    old, new, other_dtype = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "float16.json"
+    old.write_text(json.dumps(_results({"eager": OLD_TIMES})))
+    failing = _results({"eager": OLD_TIMES})
+    failing["groups"][0]["failed"] = {"triton": "RuntimeError: boom"}
+    failing["groups"].append({"op": "qkv_projection", "case": "d", "direction": "fwd", "times_s": {}})
+    new.write_text(json.dumps(failing))
+    assert cli.main(["--compare", str(old), str(new)]) == 1  # no regression, but ours failed
+    printed = capsys.readouterr().out
+    assert "FAILED in the new run: attention c fwd triton" in printed and "1 group(s) only in the new run." in printed
+    float16 = _results({"eager": OLD_TIMES})
+    float16["environment"]["dtype"] = "float16"
+    other_dtype.write_text(json.dumps(float16))
+    not_json = tmp_path / "report.md"
+    not_json.write_text("# a report")
+    for paths, message in (((old, other_dtype), "the runs differ in dtype"), ((old, tmp_path / "missing.json"),
+                           "cannot read it as JSON"), ((not_json, old), "cannot read it as JSON"),
+                           ((tmp_path, old), "cannot read it as JSON")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--compare", *map(str, paths)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    with pytest.raises(SystemExit):
+        cli.main(["--compare", str(listed), str(old)])
+    assert "not a results.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device", "foo"], "--device"),
+    (["--device", "cuda:7"], "CUDA device(s)"),
+    (["--device", "meta"], "expected cpu, cuda or cuda:N"),
+    (["--threads", "0"], "expected a positive integer"),
+    (["--only", ""], "--only: no suite"),
+    (["--only", "qkv,ghost"], "unknown suite(s) ['ghost']"),
+    (["--check", "--only", "nn,models"], "--check covers the suites"),
+])
+def test_the_command_refuses_what_it_cannot_take_as_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_refuses_a_file_as_its_output_folder(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit):
+        cli.main(["--tiny", "--device", "cpu", "--only", "qkv", "--out", str(afile)])
+    assert "a file, not a folder" in capsys.readouterr().err
+
+
+def test_check_table_rules_stay_in_their_markdown_cell():
+    result = check.CheckResult(op="qkv", backend="eager", case="c", dtype="float64", status="pass", tensor="x",
+                               error=0.0, bound=1.0, rule="≤ 1e-09·(1 + max|exact|)", reason=None)
+    row = check.check_table([result]).splitlines()[-1]
+    assert row.count(" | ") == 8 and "max\\|exact\\|" in row
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6])
 def test_rounds_run_every_implementation_right_after_every_other_equally_often(count):
     """Over ``len(round_orders(n))`` rounds ``timing.measure`` times each implementation once per
@@ -232,8 +291,8 @@ def test_target_status_from_the_ratio_spread(low, high, status):
 
 
 @pytest.mark.parametrize(("low", "high", "text"), [
-    (0.9712, 0.9961, "0.98x (0.97–0.996)"), (0.9951, 1.0312, "0.98x (0.995–1.03)"), (1.0, 1.2, "0.98x (1.00–1.20)"),
-    (0.99994, 1.2, "0.98x (0.9999–1.20)"), (0.9, 0.95, "0.98x (0.90–0.95)"),
+    (0.9712, 0.9961, "0.98x (0.97–0.996)"), (0.9951, 1.0312, "0.98x (0.995–1.03)"),
+    (1.0, 1.2, "0.98x (1.00–1.20)"), (0.99994, 1.2, "0.98x (0.9999–1.20)"), (0.9, 0.95, "0.98x (0.90–0.95)"),
 ])
 def test_a_targets_ratio_ends_show_the_side_of_it_they_are_on(low, high, text):
     assert report.ratio_text(timing.Summary(0.98, low, high), 1.0) == text
@@ -244,7 +303,8 @@ def test_a_targets_ratio_ends_show_the_side_of_it_they_are_on(low, high, text):
 def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
     """A run that ends early (``timeout`` sends SIGTERM) still writes its report, whose targets left
     unmeasured say that the run was cut short, not that the case needs --full."""
-    target = suites.Target("glu_conv1d", "enc_B2_C8_L4_k3", "fwd", "eager", "seed", 1.0, "cpu")
+    quick_case = suites.load("glu").groups(suites.Setting(CPU, torch.float32, "quick"))[0].case
+    target = suites.Target("glu_conv1d", quick_case, "fwd", "eager", "seed", 1.0, "cpu")
     monkeypatch.setattr(report, "load_targets", lambda names: [target])
 
     def run_suites(*args, **kwargs):
@@ -256,7 +316,18 @@ def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
         cli.main(["--device", "cpu", "--only", "glu", "--out", str(tmp_path)])
     (result,) = json.loads((tmp_path / "results.json").read_text())["targets"]
     assert result["status"] == "not measured"
-    assert result["why_not"] == (report.CUT_SHORT if cut_short else report.NOT_IN_THIS_RUN)
+    assert result["why_not"] == (report.CUT_SHORT if cut_short else "its group recorded nothing")
+
+
+def test_a_target_of_another_size_or_none_says_so():
+    setting = suites.Setting(CPU, torch.float32, "full")
+    why = report.absent_reasons(["glu", "models"], setting, cut_short=True)
+    full_case = next(g for g in suites.load("glu").groups(setting))
+    assert why((full_case.op, full_case.case, full_case.direction)) == report.CUT_SHORT
+    quick_models = suites.load("models").groups(dataclasses.replace(setting, size="quick"))
+    quick_only = next(g for g in quick_models if "small" in g.case)
+    assert why((quick_only.op, quick_only.case, quick_only.direction)) == "not in this run (the case is in --quick)"
+    assert why(("glu_conv1d", "no_such_case", "fwd")) == "not a case of this run's suites, device or dtype"
 
 
 def test_readme_section_names_device_date_and_commit(tiny_run, tmp_path):

@@ -246,6 +246,7 @@ def check_table(results: Sequence[CheckResult], show_unavailable: bool = False) 
         result = r.status if r.reason is None else f"{r.status}: {r.reason}"
         error = "—" if r.error is None else f"{r.error:.2e}"
         bound = "—" if r.bound is None else f"{r.bound:.2e}"
+        rule = (r.rule or "—").replace("|", "\\|")  # a markdown cell: max|exact| would split it
         lines.append(f"| {r.op} | {r.backend} | {r.case} | {r.dtype} | {r.tensor or '—'} | {error} | {bound} "
-                     f"| {r.rule or '—'} | {result} |")
+                     f"| {rule} | {result} |")
     return "\n".join(lines)

@@ -6,8 +6,9 @@
     python -m transformer_kernels.bench --compare OLD.json NEW.json
     python -m transformer_kernels.bench --readme                # README's performance section
 
-Exit status: 1 when one of our implementations failed (report), a check failed (``--check``) or a
-regression beyond the measured spread was found (``--compare``); 0 otherwise.  Missed targets do
+Exit status: 2 for a usage error (an argument this machine or command cannot take); 1 when one of
+our implementations failed (report, or the new run of ``--compare``), a check failed (``--check``) or
+a regression beyond the measured spread was found (``--compare``); 0 otherwise.  Missed targets do
 not change it: the report's Targets table shows them.
 """
 
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="benchmark dtype (default bfloat16 on CUDA, float32 on CPU); with --check, the one "
                              "dtype to check (default float64 and float32, and float16 and bfloat16 on CUDA)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's own choice)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default torch's own choice)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="on a CPU, time with the C library allocator's own settings (default: glibc keeps "
                              "freed memory mapped, so that page faults do not decide the ratios)")
@@ -59,28 +61,50 @@ def _parser() -> argparse.ArgumentParser:
                       help="per-case ratios of two results.json, flagging regressions beyond the measured spread")
     mode.add_argument("--readme", nargs="?", type=Path, const=Path("README.md"), metavar="README",
                       help="rewrite the performance section of README (default README.md) from the newest "
-                           "results.json per device type under --results")
+                           "results.json per device type under benchmarks/results")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"), help=argparse.SUPPRESS)
     return parser
 
 
-def _suite_names(only: str) -> list[str]:
-    names = [name.strip() for name in only.split(",") if name.strip()]
+def _suite_names(parser: argparse.ArgumentParser, only: str) -> list[str]:
+    names = list(dict.fromkeys(name.strip() for name in only.split(",") if name.strip()))
     unknown = [name for name in names if name not in suites.SUITES]
-    if unknown:
-        raise SystemExit(f"--only: unknown suite(s) {unknown}; expected a comma-separated subset of "
-                         f"{','.join(suites.SUITES)}")
+    if unknown or not names:
+        parser.error(f"--only: {f'unknown suite(s) {unknown}' if unknown else 'no suite'}; expected a "
+                     f"comma-separated subset of {','.join(suites.SUITES)}")
     return names
+
+
+def _device(parser: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
+    """The device to run on: ``name``, or CUDA where available; a usage error for one this
+    machine does not have."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        parser.error(f"--device: {error}")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu, cuda or cuda:N, got {name}")
+    return device
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def _benchmark(args, device: torch.device) -> int:
+def _benchmark(args, device: torch.device, names: list[str]) -> int:
     size = args.size or ("full" if device.type == "cuda" else "quick")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    names = _suite_names(args.only)
     setting = suites.Setting(device, dtype, size)
     env = environment.environment(device, dtype, size)
     if device.type == "cpu":
@@ -99,13 +123,14 @@ def _benchmark(args, device: torch.device) -> int:
 
     targeted = {(t.op, t.case, t.direction) for t in targets if t.device == device.type}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the report below
-    why_absent = report.CUT_SHORT
+    cut_short = True
     try:
         run.run_suites(names, setting, timing.Schedule.for_device(device, size), save,
                        first=lambda group: (group.op, group.case, group.direction) in targeted)
-        why_absent = report.NOT_IN_THIS_RUN
+        cut_short = False
     finally:
-        target_results = report.evaluate_targets(targets, records, device.type, why_absent)
+        target_results = report.evaluate_targets(targets, records, device.type,
+                                                 report.absent_reasons(names, setting, cut_short))
         report.write_results(out / "results.json", env, records, target_results)
         plot_names, no_plots = plots.write_plots(out, records)
         report.write_report(out / "report.md", env, records, target_results, plot_names)
@@ -121,9 +146,8 @@ def _benchmark(args, device: torch.device) -> int:
     return 1 if failed else 0
 
 
-def _check(args, device: torch.device) -> int:
+def _check(args, device: torch.device, ops: list[str]) -> int:
     dtypes = (DTYPES[args.dtype],) if args.dtype else check.check_dtypes(device)
-    ops = [CHECK_OPS[name] for name in _suite_names(args.only) if name in CHECK_OPS]
     print(f"gradient self-check on {environment.device_name(device)}, torch {torch.__version__}", flush=True)
     results = check.run_check(device, dtypes, ops)
     print(check.check_table(results))
@@ -136,11 +160,18 @@ def _check(args, device: torch.device) -> int:
     return 1 if failures or not passes else 0
 
 
-def _compare(old_path: Path, new_path: Path) -> int:
-    old, new = report.read_results(old_path), report.read_results(new_path)
+def _compare(parser: argparse.ArgumentParser, old_path: Path, new_path: Path) -> int:
+    try:
+        old, new = report.read_results(old_path), report.read_results(new_path)
+    except ValueError as error:
+        parser.error(f"--compare: {error}")
+    why_not = report.comparable(old["environment"], new["environment"])
+    if why_not:
+        parser.error(f"--compare: {why_not}")
     changes = report.compare(old, new)
-    print(report.compare_text(changes, old["environment"], new["environment"]))
-    return 1 if any(change.verdict == "REGRESSION" for change in changes) else 0
+    print(report.compare_text(changes, old, new))
+    regressed = any(change.verdict == "REGRESSION" for change in changes)
+    return 1 if regressed or report.failed_in(new) else 0
 
 
 def _readme(readme: Path, results_dir: Path) -> int:
@@ -153,18 +184,25 @@ def _readme(readme: Path, results_dir: Path) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.compare:
-        return _compare(*args.compare)
+        return _compare(parser, *args.compare)
     if args.readme:
         return _readme(args.readme, args.results)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = _suite_names(parser, args.only)
+    device = _device(parser, args.device)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file, not a folder")
+    check_ops = [CHECK_OPS[name] for name in names if name in CHECK_OPS]
+    if args.check and not check_ops:
+        parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names none of them")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
     if args.check:
-        return _check(args, device)
-    return _benchmark(args, device)
+        return _check(args, device, check_ops)
+    return _benchmark(args, device, names)
 
 
 if __name__ == "__main__":

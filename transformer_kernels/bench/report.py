@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from . import suites, timing
 
@@ -58,22 +58,50 @@ def target_status(speedup: Optional[timing.Summary], minimum: float) -> str:
     return "within noise" if speedup.high >= minimum else "MISSED"
 
 
-# Why a target's case has no record: the run's size left it out, or the run ended before it.
-NOT_IN_THIS_RUN = "not in this run (the case is in --full)"
+# Why a target's case has no record: the run ended before it, or the run's size left it out.
 CUT_SHORT = "the run ended before this case (cut short)"
 
 
+def absent_reasons(names: Iterable[str], setting: suites.Setting, cut_short: bool) -> Callable[[tuple], str]:
+    """Why a run of the suites ``names`` on ``setting`` has no record of a group (``(op, case,
+    direction)``): it ended before a group it would have run (:data:`CUT_SHORT`), or the group is
+    another size's (``--quick``, ``--full``), or no case of this run's suites, device and dtype."""
+
+    def keys(size: str) -> set[tuple[str, str, str]]:
+        found = set()
+        for name in names:
+            try:
+                module = suites.load(name)
+            except suites.SuiteUnavailable:
+                continue
+            found |= {(g.op, g.case, g.direction) for g in module.groups(dataclasses.replace(setting, size=size))}
+        return found
+
+    planned = keys(setting.size)
+    others = {size: keys(size) for size in ("quick", "full") if size != setting.size}
+
+    def why(key: tuple) -> str:
+        if key in planned:
+            return CUT_SHORT if cut_short else "its group recorded nothing"
+        sizes = [size for size, found in others.items() if key in found]
+        if sizes:
+            return f"not in this run (the case is in --{sizes[0]})"
+        return "not a case of this run's suites, device or dtype"
+
+    return why
+
+
 def evaluate_targets(targets: Iterable[suites.Target], records: list[dict], device_type: str,
-                     why_absent: str = NOT_IN_THIS_RUN) -> list[dict]:
+                     why_absent: Callable[[tuple], str]) -> list[dict]:
     """Each target of ``device_type`` against the records; a target without a record is "not
-    measured", ``why_absent`` (:data:`NOT_IN_THIS_RUN` or :data:`CUT_SHORT`)."""
+    measured", ``why_absent`` of its ``(op, case, direction)`` (:func:`absent_reasons`)."""
     by_key = {(r["op"], r["case"], r["direction"]): r for r in records}
     results = []
     for target in targets:
         if target.device != device_type:
             continue
         record = by_key.get((target.op, target.case, target.direction))
-        why_not = why_absent if record is None else None
+        why_not = why_absent((target.op, target.case, target.direction)) if record is None else None
         speedup = memory_ratio = None
         if record is not None:
             speedup = timing.ratio_summary(record["times_s"], target.baseline, target.impl)
@@ -114,9 +142,15 @@ def write_results(path: Path, env: dict, records: list[dict], target_results: li
 
 
 def read_results(path: Path) -> dict:
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != RESULTS_FORMAT:
-        raise ValueError(f"{path}: not a results.json of `python -m transformer_kernels.bench`")
+    """A ``results.json`` this command wrote; a ValueError naming ``path`` for anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:  # missing, a folder, not UTF-8, not JSON
+        raise ValueError(f"{path}: cannot read it as JSON ({error})") from error
+    if not (isinstance(data, dict) and data.get("format") == RESULTS_FORMAT and isinstance(data.get("groups"), list)
+            and isinstance(data.get("environment"), dict)):
+        raise ValueError(f"{path}: not a results.json of `python -m transformer_kernels.bench` "
+                         f"(format {RESULTS_FORMAT})")
     return data
 
 
@@ -280,9 +314,23 @@ def compare(old: dict, new: dict) -> list[Change]:
     return changes
 
 
-def compare_text(changes: list[Change], old_env: dict, new_env: dict) -> str:
-    lines = [f"old: {old_env['device']}, {old_env['date']}, commit {old_env.get('commit')}",
-             f"new: {new_env['device']}, {new_env['date']}, commit {new_env.get('commit')}", ""]
+def comparable(old_env: dict, new_env: dict) -> Optional[str]:
+    """Why two runs' times do not compare (another dtype or device type), or None."""
+    for key in ("device_type", "dtype"):
+        if old_env.get(key) != new_env.get(key):
+            return f"the runs differ in {key}: {old_env.get(key)} (old) and {new_env.get(key)} (new)"
+    return None
+
+
+def failed_in(results: dict) -> list[tuple[str, str, str, str]]:
+    """(op, case, direction, impl) of each of our implementations that failed in a run."""
+    return [(r["op"], r["case"], r["direction"], impl) for r in results["groups"] for impl in r.get("failed", {})]
+
+
+def compare_text(changes: list[Change], old: dict, new: dict) -> str:
+    old_env, new_env = old["environment"], new["environment"]
+    lines = [f"{name}: {env['device']}, {env.get('dtype')}, {env.get('size')} run, {env['date']}, commit "
+             f"{env.get('commit')}" for name, env in (("old", old_env), ("new", new_env))] + [""]
     rows = [[*change.key, f"{change.old.median * 1e3:.3f} ({change.old.low * 1e3:.3f}–{change.old.high * 1e3:.3f})",
              f"{change.new.median * 1e3:.3f} ({change.new.low * 1e3:.3f}–{change.new.high * 1e3:.3f})",
              f"{change.ratio:.2f}x", change.verdict] for change in changes]
@@ -290,6 +338,12 @@ def compare_text(changes: list[Change], old_env: dict, new_env: dict) -> str:
                      "new / old", "verdict"], rows)
     regressions = sum(change.verdict == "REGRESSION" for change in changes)
     lines += ["", f"{regressions} regression(s) beyond the measured spread, {len(changes)} compared."]
+    for name, results in (("old", old), ("new", new)):
+        groups = {(r["op"], r["case"], r["direction"]) for r in results["groups"]}
+        other = {(r["op"], r["case"], r["direction"]) for r in (new if name == "old" else old)["groups"]}
+        if groups - other:
+            lines.append(f"{len(groups - other)} group(s) only in the {name} run.")
+    lines += [f"FAILED in the new run: {' '.join(key)}" for key in failed_in(new)]
     return "\n".join(lines)
 
 
