@@ -148,9 +148,9 @@ def round_orders(count: int) -> list[list[int]]:
 
 
 def _whole_designs(rounds: int, design_rounds: int, max_rounds: int) -> int:
-    """``rounds`` made a whole number of :func:`round_orders` designs of ``design_rounds`` rounds each,
-    only then balanced: the nearest such count from one design up to ``max_rounds``, where one design
-    fits in ``max_rounds``; else ``rounds`` (the design's first rows)."""
+    """``rounds`` rounded to a whole number of :func:`round_orders` designs of ``design_rounds`` rounds
+    (their orders balance predecessors only over whole designs): the nearest such count, at least one
+    design and at most ``max_rounds``, where one design fits in ``max_rounds``; else ``rounds``."""
     if design_rounds > max_rounds:
         return rounds
     designs = min(max(1, round(rounds / design_rounds)), max_rounds // design_rounds)
