@@ -224,7 +224,7 @@ def train(config: TrainConfig) -> dict:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             if local_rank >= torch.cuda.device_count():
                 raise ConfigError(f"LOCAL_RANK={local_rank}, but only {torch.cuda.device_count()} CUDA device(s) are "
-                                 "visible: run one process per GPU, or train on the CPU (--device cpu)")
+                                  "visible: run one process per GPU, or train on the CPU (--device cpu)")
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -238,7 +238,7 @@ def train(config: TrainConfig) -> dict:
     corpus = tsv_corpus(config.data) if config.data else synthetic_corpus(seed=config.seed)
     if config.batch_size > len(corpus.train):
         raise ConfigError(f"batch_size ({config.batch_size}) exceeds the {len(corpus.train)} training pairs "
-                         f"(batches draw distinct pairs)")
+                          "(batches draw distinct pairs)")
     model = build_model(config, corpus).to(device)
     trained = model
     if distributed:

@@ -140,7 +140,7 @@ def _benchmark(args, device: torch.device, names: list[str]) -> int:
             speedup = None if t["speedup"] is None else timing.Summary(**t["speedup"])
             print(f"{t['status']:>12}  {t['op']} {t['case']} {t['direction']}: {t['impl']} vs {t['baseline']} "
                   f"{report.ratio_text(speedup, t['min_speedup'])} (target {t['min_speedup']}x)")
-    failed = [(r["op"], r["case"], r["direction"], impl) for r in records for impl in r["failed"]]
+    failed = report.failed_in(records)
     for failure in failed:
         print("FAILED: " + " ".join(failure), file=sys.stderr)
     return 1 if failed else 0
@@ -171,7 +171,7 @@ def _compare(parser: argparse.ArgumentParser, old_path: Path, new_path: Path) ->
     changes = report.compare(old, new)
     print(report.compare_text(changes, old, new))
     regressed = any(change.verdict == "REGRESSION" for change in changes)
-    return 1 if regressed or report.failed_in(new) else 0
+    return 1 if regressed or report.failed_in(new["groups"]) else 0
 
 
 def _readme(readme: Path, results_dir: Path) -> int:

@@ -95,7 +95,7 @@ def evaluate_targets(targets: Iterable[suites.Target], records: list[dict], devi
                      why_absent: Callable[[tuple], str]) -> list[dict]:
     """Each target of ``device_type`` against the records; a target without a record is "not
     measured", ``why_absent`` of its ``(op, case, direction)`` (:func:`absent_reasons`)."""
-    by_key = {(r["op"], r["case"], r["direction"]): r for r in records}
+    by_key = {group_key(r): r for r in records}
     results = []
     for target in targets:
         if target.device != device_type:
@@ -322,9 +322,13 @@ def comparable(old_env: dict, new_env: dict) -> Optional[str]:
     return None
 
 
-def failed_in(results: dict) -> list[tuple[str, str, str, str]]:
-    """(op, case, direction, impl) of each of our implementations that failed in a run."""
-    return [(r["op"], r["case"], r["direction"], impl) for r in results["groups"] for impl in r.get("failed", {})]
+def group_key(record: dict) -> tuple[str, str, str]:
+    return record["op"], record["case"], record["direction"]
+
+
+def failed_in(records: list[dict]) -> list[tuple[str, str, str, str]]:
+    """(op, case, direction, impl) of each of our implementations that failed in a run's records."""
+    return [(*group_key(r), impl) for r in records for impl in r.get("failed", {})]
 
 
 def compare_text(changes: list[Change], old: dict, new: dict) -> str:
@@ -338,12 +342,11 @@ def compare_text(changes: list[Change], old: dict, new: dict) -> str:
                      "new / old", "verdict"], rows)
     regressions = sum(change.verdict == "REGRESSION" for change in changes)
     lines += ["", f"{regressions} regression(s) beyond the measured spread, {len(changes)} compared."]
-    for name, results in (("old", old), ("new", new)):
-        groups = {(r["op"], r["case"], r["direction"]) for r in results["groups"]}
-        other = {(r["op"], r["case"], r["direction"]) for r in (new if name == "old" else old)["groups"]}
-        if groups - other:
-            lines.append(f"{len(groups - other)} group(s) only in the {name} run.")
-    lines += [f"FAILED in the new run: {' '.join(key)}" for key in failed_in(new)]
+    old_groups, new_groups = ({group_key(r) for r in results["groups"]} for results in (old, new))
+    for name, only in (("old", old_groups - new_groups), ("new", new_groups - old_groups)):
+        if only:
+            lines.append(f"{len(only)} group(s) only in the {name} run.")
+    lines += [f"FAILED in the new run: {' '.join(key)}" for key in failed_in(new["groups"])]
     return "\n".join(lines)
 
 
