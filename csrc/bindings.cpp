@@ -116,6 +116,7 @@ void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
   const c10::cuda::OptionalCUDAGuard guard(xpad.device());
   tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, length_in, pad_left, residual_scale, op);
   check_bcl(out, xpad, p.channels_out, p.length_out, op, "out");
+  check_output(out, op, "out");
   const void* residual_ptr = nullptr;
   tk::Strides3 residual_strides{0, 0, 0};
   if (residual.has_value()) {
@@ -155,6 +156,7 @@ void glu_conv1d_grad_input(const at::Tensor& grad_z, const at::Tensor& xpad, con
   TORCH_CHECK(grad_x.dim() == 3, op, ": grad_x must be [B, C_in, L], got shape ", grad_x.sizes());
   tk::glu_conv::ConvProblem p = conv_problem(xpad, packed_weight, grad_x.size(2), pad_left, 1.0, op);
   check_bcl(grad_x, xpad, p.channels_in, p.length_in, op, "grad_x");
+  check_output(grad_x, op, "grad_x");
   TORCH_CHECK(grad_z.dim() == 2 && grad_z.is_contiguous() && grad_z.size(0) == int64_t(p.batch) * p.length_out &&
                   grad_z.size(1) == packed_weight.size(0),
               op, ": grad_z must be a contiguous [B * L_out, 2*C] tensor, got shape ", grad_z.sizes());
@@ -206,6 +208,7 @@ void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(out.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}), op,
               ": out must be [B, Hq, Lq, Ev], got ", out.sizes());
   check_chunks(out, op, "out");
+  check_output(out, op, "out");
   check_rows(lse, q, op, "lse");
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   p.out = out.data_ptr();
@@ -236,6 +239,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
     check_chunks(*t, op, name);
     TORCH_CHECK(t->sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t->sizes());
   }
+  for (auto [t, name] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) check_output(*t, op, name);
   check_rows(lse, q, op, "lse");
   check_rows(delta, q, op, "delta");
   tk::attention::BackwardProblem p{};

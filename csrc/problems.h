@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cstdint>
 #include <optional>
@@ -47,6 +48,13 @@ inline void check_chunks(const at::Tensor& t, const char* op, const char* name) 
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
 }
 
+// A tensor a kernel writes: no two of its elements at one address (an expand()-ed, stride-0 output
+// would have every program that shares the address write it, and the last write win).
+inline void check_output(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+              " must not have elements that share memory (an expanded output), got strides ", t.strides());
+}
+
 inline const void* optional_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 // An optional bias: contiguous, `length` elements (`shape` names them), like `reference`.
@@ -64,7 +72,7 @@ inline void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& 
 inline tk::qkv::Problem qkv_problem(const at::Tensor& x, const at::Tensor& weight,
                                     const std::vector<at::Tensor>& heads, const char* op) {
   check_like(weight, x, op, "weight");
-  TORCH_CHECK(x.dim() == 3, op, ": x must be [B, L, E], got shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.size(2) > 0, op, ": x must be [B, L, E] with E > 0, got shape ", x.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(2) && weight.size(0) % x.size(2) == 0, op,
               ": weight must be [n*E, E] with E = x.size(2) = ", x.size(2), ", got shape ", weight.sizes());
   const int64_t embed = x.size(2), num_proj = weight.size(0) / embed;
@@ -163,9 +171,11 @@ inline tk::glu_conv::ConvProblem conv_problem(const at::Tensor& xpad, const at::
                   pad_left + length_in <= xpad.size(1),
               op, ": xpad of length ", xpad.size(1), " does not hold ", length_in, " positions after ", pad_left,
               " of padding for kernel size ", kernel_size);
-  TORCH_CHECK(xpad.numel() < (int64_t(1) << 31) && packed_weight.numel() < (int64_t(1) << 31) &&
-                  xpad.size(0) * length_out * packed_weight.size(0) < (int64_t(1) << 31),
-              op, ": tensors must have fewer than 2**31 elements");
+  TORCH_CHECK(xpad.numel() < (int64_t(1) << 31) && packed_weight.numel() < (int64_t(1) << 31), op,
+              ": xpad and packed_weight must have fewer than 2**31 elements");
+  TORCH_CHECK(xpad.size(0) * length_out * packed_weight.size(0) < (int64_t(1) << 31), op,
+              ": B * L_out * 2C (the pre-activation's gradient) must be below 2**31, got ",
+              xpad.size(0) * length_out * packed_weight.size(0));
   check_chunks(xpad, op, "xpad");
   check_chunks(packed_weight, op, "packed_weight");
   tk::glu_conv::ConvProblem p;
@@ -216,6 +226,10 @@ inline tk::attention::ForwardProblem attention_problem(
               op, ": key [B, Hk, Lk, E] and value [B, Hk, Lk, Ev] must match query [B, Hq, Lq, E], got ", q.sizes(),
               ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(heads_k > 0 && heads_q % heads_k == 0, op, ": Hk must divide Hq, got Hq = ", heads_q, ", Hk = ", heads_k);
+  // An empty grid is an invalid launch, and dk, dv of keys no query sees would be left unwritten: the
+  // public op answers these calls without the raw ops.
+  TORCH_CHECK(batch > 0 && heads_q > 0 && lq > 0, op, ": B, Hq and Lq must be positive, got query of shape ",
+              q.sizes());
   const int64_t head_dim = q.size(3), head_dim_v = v.size(3);
   TORCH_CHECK(head_dim % 8 == 0 && head_dim_v % 8 == 0 && head_dim <= 256 && head_dim_v <= 256, op,
               ": the head dims must be multiples of 8 up to 256, got E = ", head_dim, ", Ev = ", head_dim_v);

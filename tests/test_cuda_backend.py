@@ -38,6 +38,10 @@ def test_qkv_reasons():
         x.float(), weight.float(), None, QkvProjectionArgs(8))
     assert "multiples of 8, got E = 64, head dim 4" in cuda_qkv.unsupported_reason(
         x, weight, None, QkvProjectionArgs(16))
+    # Past the kernels' 32-bit offsets the call is another backend's (auto moves on), not a raw op's error.
+    huge = torch.empty(32, 8192, 8192, dtype=torch.float16, device="meta")
+    assert "fewer than 2**31 elements per tensor, got 2147483648 in x" in cuda_qkv.unsupported_reason(
+        huge, torch.empty(3 * 8192, 8192, dtype=torch.float16, device="meta"), None, QkvProjectionArgs(64))
 
 
 def test_glu_conv_reasons():
@@ -50,6 +54,10 @@ def test_glu_conv_reasons():
     odd = torch.empty(16, 12, 3, **half)
     assert "C_in a multiple of 8 and C a multiple of 4, got C_in = 12, C = 8" in cuda_glu_conv.unsupported_reason(
         torch.empty(2, 12, 9, **half), odd, None, None, same)
+    # The pre-activation's gradient [B * L_out, 2C] is the largest tensor the kernels address.
+    long_x, wide = torch.empty(64, 16, 4096, **half, device="meta"), torch.empty(8192, 16, 3, **half, device="meta")
+    assert "got 2147483648 in preactivation_gradient" in cuda_glu_conv.unsupported_reason(
+        long_x, wide, None, None, same)
     # A decoding step's window (k positions, no padding) goes to the step kernel when C_in * k % 8 == 0.
     step = GluConvArgs(0, 0, 0.0, 1.0)
     assert cuda_glu_conv._uses_step_kernel(torch.empty(2, 12, 2, **half), torch.empty(16, 12, 2, **half), step)
@@ -65,6 +73,7 @@ class _HostStepOps:
     @staticmethod
     def glu_conv1d_step(window, weight, bias, residual, residual_scale):
         assert window.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        assert window.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "the 16-byte chunks step_problem checks"
         z = torch.nn.functional.conv1d(window, weight, bias)  # [B, 2C, 1]
         out = torch.nn.functional.glu(z, 1)
         if residual is not None:
@@ -90,6 +99,28 @@ def test_decoding_step_python_layer_returns_the_layout_the_fake_states(monkeypat
     assert out.stride() == empty_output(window, channels, 1).stride()
     torch.testing.assert_close(out, expected)
     assert z.shape == cuda_glu_conv.empty_saved(window, weight, args).shape
+
+
+@pytest.mark.parametrize("misaligned", ["weight", "x"])
+def test_decoding_step_hands_the_kernel_aligned_operands(monkeypatch, misaligned):
+    """A contiguous view that starts off a 16-byte boundary (a weight unflattened from a flat buffer,
+    a window sliced along channels) is contiguous already: the kernel gets an aligned copy."""
+    monkeypatch.setattr(cuda_glu_conv, "raw_ops", _HostStepOps)
+    generator = torch.Generator().manual_seed(0)
+    channels_in, channels, kernel_size = 8, 4, 1 if misaligned == "x" else 3
+    weight = torch.randn(2 * channels * channels_in * kernel_size + 3, generator=generator)[3:]
+    weight = weight.view(2 * channels, channels_in, kernel_size)
+    x = torch.randn(1, channels_in + 3, kernel_size, generator=generator)[:, 3:]
+    if misaligned == "weight":
+        x = x.contiguous()
+    else:
+        weight = weight.contiguous()
+    assert x.is_contiguous() and weight.is_contiguous()
+    assert (x if misaligned == "x" else weight).data_ptr() % 16 != 0
+    args = GluConvArgs(0, 0, 0.0, 1.0)
+    assert cuda_glu_conv._uses_step_kernel(x, weight, args)
+    out, _ = cuda_glu_conv.forward(x, weight, None, None, args)
+    torch.testing.assert_close(out, torch.nn.functional.glu(torch.nn.functional.conv1d(x, weight), 1))
 
 
 def test_attention_reasons():

@@ -84,13 +84,28 @@ CASES = {
                          r"qkv: x must have unit stride along its last dim, got strides \[288, 1, 9\]"),
     "qkv_weight_width": (f"qkv {X} f16:96,16:32,1 {HEAD} 3", r"qkv: weight must be \[n\*E, E\] with E = x.size\(2\) = 32"),
     "qkv_x_misaligned": (f"qkv {_contiguous('f16', 2, 9, 32, offset=4)} {WEIGHT} {HEAD} 3", "qkv: x must be 16-byte aligned"),
+    # E = 0 once divided the weight's rows by it (a SIGFPE that took the process down).
+    "qkv_no_embedding": ("qkv f16:2,9,0:0,0,1 f16:0,0:0,1 f16:2,1,9,0:0,0,0,1 1",
+                         r"qkv: x must be \[B, L, E\] with E > 0, got shape \[2, 9, 0\]"),
     "qkv_weight_dtype": (f"qkv {X} {_contiguous('bf16', 96, 32)} {HEAD} 3", "qkv: weight must have dtype Half, got BFloat16"),
     "conv": (f"conv {_contiguous('f16', 2, 12, 16)} {_contiguous('f16', 8, 48)} 10 1", "ok 16 4 3 10"),
     "conv_channels_in": (f"conv {_contiguous('f16', 2, 12, 12)} {_contiguous('f16', 8, 36)} 10 1",
                          "conv: C_in must be a positive multiple of 8, got 12"),
+    # Past 2**31 elements of the pre-activation's gradient, which no tensor given holds: the message
+    # names the product.
+    "conv_grad_z_too_large": (f"conv {_contiguous('f16', 64, 4098, 16)} {_contiguous('f16', 8192, 48)} 4096 1",
+                              r"conv: B \* L_out \* 2C \(the pre-activation's gradient\) must be below 2\*\*31, "
+                              r"got 2147483648"),
     "conv_xpad_short": (f"conv {_contiguous('f16', 2, 12, 16)} {_contiguous('f16', 8, 48)} 12 1",
                         "conv: xpad of length 12 does not hold 12 positions after 1 of padding"),
     "attention": (f"attention {Q} {KV} {KV} - - - 0 - 0", "ok 2 4 2 10 12 64 64 padding 0 bounds 0"),
+    # No query row (or no batch): an empty grid is an invalid launch, and the backward would leave dk, dv
+    # unwritten.
+    "attention_no_query": (f"attention {_contiguous('f16', 2, 4, 0, 64)} {KV} {KV} - - - 0 - 0",
+                           r"attention: B, Hq and Lq must be positive, got query of shape \[2, 4, 0, 64\]"),
+    "attention_no_batch": (f"attention {_contiguous('f16', 0, 4, 10, 64)} {_contiguous('f16', 0, 2, 12, 64)} "
+                           f"{_contiguous('f16', 0, 2, 12, 64)} - - - 0 - 0",
+                           r"attention: B, Hq and Lq must be positive"),
     "attention_broadcast_mask": (f"attention {Q} {KV} {KV} - - bool:2,4,10,12:0,0,12,1 1 - 0",
                                  "ok 2 4 2 10 12 64 64 padding 0 bounds 0"),
     "attention_heads": (f"attention {Q} {_contiguous('f16', 2, 3, 12, 64)} {_contiguous('f16', 2, 3, 12, 64)} - - - 0 - 0",
@@ -115,6 +130,11 @@ CASES = {
     "key_bounds_transposed": ("key_bounds bool:3,70:1,3", r"key_bounds: key_padding_mask must be a contiguous bool \[B, Lk\]"),
     "key_bounds_dtype": (f"key_bounds {_contiguous('i32', 3, 70)}",
                          r"key_bounds: key_padding_mask must be a contiguous bool \[B, Lk\] tensor, got Int"),
+    "output": (f"output {_contiguous('f16', 2, 4, 10, 64)}", "ok "),
+    # An expanded output would have every head's programs write the same rows.
+    "output_expanded": ("output f16:2,4,10,64:640,0,64,1",
+                        r"output: out must not have elements that share memory \(an expanded output\), "
+                        r"got strides \[640, 0, 64, 1\]"),
     "attention_causal": (f"attention {Q} {KV} {KV} - - - 3 - 0", r"attention: causal must be 0 \(none\), 1"),
     "attention_dropout_threshold": (f"attention {Q} {KV} {KV} - - - 0 {_contiguous('i64', 2)} 70000",
                                     r"attention: dropout_threshold must be in \[0, 65536\), got 70000"),

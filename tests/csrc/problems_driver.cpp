@@ -6,6 +6,7 @@
 //   conv <xpad> <packed_weight> <length_in> <pad_left>
 //   attention <q> <k> <v> <key_padding_mask> <key_bounds> <attn_mask> <causal> <dropout_seed> <threshold>
 //   key_bounds <key_padding_mask>
+//   output <tensor>                      (a tensor a kernel writes: check_chunks and check_output)
 // A tensor is "dtype:sizes:strides[:offset]" (sizes and strides comma-separated, the offset in
 // elements into a larger buffer), or "-" for none.
 #include <algorithm>
@@ -87,6 +88,10 @@ std::string call(std::istream& in) {
   } else if (builder == "key_bounds") {
     const auto [batch, seq_len_k] = tk::bindings::key_bounds_problem(*next(), "key_bounds");
     out << batch << ' ' << seq_len_k;
+  } else if (builder == "output") {
+    const at::Tensor t = *next();
+    tk::bindings::check_chunks(t, "output", "out");
+    tk::bindings::check_output(t, "output", "out");
   } else {
     throw std::invalid_argument("unknown builder " + builder);
   }

@@ -20,6 +20,18 @@ def dtype_reason(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+# The kernels' offsets within a tensor are 32-bit: a tensor holds fewer elements than this.
+MAX_ELEMENTS = 1 << 31
+
+
+def size_reason(**tensor_sizes: int) -> Optional[str]:
+    """Why the kernels cannot address tensors of these sizes (``name=number of elements``), or None."""
+    for name, size in tensor_sizes.items():
+        if size >= MAX_ELEMENTS:
+            return f"the CUDA kernels address fewer than 2**31 elements per tensor, got {size} in {name}"
+    return None
+
+
 def loads_in_chunks(t: torch.Tensor) -> bool:
     """Whether the kernels can read ``t`` in 16-byte chunks as it is: unit stride along the last dim,
     the other strides multiples of 8 elements (of size-1 dims: any), a 16-byte aligned start."""
@@ -33,3 +45,12 @@ def loads_in_chunks(t: torch.Tensor) -> bool:
 def in_chunks(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when :func:`loads_in_chunks`, else a contiguous copy (fresh allocations are aligned)."""
     return t if loads_in_chunks(t) else t.contiguous()
+
+
+def contiguous_in_chunks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous with a 16-byte aligned start, else a contiguous copy: what the
+    kernels that read a tensor as one run of 16-byte chunks take (``t.contiguous()`` keeps the start
+    of a contiguous view into a larger buffer, aligned or not)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

@@ -27,7 +27,7 @@ import torch
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 from ...ops.glu_conv import results_in_x_layout as results_channel_last
 from ..eager import glu_conv as eager_glu_conv
-from ._common import dtype_reason, raw_ops
+from ._common import contiguous_in_chunks, dtype_reason, raw_ops, size_reason
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last"]
 
@@ -46,14 +46,19 @@ def unsupported_reason(
     if reason is not None:
         return reason
     if _uses_step_kernel(x, weight, args):
-        return None
-    channels_z, channels_in, _ = weight.shape
+        return size_reason(x=x.numel(), weight=weight.numel())
+    channels_z, channels_in, kernel_size = weight.shape
     if channels_in % 8 != 0 or channels_z % 8 != 0:
         return (
             f"the CUDA convolution kernels need C_in a multiple of 8 and C a multiple of 4, "
             f"got C_in = {channels_in}, C = {channels_z // 2}"
         )
-    return None
+    batch, length_out = x.shape[0], args.output_length(x.shape[2], kernel_size)
+    return size_reason(
+        weight=weight.numel(),
+        padded_x=batch * (length_out + kernel_size - 1) * channels_in,
+        preactivation_gradient=batch * length_out * channels_z,
+    )
 
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
@@ -103,10 +108,9 @@ def forward(
     """``(out, saved)``: ``out`` in ``x``'s layout; ``saved`` as :func:`empty_saved` describes."""
     channels_z, _, kernel_size = weight.shape
     if _uses_step_kernel(x, weight, args):
-        out, z = raw_ops().glu_conv1d_step(
-            x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), residual,
-            args.residual_scale,
-        )
+        window, weight = contiguous_in_chunks(x), contiguous_in_chunks(weight)
+        bias = None if bias is None else bias.contiguous()
+        out, z = raw_ops().glu_conv1d_step(window, weight, bias, residual, args.residual_scale)
         if is_channels_last(x):  # a channel-last window: the kernel's contiguous memory, other strides
             out = empty_output(x, channels_z // 2, 1, channel_last=True).copy_(out)
         return out, z

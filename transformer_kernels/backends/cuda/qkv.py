@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ...ops.qkv import QkvProjectionArgs
-from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops
+from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops, size_reason
 
 __all__ = ["forward", "backward", "unsupported_reason"]
 
@@ -30,7 +30,7 @@ def unsupported_reason(
         return (
             f"the CUDA kernels need E and the head dim to be multiples of 8, got E = {embed_dim}, head dim {head_dim}"
         )
-    return None
+    return size_reason(x=x.numel(), weight=weight.numel())
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
