@@ -25,11 +25,13 @@ from _helpers import (
 from conftest import requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import transformer_kernels as tk
 from transformer_kernels._backend import backend_module
 from transformer_kernels.backends.eager import _attention_probs as eager_probs
+from transformer_kernels.backends.eager import attention as eager_attention
 from transformer_kernels.backends.eager import _attention_tiles as eager_tiles
 from transformer_kernels.ops.attention import AttentionArgs
 from transformer_kernels.ops.attention import _normalize as normalize_attention
@@ -1340,7 +1342,7 @@ def test_eager_gradients_of_rows_of_huge_mask_values_are_torchs_math(dtype, row_
     inputs = [t.clone().requires_grad_() for t in (q, k, v)] + [mask.clone().requires_grad_(mask_needs_grad)]
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)] + [mask.clone().requires_grad_(mask_needs_grad)]
     out = tk.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3], backend="eager")
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(*reference_inputs[:3], attn_mask=reference_inputs[3])
     differentiated = slice(None) if mask_needs_grad else slice(3)
     grads = torch.autograd.grad(out, inputs[differentiated], grad_out)
@@ -1394,6 +1396,34 @@ def test_finfo_min_mask_rows_average_like_torch(backend, dtype):
     expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out)
     assert_close_to_reference([t.cpu().float() for t in (out, *grads)], [expected, *expected_grads],
                               result_names(1, "qkvm"), tol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("logit_scale", [1e2, 1e15])
+def test_eager_large_logits_gradients_like_torch_math(logit_scale):
+    """Scores far from 0 without any mask (about 5e4, and 1e30: representable in float32) on the
+    flash tiles (more than 128 x 128 scores): the backward does not derive the probabilities from an
+    lse that has lost them (torch's CPU flash kernel gave NaN at 1e30, and dq 50x its math's error at
+    5e4) but recomputes them, as torch's math: gradients within its float32 error."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 200, 16 if logit_scale < 1e3 else 8, generator=generator) for _ in range(3))
+    q, k = q * logit_scale, k * logit_scale
+    grad_out = torch.randn(q.shape, generator=generator)
+    assert eager_attention._takes_flash_tiles(q, k, v, AttentionArgs(None, None, 0, 0.25, 0.0, None), True)
+
+    def grads(attend, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(attend(*inputs), inputs, grad_out.to(dtype))
+
+    def torch_math(*inputs):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*inputs)
+
+    exact = grads(torch_math, torch.float64)
+    ours = grads(lambda *inputs: tk.scaled_dot_product_attention(*inputs, backend="eager"), torch.float32)
+    torchs = grads(torch_math, torch.float32)
+    for name, got, reference, expected in zip("qkv", ours, torchs, exact):
+        error, torch_error = ((t.double() - expected).abs().max().item() for t in (got, reference))
+        assert error <= 2 * torch_error + 1e-6 * expected.abs().max().item(), (name, error, torch_error)
 
 
 # ----------------------------------------------------------------------------

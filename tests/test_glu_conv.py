@@ -295,6 +295,45 @@ def test_traced_calls_take_the_fixed_rule(monkeypatch):
         _tuning._choices.clear()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("extreme", ["inf_in_x", "inf_in_weight", "near_the_limit"])
+def test_winograd_extremes_like_torch(monkeypatch, dtype, extreme):
+    """Winograd's transforms add inputs (or weights) and subtract products: an inf became NaN
+    (inf - inf) where torch's convolution gives inf, and inputs near the dtype's limit overflowed
+    where the direct sum does not.  Where its result shows either, the direct GEMMs compute it:
+    inf, NaN and finite values exactly where torch has them, forward and backward."""
+    from transformer_kernels.backends.eager import glu_conv as eager_glu_conv
+
+    glu_choices(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 300, generator=generator, dtype=dtype)
+    weight = torch.randn(4, 2, 3, generator=generator, dtype=dtype)
+    bias = torch.randn(4, generator=generator, dtype=dtype)
+    if extreme == "inf_in_x":
+        x[0, 0, 100] = float("inf")
+    elif extreme == "inf_in_weight":
+        weight[0, 0, 1] = float("inf")
+    else:
+        x = x * torch.finfo(dtype).max / 4
+        weight = weight / 20
+    assert eager_glu_conv.algorithm(x, weight, 300, "forward") == "winograd"
+    assert eager_glu_conv.algorithm(x, weight, 300, "backward") == "winograd"
+    grad_out = torch.randn(1, 2, 300, generator=generator, dtype=dtype)
+    results = []
+    for convolve in (lambda *a: tk.glu_conv1d(*a, padding="same"),
+                     lambda x, weight, bias: F.glu(F.conv1d(x, weight, bias, padding=1), 1)):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = convolve(*leaves)
+        results.append([out, *torch.autograd.grad(out, leaves, grad_out)])
+    for name, got, expected in zip(["out", "grad_x", "grad_weight", "grad_bias"], *results):
+        assert torch.equal(got.isnan(), expected.isnan()), name
+        assert torch.equal(got.isinf(), expected.isinf()), name
+        finite = expected.isfinite()
+        if finite.any():
+            scale = expected[finite].abs().max().item()
+            torch.testing.assert_close(got[finite], expected[finite], rtol=1e-4, atol=1e-4 * scale, msg=name)
+
+
 def test_timed_onednn_convolution_replaces_winograd(monkeypatch):
     """Where oneDNN's convolution times faster, float32 takes it instead of Winograd's BLAS GEMMs,
     and a short backward instead of the im2col GEMM; float64, which oneDNN does not convolve, keeps

@@ -154,13 +154,13 @@ def _backward_on_flash_tiles(query, value, saved: torch.Tensor, args: AttentionA
 _LSE_EXACT_LIMIT = 256.0
 
 
-def _lse_is_exact(lse: torch.Tensor, args: AttentionArgs) -> bool:
-    """Whether the flash backward may derive the probabilities from ``lse``: no float mask (only a
-    mask puts scores far from 0: a row of ``finfo.min`` or ``-1e9`` on every key, whose lse has lost
-    ``log(sum)``), or every finite lse within ``_LSE_EXACT_LIMIT``; else the backward recomputes
-    them on the materialized path.  (torch's flash backends share the flaw; its math is exact.)"""
-    if args.attn_mask is None or args.attn_mask.dtype == torch.bool:
-        return True
+def _lse_is_exact(lse: torch.Tensor) -> bool:
+    """Whether the flash backward may derive the probabilities from ``lse``: every finite lse within
+    ``_LSE_EXACT_LIMIT``; else the backward recomputes them on the materialized path.  Scores far
+    from 0 put it past: a float mask's row of ``finfo.min`` or ``-1e9`` on every key, whose lse has
+    lost ``log(sum)`` (its probabilities came out ``Lk`` times too large), or large logits (scores
+    of 5e4 erred 50x torch's math in dq, and of 1e30 gave NaN).  torch's CPU flash kernel shares
+    the flaw; its math is exact.  One reduction of ``[B, Hq, Lq]`` against the backward's GEMMs."""
     return bool(lse.nan_to_num(posinf=0.0).abs().amax() <= _LSE_EXACT_LIMIT)
 
 
@@ -193,7 +193,7 @@ def backward(
     else empty).  ``saved`` is what the forward saved (:func:`empty_saved`): the probabilities (4-D), or
     with the folded operands (one flat buffer), the lse (3-D: the flash backward's, or, off that path,
     the probabilities are computed again), or nothing (an empty tensor: computed again)."""
-    if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad) and _lse_is_exact(saved, args):
+    if _backward_on_flash_tiles(query, value, saved, args, attn_mask_needs_grad) and _lse_is_exact(saved):
         tiles = plan(query, key, args)
         dq, dk, dv = flash_backward(grad_out, query, key, value, out, saved, tiles, args.scale)
         return dq, dk, dv, query.new_empty(0, dtype=torch.float32)

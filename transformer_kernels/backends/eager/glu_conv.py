@@ -312,7 +312,7 @@ _FORWARD_ON_TORCH_AUTOGRAD = _ForwardOnTorchAutograd()
 
 def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` by the algorithm ``chosen``."""
-    channels_z, channels_in, kernel_size = weight.shape
+    channels_z, _, kernel_size = weight.shape
     pad_left, pad_right, pad_value = args.pad_left, args.pad_right, args.pad_value
     length_out = args.output_length(x.shape[2], kernel_size)
     if chosen == "onednn":
@@ -321,12 +321,11 @@ def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple
         z_dim = 1
     elif chosen == "winograd":
         z = winograd.convolve(x.transpose(1, 2), weight, bias, pad_left, pad_right, pad_value)
+        if not _all_finite(z):
+            z.copy_(_im2col_preactivation(x, weight, bias, args))
         z_dim = 2
     else:
-        cols = _windows(x, kernel_size, pad_left, pad_right, pad_value)
-        weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
-        z = torch.mm(cols, weight_rows.t()) if bias is None else torch.addmm(bias, cols, weight_rows.t())
-        z = z.view(x.shape[0], length_out, channels_z)
+        z = _im2col_preactivation(x, weight, bias, args)
         z_dim = 2
     out = empty_output(x, channels_z // 2, length_out, _channel_last_result(x, chosen))
     # glu's kernel is vectorized only when its output has z's layout: write it into
@@ -345,6 +344,25 @@ def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple
     if args.residual_scale != 1.0:
         out.mul_(args.residual_scale)
     return out, (z.transpose(1, 2) if z_dim == 1 else z)
+
+
+def _im2col_preactivation(x, weight, bias, args: GluConvArgs) -> torch.Tensor:
+    """The pre-activation ``z`` ``[B, L_out, 2C]`` (contiguous) as one GEMM on unfolded windows."""
+    channels_z, channels_in, kernel_size = weight.shape
+    cols = _windows(x, kernel_size, args.pad_left, args.pad_right, args.pad_value)
+    weight_rows = weight.reshape(channels_z, channels_in * kernel_size)
+    z = torch.mm(cols, weight_rows.t()) if bias is None else torch.addmm(bias, cols, weight_rows.t())
+    return z.view(x.shape[0], args.output_length(x.shape[2], kernel_size), channels_z)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no inf or NaN (a sum that overflows counts as one: a false alarm
+    costs a recomputation, no result).  Winograd's transforms are sums of up to three inputs, or
+    weights, and its outputs differences of products: an inf in ``x`` or ``weight`` became NaN
+    (inf - inf) where the direct product gives inf, and values near the dtype's limit overflowed
+    where the direct product does not.  Where they show in its result, the direct GEMMs compute it
+    again, as torch's convolution would: one reduction of a result against its GEMMs."""
+    return bool(torch.isfinite(tensor.sum()))
 
 
 def _scaled(grad_out: torch.Tensor, scale: float, channel_last: bool) -> torch.Tensor:
@@ -390,6 +408,9 @@ def _backward(grad_out, x, weight, bias, z, args: GluConvArgs, chosen: str, need
     elif chosen == "winograd":
         grads = _backward_winograd(grad_out, x, weight, z, pad_left, pad_right, pad_value,
                                    needs_grad_x, needs_grad_weight, needs_grad_bias)
+        if not all(grad is None or _all_finite(grad) for grad in grads[:2]):  # see _all_finite
+            grads = _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value,
+                                     needs_grad_x, needs_grad_weight, needs_grad_bias)
     else:
         grads = _backward_im2col(grad_out, x, weight, z, pad_left, pad_right, pad_value,
                                  needs_grad_x, needs_grad_weight, needs_grad_bias)
