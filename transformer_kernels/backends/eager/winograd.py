@@ -26,6 +26,10 @@ Rounding: the transforms add at most three terms and halve, so the error is
 about twice the direct GEMM's (measured ~2e-6 against float64 at 1536-term
 sums in float32), well inside float32's test tolerances.
 
+Infinities: the transforms turn an inf into NaN (inf - inf in the output's
+sums) and sums of inputs near the dtype's limit overflow; the caller
+(:mod:`.glu_conv`) computes such a result again by the direct GEMMs.
+
 Tensors here are channel-last rows ``[B, L, C]``; an odd output length gets a
 phantom last position, computed from finite padding and cut off.
 """
