@@ -1370,6 +1370,27 @@ def test_broadcast_16bit_mask_gradient_within_twice_torch(dtype, mask_shape):
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
+def test_expanded_16bit_mask_gradient_is_elementwise(backend):
+    """A 16-bit mask the caller expanded (stride 0) and differentiates itself gets its element-wise
+    gradient, within twice torch's float16 error; not the broadcast dimensions' sums in the first
+    slice, which only the expand the public function makes for a smaller mask may hold."""
+    device = device_for(backend)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=generator) for n in (9, 11, 11))
+    base, grad_out = torch.randn(1, 1, 9, 11, generator=generator), torch.randn(2, 2, 9, 16, generator=generator)
+
+    def mask_gradient(attend, dtype, device):
+        mask = base.to(device, dtype).expand(2, 2, 9, 11).requires_grad_()
+        out = attend(*(t.to(device, dtype) for t in (q, k, v)), attn_mask=mask)
+        return torch.autograd.grad(out, mask, grad_out.to(device, dtype))[0].cpu().double()
+
+    exact = mask_gradient(F.scaled_dot_product_attention, torch.float64, "cpu")
+    torch_error = (mask_gradient(F.scaled_dot_product_attention, torch.float16, "cpu") - exact).abs().max()
+    ours = mask_gradient(functools.partial(tk.scaled_dot_product_attention, backend=backend), torch.float16, device)
+    assert (ours - exact).abs().max() <= 2 * torch_error + 1e-5
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_finfo_min_mask_rows_average_like_torch(backend, dtype):
     """A float mask of finfo(dtype).min stays finite (it would overflow to -inf in base-2 units):

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _helpers import (
     assert_close_to_reference, assert_low_precision_within_2x, assert_matches_reference, backend_param, backend_params,
-    device_for, glu_choices, outputs_and_grads, precise_dtype, skip_unless_backend,
+    device_for, glu_choices, outputs_and_grads, precise_dtype, skip_unless_backend, working_dtype,
 )
 from conftest import CUDA, requires_cuda, tf32_setting
 
@@ -468,6 +468,34 @@ def test_even_kernel_same_padding_puts_extra_position_right():
     x, weight, bias, _ = _make_inputs(1, 4, 6, 4, 4, dtype=torch.float64, residual=False)
     expected = F.glu(F.conv1d(F.pad(x, (1, 2)), weight, bias), dim=1)
     torch.testing.assert_close(tk.glu_conv1d(x, weight, bias, backend="eager"), expected)
+
+
+@pytest.mark.parametrize("bias_layout", ["strided", "expanded"])
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
+def test_bias_of_any_layout(backend, bias_layout):
+    """A bias that is every second element of a buffer, or one value expanded, whole sequences and
+    decoding steps (the Triton kernel once read a strided bias as contiguous, an expanded one past
+    its storage): outputs and gradients against the reference in float64."""
+    device, dtype = device_for(backend), working_dtype(backend)
+    x, weight, _, residual = _make_inputs(2, 3, 20, 16, 8, dtype=dtype, device=device)
+    if bias_layout == "strided":
+        bias = torch.randn(32, dtype=dtype, device=device)[::2]
+    else:
+        bias = torch.randn(1, dtype=dtype, device=device).expand(16)
+    x, weight, bias = (t.requires_grad_() for t in (x, weight, bias))
+    tolerance = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    out = tk.glu_conv1d(x, weight, bias, residual=residual, backend=backend)
+    exact_inputs = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    expected = reference_glu_conv1d(*exact_inputs, residual=residual.double())
+    grad = torch.randn_like(expected)
+    for got, want in zip(torch.autograd.grad(out, (x, weight, bias), grad.to(dtype)),
+                         torch.autograd.grad(expected, exact_inputs, grad)):
+        torch.testing.assert_close(got.double(), want, **tolerance)
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    state = x.detach()[:, :, :2]
+    step, _ = tk.glu_conv1d_step(x.detach()[:, :, 2], state, weight.detach(), bias.detach(), backend=backend)
+    causal = reference_glu_conv1d(*(t.detach().double() for t in (x[:, :, :3], weight, bias)), padding="causal")
+    torch.testing.assert_close(step.double(), causal[:, :, 2], **tolerance)
 
 
 def test_strided_input_read_in_place():

@@ -371,6 +371,37 @@ def test_gradients_the_kernels_cannot_read_in_place_are_copied_once(monkeypatch)
     assert isinstance(prepared, triton_qkv._PreparedForward) and prepared.prepared_backward is None
 
 
+def _bias(layout: str, size: int, device, dtype) -> torch.Tensor:
+    """A bias leaf ``[size]``: contiguous, every second element of a buffer, or one value expanded."""
+    if layout == "strided":
+        return torch.randn(2 * size, device=device, dtype=dtype)[::2].requires_grad_()
+    if layout == "expanded":
+        return torch.randn(1, device=device, dtype=dtype).expand(size).requires_grad_()
+    return torch.randn(size, device=device, dtype=dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("bias_layout", ["strided", "expanded"])
+@pytest.mark.parametrize("backend", backend_params("qkv"))
+def test_bias_of_any_layout(backend, bias_layout):
+    """A bias that is every second element of a buffer, or one value expanded (the Triton kernel once
+    read a strided bias as contiguous, an expanded one past its storage), in the dtype each backend's
+    kernels run (float16 on Triton: its float32 runs torch's matmuls): outputs and gradients against
+    the reference in float64."""
+    device = device_for(backend)
+    dtype = torch.float32 if backend == "eager" else torch.float16
+    x = torch.randn(3, 6, 24, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(72, 24, device=device, dtype=dtype) / 5).requires_grad_()
+    b = _bias(bias_layout, 72, device, dtype)
+    outputs = tk.qkv_projection(x, weight, b, num_heads=3, backend=backend)
+    exact_inputs = [t.detach().double().requires_grad_() for t in (x, weight, b)]
+    expected = reference_qkv(*exact_inputs, 3)
+    grads = [torch.randn_like(t) for t in expected]
+    tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    for got, want in zip([*outputs, *torch.autograd.grad(outputs, (x, weight, b), [g.to(dtype) for g in grads])],
+                         [*expected, *torch.autograd.grad(expected, exact_inputs, grads)]):
+        torch.testing.assert_close(got.double(), want, **tolerance)
+
+
 @pytest.mark.parametrize("backend", backend_params("qkv"))
 def test_strided_inputs_and_unusual_gradients(backend):
     device, dtype = device_for(backend), working_dtype(backend)

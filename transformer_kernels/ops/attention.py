@@ -581,7 +581,7 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dropout_p, scale = _check_scalars(dropout_p, scale, head_dim)
     causal, mask = _causal_and_mask(query, key, attn_mask, is_causal, enable_gqa)
     if mask is not None:
-        mask = inputs.canonical(inputs.expanded(mask, (*batch_shape, lq, lk)), ndim)
+        mask = inputs.canonical(inputs.expanded(_dense_if_expanded(mask), (*batch_shape, lq, lk)), ndim)
 
     padding_lead_shape = None
     if key_padding_mask is not None:
@@ -694,6 +694,18 @@ def _backward(ctx, grad_out, _grad_saved):
     )
     grad_mask = _mask_gradient(dmask, attn_mask) if ctx.attn_mask_needs_grad else None
     return (dq, dk, dv), {"attn_mask": grad_mask}
+
+
+def _dense_if_expanded(attn_mask: Tensor) -> Tensor:
+    """The caller's ``attn_mask``, or a dense copy of it where it is a 16-bit mask that requires grad
+    and is itself expanded (stride 0 along a dimension longer than 1): its gradient must then be
+    element-wise, as torch's math gives it.  :func:`_mask_gradient` sums a 16-bit gradient over the
+    op's broadcast dimensions and leaves the sums in the first slice, which is right only where
+    autograd sums over those dimensions next: the expand the public function itself makes."""
+    if (attn_mask.requires_grad and attn_mask.dtype in (torch.float16, torch.bfloat16)
+            and any(stride == 0 and size > 1 for size, stride in zip(attn_mask.shape, attn_mask.stride()))):
+        return attn_mask.contiguous()
+    return attn_mask
 
 
 def _mask_gradient(dmask: Tensor, attn_mask: Tensor) -> Tensor:

@@ -124,6 +124,7 @@ def _glu_conv_forward_kernel(
     stride_ob,
     stride_oc,
     stride_ol,
+    stride_bias,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
@@ -173,8 +174,8 @@ def _glu_conv_forward_kernel(
         acc_g = tl.dot(x_tile, w_gate, acc_g, input_precision=INPUT_PRECISION)
 
     if HAS_BIAS:
-        acc_a += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(bias_ptr + channels_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_a += tl.load(bias_ptr + cols * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(bias_ptr + (channels_out + cols) * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     gate = tl.sigmoid(acc_g)
     tile_mask = row_ok[:, None] & col_ok[None, :]
     s = s.to(tl.int64)
@@ -652,7 +653,7 @@ def _preactivation_template(
     config = dots.config("forward", x.dtype)
     pointers = _preactivation_pointers(x, packed, bias, residual, grad_out, destination)
     layout = (
-        "forward", x.shape, x.stride(), packed.shape, packed.stride(), bias is None,
+        "forward", x.shape, x.stride(), packed.shape, packed.stride(), None if bias is None else bias.stride(),
         None if residual is None else residual.stride(), None if grad_out is None else grad_out.stride(),
         destination.stride(), args.pad_left, length_out, args.pad_value, _pads_by_fill(args, x.dtype),
         args.residual_scale, dots.precision, config,
@@ -679,6 +680,7 @@ def _preactivation_template(
             *(residual.stride() if residual is not None else unused_strides),
             *(grad_out.stride() if grad_out is not None else unused_strides),
             *destination.stride(),
+            1 if bias is None else bias.stride(0),
         ), dict(
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,

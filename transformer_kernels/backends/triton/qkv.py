@@ -127,6 +127,7 @@ def _qkv_forward_kernel(
     stride_ob,
     stride_oh,
     stride_ol,
+    stride_bias,
     NUM_PROJ: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -160,7 +161,7 @@ def _qkv_forward_kernel(
         w_ptrs += BLOCK_K * stride_we
 
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + proj * embed_dim + f_in).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + (proj * embed_dim + f_in) * stride_bias).to(tl.float32)[None, :]
 
     out_ptr = _select_projection(proj, q_ptr, k_ptr, v_ptr, NUM_PROJ)
     out_rows = (offs_t // seq_len) * stride_ob + (offs_t % seq_len) * stride_ol
@@ -490,8 +491,8 @@ def _forward_template(x3, weight, bias, outputs: list[torch.Tensor], cfg: Kernel
     """The template of :func:`_forward_launch`, whose pointers are :func:`_forward_pointers`'."""
     num_proj = len(outputs)
     pointers = _forward_pointers(x3, weight, bias, outputs)
-    layout = ("forward", x3.shape, x3.stride(), weight.shape, weight.stride(), bias is None, num_proj,
-              outputs[0].shape, outputs[0].stride(), cfg)
+    layout = ("forward", x3.shape, x3.stride(), weight.shape, weight.stride(), None if bias is None else bias.stride(),
+              num_proj, outputs[0].shape, outputs[0].stride(), cfg)
 
     def build() -> KernelLaunch:
         _, seq_len, in_features = x3.shape
@@ -505,7 +506,7 @@ def _forward_template(x3, weight, bias, outputs: list[torch.Tensor], cfg: Kernel
             (
                 *pointers,
                 num_tokens, seq_len, embed_dim, in_features, head_dim,
-                *x3.stride(), *weight.stride(), *outputs[0].stride()[:3],
+                *x3.stride(), *weight.stride(), *outputs[0].stride()[:3], 1 if bias is None else bias.stride(0),
             ),
             dict(NUM_PROJ=num_proj, HAS_BIAS=bias is not None, **cfg.launch_kwargs()),
         )
