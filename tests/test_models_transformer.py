@@ -173,6 +173,19 @@ def test_stack_is_nn_transformer(impl):
     assert_close_to_reference([out, *grads], [expected, *expected_grads], names, tol=TOL)
 
 
+def test_built_on_the_meta_device_then_loaded_matches():
+    """The usual recipe for a large model: built on the meta device, ``to_empty``, then a strict
+    ``load_state_dict``.  The positional table, in no state_dict, is computed again where the
+    tensors are made (it was left as uninitialized memory); a later ``.to(dtype)`` computes it there."""
+    model = tiny_model()
+    with torch.device("meta"):
+        built = Transformer(SRC_VOCAB, TGT_VOCAB, **TINY)
+    built.to_empty(device="cpu").to(torch.float64).load_state_dict(model.state_dict())
+    src, tgt = batch()
+    torch.testing.assert_close(built(src, tgt), model(src, tgt), rtol=0, atol=0)
+    torch.testing.assert_close(built.positional_encoding, model.positional_encoding, rtol=0, atol=0)
+
+
 def test_stack_initializes_like_nn_transformer():
     # Xavier-uniform matrices, zero attention biases, unit norms (same distributions, not values).
     # linear2 [64, 256]: Xavier's bound is 0.137, nn.Linear's own 1 / sqrt(256) = 0.0625.

@@ -152,6 +152,15 @@ class Transformer(nn.Module):
         """``"fused"`` or ``"reference"``: how attention is computed."""
         return self._impl
 
+    def _apply(self, fn, recurse=True):
+        # The positional table is in no state_dict: where the module's tensors are moved or made
+        # again (to_empty after a construction on the meta device, .to(), .half()), it is computed
+        # again where it now lives, which a load_state_dict would not fill in.
+        super()._apply(fn, recurse)
+        table = self.positional_encoding
+        self.positional_encoding = _sinusoidal_positions(self.max_len, self.d_model, table.dtype, table.device)
+        return self
+
     def extra_repr(self) -> str:
         return f"impl={self._impl!r}, max_len={self.max_len}, pad_index={self.pad_index}"
 
@@ -552,16 +561,18 @@ class _EncoderDecoder(nn.Module):
         return self.decoder(tgt, self.encoder(src, src_key_padding_mask), src_key_padding_mask)
 
 
-def _sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
+def _sinusoidal_positions(max_len: int, d_model: int, dtype: Optional[torch.dtype] = None,
+                          device: Optional[torch.device] = None) -> Tensor:
     """``[max_len, d_model]``: ``sin(p / 10000^(2i / d_model))`` at column ``2i``, ``cos`` of the same
-    angle at ``2i + 1``; computed in float64, stored in the default dtype."""
+    angle at ``2i + 1``; computed in float64, stored in ``dtype`` (default: the default dtype) on
+    ``device``."""
     angles = torch.arange(max_len, dtype=torch.float64)[:, None] * torch.pow(
         10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model
     )
     table = torch.empty(max_len, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
-    return table.to(torch.get_default_dtype())
+    return table.to(device=device, dtype=dtype or torch.get_default_dtype())
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
