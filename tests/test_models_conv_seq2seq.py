@@ -81,12 +81,13 @@ class SeedDecoder(torch.nn.Module):
 
 
 class SeedSeq2Seq(torch.nn.Module):
+    # The seed's ENC_KERNEL_SIZE ("must be odd") and DEC_KERNEL_SIZE ("can be even or odd").
     def __init__(self, emb_dim, hid_dim, num_encoder_layers, num_decoder_layers, max_len, kernel_size=3,
-                 dropout=0.0):
+                 dropout=0.0, decoder_kernel_size=None):
         super().__init__()
         self.encoder = SeedEncoder(SRC_VOCAB, emb_dim, hid_dim, num_encoder_layers, kernel_size, dropout, max_len)
-        self.decoder = SeedDecoder(TGT_VOCAB, emb_dim, hid_dim, num_decoder_layers, kernel_size, dropout, PAD,
-                                   max_len)
+        self.decoder = SeedDecoder(TGT_VOCAB, emb_dim, hid_dim, num_decoder_layers,
+                                   decoder_kernel_size or kernel_size, dropout, PAD, max_len)
 
     def forward(self, src, trg):
         return self.decoder(trg, *self.encoder(src))
@@ -168,11 +169,13 @@ def test_state_dict_is_the_seeds():
     seed.load_state_dict(model.state_dict(), strict=True)
 
 
+@pytest.mark.parametrize("decoder_kernel_size", [None, 2, 5], ids=["shared", "decoder_k2", "decoder_k5"])
 @pytest.mark.parametrize("dropout", ["none", "smooth"])
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_seed_checkpoint_gives_the_seeds_outputs_attention_and_grads(impl, dropout):
-    seed = SeedSeq2Seq(**TINY).double()
-    model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, impl=impl, mask_source_padding=False, dropout=0.0, **TINY).double()
+def test_seed_checkpoint_gives_the_seeds_outputs_attention_and_grads(impl, dropout, decoder_kernel_size):
+    sizes = TINY | {"decoder_kernel_size": decoder_kernel_size}
+    seed = SeedSeq2Seq(**sizes).double()
+    model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, impl=impl, mask_source_padding=False, dropout=0.0, **sizes).double()
     model.load_state_dict(seed.state_dict(), strict=True)
     if dropout == "smooth":  # dropout sits where the seed's does, on the same values
         seed, model = with_smooth_dropout(seed), with_smooth_dropout(model)
@@ -261,10 +264,12 @@ def test_a_source_of_padding_only_attends_nowhere(impl):
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-@pytest.mark.parametrize("beam_size", [1, 2, 3, 4])
-def test_cached_generation_gives_the_tokens_of_redecoding(impl, beam_size):
+@pytest.mark.parametrize(("beam_size", "decoder_kernel_size"), [(1, None), (2, None), (3, None), (4, None), (1, 2),
+                                                                 (3, 4)])
+def test_cached_generation_gives_the_tokens_of_redecoding(impl, beam_size, decoder_kernel_size):
     torch.manual_seed(3)
-    model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, impl=impl, **TINY).double().eval()
+    model = ConvSeq2Seq(SRC_VOCAB, TGT_VOCAB, impl=impl, decoder_kernel_size=decoder_kernel_size,
+                        **TINY).double().eval()
     src, _ = make_batch(batch=4, src_lengths=(7, 5, 3, 6))
     max_len = model.max_len + 1
     redecoding = RedecodingDecoder(lambda src, tgt: model(src, tgt)[0])
@@ -367,6 +372,7 @@ def test_training_lowers_the_loss():
     ({"emb_dim": 0}, ValueError, "emb_dim must be a positive int"),
     ({"num_decoder_layers": 0}, ValueError, "num_decoder_layers must be a positive int"),
     ({"kernel_size": 4}, ValueError, "kernel_size must be odd"),
+    ({"decoder_kernel_size": 0}, ValueError, "decoder_kernel_size must be a positive int"),
     ({"dropout": 1.0}, ValueError, r"dropout must be a float in \[0, 1\)"),
     ({"pad_index": SRC_VOCAB}, ValueError, "pad_index must be an int in"),
     ({"impl": "naive"}, ValueError, "impl must be one of"),

@@ -255,7 +255,10 @@ class ConvSeq2Seq(torch.nn.Module):
         emb_dim: ``E``, the embedding width (and the attention's head dim).
         hid_dim: the convolutions' width.
         num_encoder_layers, num_decoder_layers: convolution blocks, ``>= 1`` each.
-        kernel_size: odd, ``>= 1``; encoder and decoder share it.
+        kernel_size: the encoder's, odd (it pads ``(kernel_size - 1) // 2`` on each side), and the
+            decoder's unless ``decoder_kernel_size`` is given.
+        decoder_kernel_size: the decoder's, ``>= 1``, odd or even (it pads causally): the seed
+            sets the two apart.  ``None``: ``kernel_size``.
         dropout: probability in ``[0, 1)``, applied where the seed applies it.
         max_len: positions of the positional embeddings: the longest source and target.
         pad_index: the padding token of both vocabularies, and the value of the decoder's causal
@@ -303,12 +306,14 @@ class ConvSeq2Seq(torch.nn.Module):
         pad_index: int = 1,
         impl: str = "fused",
         mask_source_padding: bool = True,
+        decoder_kernel_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         for name, value in (
             ("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size), ("emb_dim", emb_dim),
             ("hid_dim", hid_dim), ("num_encoder_layers", num_encoder_layers),
             ("num_decoder_layers", num_decoder_layers), ("kernel_size", kernel_size), ("max_len", max_len),
+            ("decoder_kernel_size", kernel_size if decoder_kernel_size is None else decoder_kernel_size),
         ):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -330,7 +335,8 @@ class ConvSeq2Seq(torch.nn.Module):
         self.mask_source_padding = mask_source_padding
         self.encoder = ConvEncoder(src_vocab_size, emb_dim, hid_dim, num_encoder_layers, kernel_size, dropout,
                                    max_len, impl)
-        self.decoder = ConvDecoder(tgt_vocab_size, emb_dim, hid_dim, num_decoder_layers, kernel_size, dropout,
+        self.decoder = ConvDecoder(tgt_vocab_size, emb_dim, hid_dim, num_decoder_layers,
+                                   kernel_size if decoder_kernel_size is None else decoder_kernel_size, dropout,
                                    max_len, pad_index, impl)
 
     @property

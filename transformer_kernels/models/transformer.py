@@ -85,9 +85,17 @@ class Transformer(nn.Module):
         - ``tgt``: ``[B, T]`` token ids, the teacher-forced decoder input, ``1 <= T <= max_len``.
         - output: ``[B, T, tgt_vocab_size]`` logits; position ``t`` predicts token ``t + 1``.
 
-    Differences from the seeds: a source that is all padding gives its decoder queries no
-    source to attend to, so their cross-attention output is 0 (the package's convention),
-    where the seeds' ``masked_fill(-1e9)`` attends uniformly to the padding.
+    Differences from the seeds (whose notebooks also differ among themselves):
+
+    - A source that is all padding gives its decoder queries no source to attend to, so their
+      cross-attention output is 0 (the package's convention), where the seeds'
+      ``masked_fill(-1e9)`` attends uniformly to the padding.
+    - Token embeddings are scaled by :math:`\sqrt{d_{model}}` (and initialized to match), as
+      Vaswani et al. do; no seed scales them.
+    - The stack is ``torch.nn.Transformer``'s, as in the seed built on it: a final LayerNorm after
+      each stack, and cross-attention masked by the source's padding (the hand-written seed has
+      no final LayerNorms, and masks cross-attention by the target's padding, which is right only
+      where source and target are padded alike).
 
     Example::
 
