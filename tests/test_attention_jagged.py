@@ -70,3 +70,28 @@ def test_inputs_that_do_not_fit_are_refused():
     untransposed = x.transpose(1, 2)  # [B, j, H, E]: the sequence is not dimension 2
     with pytest.raises(ValueError, match="sequence dimension ragged"):
         tk.scaled_dot_product_attention(untransposed, untransposed, untransposed)
+    # A nested tensor of layout torch.strided is of type Tensor: it once reached a plan key that read
+    # its shape (torch: "NestedTensorImpl doesn't support sizes").
+    strided = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
+    with pytest.raises(ValueError, match="query must be a nested tensor of layout torch.jagged .* torch.strided"):
+        tk.scaled_dot_product_attention(strided, strided, strided)
+    # Holes (lengths apart from the offsets), which torch's jagged SDPA refuses too: named, not
+    # to_padded_tensor's error.
+    values = torch.randn(20, 2, 8, dtype=torch.float64)
+    offsets, lengths = torch.tensor([0, 6, 13, 20]), torch.tensor([2, 3, 4])
+    holes = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=lengths)
+    query, _ = _jagged([2, 3, 4], 2, 8, torch.float64, "cpu")
+    with pytest.raises(ValueError, match="key must be a jagged tensor without holes"):
+        tk.scaled_dot_product_attention(query, holes.transpose(1, 2), holes.transpose(1, 2))
+
+
+@pytest.mark.parametrize("op", ["qkv_projection", "glu_conv1d"])
+def test_the_other_ops_refuse_nested_inputs_by_name(op):
+    """qkv_projection and glu_conv1d take dense tensors: a nested one of either layout is named."""
+    for layout in (torch.strided, torch.jagged):
+        x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=layout)
+        with pytest.raises(TypeError, match="x must be a dense"):
+            if op == "qkv_projection":
+                tk.qkv_projection(x, torch.randn(24, 8), num_heads=2)
+            else:
+                tk.glu_conv1d(x, torch.randn(16, 3, 3))

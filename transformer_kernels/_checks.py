@@ -21,6 +21,8 @@ def check_tensor(
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {tensor.layout}")
+    if tensor.is_nested:  # of layout torch.strided: its shape cannot be read
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
     if min_ndim is not None and tensor.dim() < min_ndim:

@@ -31,6 +31,11 @@ def _check(name: str, tensor: object) -> None:
             f"{name} must be a nested tensor of layout torch.jagged [B, H, j, E] with its sequence dimension ragged "
             f"(nt.transpose(1, 2) of a [B, j, H, E] one), as every input once one is nested; got {what}"
         )
+    if tensor._lengths is not None:  # torch's jagged SDPA refuses holes too
+        raise ValueError(
+            f"{name} must be a jagged tensor without holes: its sequences must fill its values from one offset to "
+            f"the next, got lengths set apart from the offsets (as torch.nested.narrow makes them)"
+        )
 
 
 def _padded(tokens: Tensor, longest: int) -> Tensor:

@@ -72,7 +72,7 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may skip the dispatcher (and use call plans, ``_call_plans.py``): eager, no
     dispatch mode, functorch transform or ``torch.jit.trace`` active (the tracer records the
     registered op, not a Function whose arguments it cannot hold), plain dense tensors (or None)
-    only, so that what their metadata say is what the checks and the kernels see (a sparse tensor
+    only (a nested tensor of layout torch.strided is of type Tensor, its shape unreadable), so that what their metadata say is what the checks and the kernels see (a sparse tensor
     reports strides of 0, as an expanded dense one does)."""
     if (
         torch.compiler.is_compiling()
@@ -82,7 +82,8 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     ):
         return False
     for tensor in tensors:
-        if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided):
+        if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided
+                                   or tensor.is_nested):
             return False
     return True
 

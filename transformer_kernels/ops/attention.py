@@ -349,7 +349,8 @@ def scaled_dot_product_attention(
         >>> out.shape
         torch.Size([2, 8, 128, 64])
     """
-    if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor) and is_nested(query, key, value):
+    # A nested tensor of layout torch.strided is of type Tensor: is_nested reads each input's flag.
+    if is_nested(query, key, value):
         return attend_jagged(scaled_dot_product_attention, query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa, key_padding_mask, backend)
     if isinstance(attn_mask, CausalBias):  # a tensor subclass that stands for the causal mask: no values
