@@ -14,6 +14,7 @@ from _helpers import assert_close_to_reference, backend_param
 import transformer_kernels as tk
 import transformer_kernels.backends.cuda as cuda_backend
 from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, MEASURED_FASTER, _auto_reason
+from transformer_kernels.backends.cuda import _common as cuda_common
 from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
@@ -121,6 +122,21 @@ def test_decoding_step_hands_the_kernel_aligned_operands(monkeypatch, misaligned
     assert cuda_glu_conv._uses_step_kernel(x, weight, args)
     out, _ = cuda_glu_conv.forward(x, weight, None, None, args)
     torch.testing.assert_close(out, torch.nn.functional.glu(torch.nn.functional.conv1d(x, weight), 1))
+
+
+def test_in_chunks_copies_a_contiguous_view_that_starts_off_16_bytes():
+    """What the QKV and attention launchers hand the kernels: a contiguous view 4 elements into a
+    float16 buffer is contiguous already (``.contiguous()`` returned it as it is, which the raw ops
+    refuse); an aligned chunk-readable view stays itself."""
+    buffer = torch.randn(4 + 2 * 9 * 32, dtype=torch.float16)
+    misaligned = buffer[4:].view(2, 9, 32)
+    assert misaligned.is_contiguous() and misaligned.data_ptr() % 16 != 0
+    for contiguous in (False, True):
+        copied = cuda_common.in_chunks(misaligned, contiguous=contiguous)
+        assert copied.data_ptr() % 16 == 0 and copied.is_contiguous() and torch.equal(copied, misaligned)
+    aligned = torch.randn(2, 9, 40, dtype=torch.float16)[:, :, :32]
+    assert cuda_common.in_chunks(aligned) is aligned
+    assert cuda_common.in_chunks(aligned, contiguous=True) is not aligned
 
 
 def test_attention_reasons():

@@ -72,8 +72,9 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may skip the dispatcher (and use call plans, ``_call_plans.py``): eager, no
     dispatch mode, functorch transform or ``torch.jit.trace`` active (the tracer records the
     registered op, not a Function whose arguments it cannot hold), plain dense tensors (or None)
-    only (a nested tensor of layout torch.strided is of type Tensor, its shape unreadable), so that what their metadata say is what the checks and the kernels see (a sparse tensor
-    reports strides of 0, as an expanded dense one does)."""
+    only, so that what their metadata say is what the checks and the kernels see (a sparse tensor
+    reports strides of 0, as an expanded dense one does; a nested tensor of layout torch.strided,
+    of type Tensor, has no shape to read)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() != 0

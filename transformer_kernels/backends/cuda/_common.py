@@ -42,15 +42,10 @@ def loads_in_chunks(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def in_chunks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when :func:`loads_in_chunks`, else a contiguous copy (fresh allocations are aligned)."""
-    return t if loads_in_chunks(t) else t.contiguous()
-
-
-def contiguous_in_chunks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when contiguous with a 16-byte aligned start, else a contiguous copy: what the
-    kernels that read a tensor as one run of 16-byte chunks take (``t.contiguous()`` keeps the start
-    of a contiguous view into a larger buffer, aligned or not)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+def in_chunks(t: torch.Tensor, contiguous: bool = False) -> torch.Tensor:
+    """``t`` itself when the kernels can read it in 16-byte chunks as it is (:func:`loads_in_chunks`;
+    with ``contiguous``, contiguous with an aligned start, for the kernels that read it as one run),
+    else a contiguous copy, a fresh allocation and so aligned (``t.contiguous()`` would return a
+    contiguous view into a larger buffer as it is, aligned or not)."""
+    readable = t.is_contiguous() and t.data_ptr() % 16 == 0 if contiguous else loads_in_chunks(t)
+    return t if readable else t.clone(memory_format=torch.contiguous_format)

@@ -27,7 +27,7 @@ import torch
 from ...ops.glu_conv import GluConvArgs, empty_output, is_channels_last
 from ...ops.glu_conv import results_in_x_layout as results_channel_last
 from ..eager import glu_conv as eager_glu_conv
-from ._common import contiguous_in_chunks, dtype_reason, raw_ops, size_reason
+from ._common import dtype_reason, in_chunks, raw_ops, size_reason
 
 __all__ = ["forward", "backward", "unsupported_reason", "empty_saved", "results_channel_last"]
 
@@ -108,7 +108,7 @@ def forward(
     """``(out, saved)``: ``out`` in ``x``'s layout; ``saved`` as :func:`empty_saved` describes."""
     channels_z, _, kernel_size = weight.shape
     if _uses_step_kernel(x, weight, args):
-        window, weight = contiguous_in_chunks(x), contiguous_in_chunks(weight)
+        window, weight = in_chunks(x, contiguous=True), in_chunks(weight, contiguous=True)
         bias = None if bias is None else bias.contiguous()
         out, z = raw_ops().glu_conv1d_step(window, weight, bias, residual, args.residual_scale)
         if is_channels_last(x):  # a channel-last window: the kernel's contiguous memory, other strides

@@ -53,7 +53,7 @@ def _head_split_4d(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     grads4 = [g.reshape(-1, *g.shape[-3:]) for g in grads]
     if all(loads_in_chunks(g) and g.stride() == grads4[0].stride() for g in grads4):
         return grads4
-    return [g.contiguous() for g in grads4]
+    return [in_chunks(g, contiguous=True) for g in grads4]
 
 
 def backward(
