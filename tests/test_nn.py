@@ -268,6 +268,33 @@ def test_float64_matches_torch():
                                   {"key_padding_mask": padding, "need_weights": False})
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_out_proj_is_read_as_parameters_like_torch(need_weights):
+    """torch's forward reads out_proj's weight and bias; it never calls the module, so a hook on it
+    (an observer, a pruning hook) changes neither model's output."""
+    reference, ours = module_pair(batch_first=True)
+    calls = []
+    for module in (reference, ours):
+        module.out_proj.register_forward_hook(lambda module, args, out: calls.append(module) or out * 2)
+    x = torch.randn(BATCH, LK, EMBED)
+    torch.testing.assert_close(ours(x, x, x, need_weights=need_weights)[0],
+                               reference(x, x, x, need_weights=need_weights)[0])
+    torch.testing.assert_close(ours(x[0], x[0], x[0], need_weights=need_weights)[0],
+                               reference(x[0], x[0], x[0], need_weights=need_weights)[0])
+    assert calls == []
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_meta_inputs_give_torchs_shapes(need_weights):
+    reference, ours = module_pair(batch_first=True)
+    reference, ours = reference.to("meta"), ours.to("meta")
+    x = torch.randn(BATCH, LK, EMBED, device="meta")
+    for got, want in zip(ours(x, x, x, need_weights=need_weights), reference(x, x, x, need_weights=need_weights)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.device.type == "meta" and got.shape == want.shape and got.dtype == want.dtype
+
+
 @pytest.mark.parametrize("weights", NEED_WEIGHTS[:2], ids=["fused", "weights"])
 @pytest.mark.parametrize("mask", ["padding_bool", "attn_float_2d", "causal_float", "attn_float_3d+padding_float"])
 def test_autocast_matches_torch(mask, weights):

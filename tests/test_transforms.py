@@ -111,6 +111,28 @@ def test_per_sample_grads_equal_autograd_sample_by_sample(case, backend):
         torch.testing.assert_close(got, want.sum(0), **tolerance)
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_gradients_recorded_by_autograd_equal_plain_ones_and_refuse_a_second_derivative(case, backend):
+    """``create_graph=True`` (a gradient penalty, MAML) and ``torch.func.grad`` of parameters that
+    themselves require grad run the backward with grad mode on: the first derivative is the one plain
+    autograd gives, and differentiating it again raises rather than giving zero, since no op is
+    twice differentiable."""
+    op, case = case
+    params, samples = case.make(precise_dtype(backend), device_for(backend))
+    sample = _sample(samples, 0)
+    params = [p.requires_grad_() for p in params]
+    expected = torch.autograd.grad(case.loss(params, sample, backend), params)
+    recorded = torch.autograd.grad(case.loss(params, sample, backend), params, create_graph=True)
+    for got, want in zip(recorded, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        sum(grad.sum() for grad in recorded).backward()
+    for got, want in zip(torch.func.grad(case.loss)(params, sample, backend), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.func.grad(lambda p: sum(g.sum() for g in torch.func.grad(case.loss)(p, sample, backend)))(params)
+
+
 def _forward(op, params, sample, backend):
     """The op's outputs for one sample (the losses' forward, without the loss)."""
     if op == "attention":

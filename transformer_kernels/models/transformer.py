@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .. import reference
 from .._backend import select_backend
 from ..nn import MultiheadAttention
+from ..ops._autocast import autocast_enabled
 from ..ops.attention import OP_NAME as ATTENTION_NAME
 from ..ops.attention import AttentionArgs, Causal, attention_forward, scaled_dot_product_attention
 from ..ops.qkv import QkvProjectionArgs, qkv_projection, qkv_projection_forward
@@ -534,7 +535,7 @@ class _Decoder(nn.Module):
             key, value = (memory_key.new_zeros(*memory_key.shape[:2], max_len, memory_key.shape[-1]) for _ in "kv")
             caches.append(_LayerCache(key, value, memory_key, memory_value))
         fused = len(self.layers) > 0 and self.layers[0].self_attn.impl == "fused"
-        direct = fused and not torch.is_autocast_enabled(memory.device.type)
+        direct = fused and not autocast_enabled(memory.device.type)
         key_positions = torch.arange(max_len, device=memory.device).repeat(memory.shape[0], 1)
         return _DecoderState(memory_key_padding_mask.contiguous(), tuple(caches), _StepCalls(direct), key_positions)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops._autocast import autocast_enabled
 from ..ops.attention import scaled_dot_product_attention
 from ..ops.qkv import qkv_projection
 from ._attention_masks import AttentionMasks, sdpa_masks
@@ -197,11 +198,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         # [N, H, L, Dh] -> [N, L, E]: free on the fused path (its output lies over [N, L, H, Dh]).
         attn = attn.transpose(1, 2).reshape(batch, tgt_len, self.embed_dim)
+        # out_proj's parameters, not the module: torch's forward never calls it (nor its hooks).
         if not is_batched:
-            return self.out_proj(attn.squeeze(0)), None if weights is None else weights.squeeze(0)
+            out = F.linear(attn.squeeze(0), self.out_proj.weight, self.out_proj.bias)
+            return out, None if weights is None else weights.squeeze(0)
         if not self.batch_first:
-            attn = attn.transpose(0, 1)  # out_proj then writes torch's contiguous [L, N, E]
-        return self.out_proj(attn), weights
+            attn = attn.transpose(0, 1)  # the projection then writes torch's contiguous [L, N, E]
+        return F.linear(attn, self.out_proj.weight, self.out_proj.bias), weights
 
     # ------------------------------------------------------------------ steps of forward
 
@@ -238,7 +241,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
             )
         parameters_dtype = self.out_proj.weight.dtype
-        if not torch.is_autocast_enabled(query.device.type):  # else the projections cast, as nn.Linear's do
+        if not autocast_enabled(query.device.type):  # else the projections cast, as nn.Linear's do
             for name, tensor in (("query", query), ("key", key), ("value", value)):
                 if tensor.dtype != parameters_dtype:
                     raise RuntimeError(

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["autocast"]
+__all__ = ["autocast", "autocast_enabled"]
 
 # torch.autocast casts these to its dtype and leaves float64 alone.
 _ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 # Device types with an autocast mode (torch.amp.is_autocast_available, which torch 2.11's
 # torch.compile cannot trace); asking torch.is_autocast_enabled about any other raises.
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; False for a device type without an autocast mode
+    (``meta``), which ``torch.is_autocast_enabled`` refuses."""
+    return device_type in _DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 
 def autocast(reference: object, *tensors: object) -> tuple:
@@ -25,7 +31,7 @@ def autocast(reference: object, *tensors: object) -> tuple:
     if not isinstance(reference, torch.Tensor):
         return tensors
     device_type = reference.device.type
-    if not (device_type in _DEVICE_TYPES and torch.is_autocast_enabled(device_type)):
+    if not autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(

@@ -68,6 +68,28 @@ def _schema_type(annotation: Any) -> str:
     raise TypeError(f"no schema type for {annotation!r}")
 
 
+class _GradientsNotDifferentiable(torch.autograd.Function):
+    """``apply(message, count, *gradients, *sources)``: copies of the ``count`` gradients, which
+    autograd (or a torch.func transform) sees as computed from ``sources`` (the op's saved tensors
+    and incoming gradients) and whose own gradient raises ``RuntimeError(message)``.  Copies, not
+    the tensors themselves: a view returned by a Function may not be modified in place, and a
+    caller may well clip or scale such a gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(message: str, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(tensor.clone() for tensor in tensors[:count])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
 def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may skip the dispatcher (and use call plans, ``_call_plans.py``): eager, no
     dispatch mode, functorch transform or ``torch.jit.trace`` active (the tracer records the
@@ -271,6 +293,7 @@ class RegisteredOp:
             ctx.field_index = self._op_field_index
             typed_setup_context(ctx, self.unpack(inputs), output)
 
+        @self._once_differentiable
         def flat_backward(ctx, *grad_outputs):
             input_grads, args_grads = backward(ctx, *grad_outputs)
             rest = (None,) * (len(self.flags) + 1)
@@ -282,6 +305,7 @@ class RegisteredOp:
 
         returns_list = self.returns == "Tensor[]"
 
+        @self._once_differentiable
         def function_backward(ctx, *grad_outputs):
             """Both autograd.Functions' backward: a gradient per input and tensor field, none for the call."""
             input_grads, args_grads = backward(ctx, *((list(grad_outputs),) if returns_list else grad_outputs))
@@ -319,6 +343,38 @@ class RegisteredOp:
             self.name, num_inputs, tensor_fields, self._function_field_index, implementation, typed_setup_context,
             function_backward, returns_list,
         )
+
+    def _once_differentiable(self, backward: Callable) -> Callable:
+        """``backward`` (returning the flat gradients, a ``Tensor[]`` input's as a list) as autograd
+        may run it with grad mode on (``autograd.grad(create_graph=True)``, ``torch.func.grad``):
+        computed unrecorded (the backends write into preallocated outputs, which autograd refuses
+        to record), then tied by :class:`_GradientsNotDifferentiable` to the tensors they were
+        computed from, so that differentiating them raises, as
+        ``torch.autograd.function.once_differentiable`` does: these ops are not twice
+        differentiable, and a second derivative must fail, not come out as zero."""
+        message = f"transformer_kernels.{self.name} is not twice differentiable: its gradients cannot be differentiated"
+
+        def recorded_backward(ctx, *grad_outputs):
+            if not torch.is_grad_enabled():
+                return backward(ctx, *grad_outputs)
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            flat = [grad for entry in grads for grad in (entry if isinstance(entry, (list, tuple)) else (entry,))]
+            tensors = [grad for grad in flat if isinstance(grad, Tensor)]
+            sources = [t for t in (*ctx.saved_tensors, *grad_outputs) if isinstance(t, Tensor)]
+            if not tensors:
+                return grads
+            marked = iter(_GradientsNotDifferentiable.apply(message, len(tensors), *tensors, *sources))
+
+            def mark(grad):
+                return next(marked) if isinstance(grad, Tensor) else grad
+
+            return tuple(
+                type(entry)(mark(grad) for grad in entry) if isinstance(entry, (list, tuple)) else mark(entry)
+                for entry in grads
+            )
+
+        return recorded_backward
 
     @staticmethod
     def backward_runner(ctx, *tensors: Optional[Tensor]) -> Optional[Callable]:
