@@ -14,6 +14,7 @@ import pathlib
 import platform
 import re
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -169,10 +170,18 @@ def test_check_fails_on_a_wrong_op(one_thread, monkeypatch, capsys):
     assert [row.rsplit("|", 2)[-2].strip() for row in rows] == ["pass", "FAIL"]
 
 
+def _group(op: str, case: str, times_by_impl: dict[str, list[float]], flops: Optional[float] = 1e9) -> dict:
+    return {"op": op, "case": case, "direction": "fwd", "device": "cpu", "ours": ["eager"], "reference": "reference",
+            "params": {}, "flops": flops, "rounds": len(next(iter(times_by_impl.values()), [])), "calls": {},
+            "times_s": times_by_impl, "peak_mem_bytes": {}, "errors": {}, "unavailable": {}, "failed": {}}
+
+
 def _results(times_by_impl: dict[str, list[float]]) -> dict:
-    env = {"device": "test", "date": "2026-01-01T00:00:00+00:00", "commit": "0" * 40}
-    group = {"op": "attention", "case": "c", "direction": "fwd", "times_s": times_by_impl}
-    return {"format": report.RESULTS_FORMAT, "environment": env, "targets": [], "groups": [group]}
+    env = {"device": "test", "device_type": "cpu", "dtype": "float32", "size": "quick",
+           "date": "2026-01-01T00:00:00+00:00", "commit": "0" * 40, "torch": "2.13.0", "threads": 1,
+           "load_average_1min_at_start": 0.0}
+    return {"format": report.RESULTS_FORMAT, "flop_count": report.FLOP_COUNT, "environment": env, "targets": [],
+            "groups": [_group("attention", "c", times_by_impl)]}
 
 
 OLD_TIMES = [1.00, 1.02, 0.98, 1.05, 0.95, 1.01, 0.99, 1.03, 0.97, 1.00]
@@ -204,7 +213,7 @@ def test_compare_names_what_it_cannot_compare_and_what_failed(tmp_path, capsys):
     old.write_text(json.dumps(_results({"eager": OLD_TIMES})))
     failing = _results({"eager": OLD_TIMES})
     failing["groups"][0]["failed"] = {"triton": "RuntimeError: boom"}
-    failing["groups"].append({"op": "qkv_projection", "case": "d", "direction": "fwd", "times_s": {}})
+    failing["groups"].append(_group("qkv_projection", "d", {}))
     new.write_text(json.dumps(failing))
     assert cli.main(["--compare", str(old), str(new)]) == 1  # no regression, but ours failed
     printed = capsys.readouterr().out
@@ -227,6 +236,24 @@ def test_compare_names_what_it_cannot_compare_and_what_failed(tmp_path, capsys):
     assert "not a results.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("damage", "problem"), [
+    (lambda data: data["environment"].pop("device"), "the environment lacks device"),
+    (lambda data: data["groups"][0].pop("times_s"), "group 0 lacks one of"),
+    (lambda data: data["groups"][0]["times_s"].update(triton=[]), "has an implementation without times"),
+    (lambda data: data.update(groups={}), "no list of groups"),
+])
+def test_compare_refuses_a_results_file_missing_what_it_reads(damage, problem, tmp_path, capsys):
+    good, damaged = tmp_path / "good.json", tmp_path / "damaged.json"
+    good.write_text(json.dumps(_results({"eager": OLD_TIMES})))
+    data = _results({"eager": OLD_TIMES})
+    damage(data)
+    damaged.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--compare", str(good), str(damaged)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "not a results.json" in err and problem in err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--device", "foo"], "--device"),
     (["--device", "cuda:7"], "CUDA device(s)"),
@@ -242,12 +269,39 @@ def test_the_command_refuses_what_it_cannot_take_as_a_usage_error(argv, message,
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_command_refuses_a_file_as_its_output_folder(tmp_path, capsys):
-    afile = tmp_path / "afile"
-    afile.write_text("")
-    with pytest.raises(SystemExit):
-        cli.main(["--tiny", "--device", "cpu", "--only", "qkv", "--out", str(afile)])
-    assert "a file, not a folder" in capsys.readouterr().err
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_the_command_refuses_an_output_folder_it_cannot_write_as_a_usage_error(where, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--tiny", "--device", "cpu", "--only", "qkv", "--out", str(tmp_path / where)])
+    assert exit_info.value.code == 2 and "cannot write there" in capsys.readouterr().err
+
+
+def test_readme_refuses_what_it_cannot_rewrite_as_a_usage_error(tmp_path, capsys):
+    results_dir = tmp_path / "results"
+    (results_dir / "run").mkdir(parents=True)
+    (results_dir / "run" / "results.json").write_text(json.dumps(_results({"eager": OLD_TIMES})))
+    unmarked = tmp_path / "unmarked.md"
+    unmarked.write_text("# no markers")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for readme, results, message in ((tmp_path / "missing.md", results_dir, "No such file"),
+                                     (unmarked, results_dir, "has no performance markers"),
+                                     (unmarked, empty, "no results.json under")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--readme", str(readme), "--results", str(results)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_readme_outside_the_results_folders_root_links_them_relatively(tmp_path):
+    results_dir = tmp_path / "benchmarks" / "results"
+    (results_dir / "run").mkdir(parents=True)
+    (results_dir / "run" / "results.json").write_text(json.dumps(_results({"eager": OLD_TIMES})))
+    readme = tmp_path / "docs" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text(f"{report.README_START}\n{report.README_END}\n")
+    assert cli.main(["--readme", str(readme), "--results", str(results_dir)]) == 0
+    assert "(../benchmarks/results/run/report.md)" in readme.read_text()
 
 
 def test_check_table_rules_stay_in_their_markdown_cell():
@@ -277,12 +331,15 @@ def test_rounds_run_every_implementation_right_after_every_other_equally_often(c
     assert len(followers) == len(set(followers)) * (1 if count % 2 == 0 else 2)
 
 
-@pytest.mark.parametrize(("rounds", "design", "max_rounds", "expected"),
-                         [(5, 4, 9, 4), (7, 4, 9, 8), (9, 4, 9, 8), (5, 6, 9, 6), (9, 6, 9, 6), (3, 2, 3, 2),
-                          (5, 10, 9, 5), (30, 10, 30, 30), (14, 10, 30, 10), (16, 10, 30, 20)])
-def test_a_group_runs_whole_round_order_designs_where_its_round_limit_holds_one(rounds, design, max_rounds,
-                                                                              expected):
-    assert timing._whole_designs(rounds, design, max_rounds) == expected
+@pytest.mark.parametrize(("rounds", "design", "min_rounds", "max_rounds", "expected"),
+                         [(5, 4, 5, 9, 8), (5, 4, 3, 9, 4), (7, 4, 5, 9, 8), (9, 4, 5, 9, 8), (5, 2, 5, 9, 6),
+                          (5, 6, 5, 9, 6), (9, 6, 5, 9, 6), (7, 6, 7, 11, 6), (3, 2, 3, 3, 2), (5, 10, 5, 9, 5),
+                          (30, 10, 10, 30, 30), (14, 10, 10, 30, 10), (16, 10, 10, 30, 20)])
+def test_a_group_runs_whole_round_order_designs_where_its_round_limit_holds_one(rounds, design, min_rounds,
+                                                                              max_rounds, expected):
+    """The nearest whole number of designs, no fewer rounds than ``min_rounds`` where that many
+    designs fit in ``max_rounds``; one design longer than ``max_rounds``: the rounds as they were."""
+    assert timing._whole_designs(rounds, design, min_rounds, max_rounds) == expected
 
 
 @pytest.mark.parametrize("low, high, status", [(1.1, 1.3, "met"), (0.9, 1.2, "within noise"), (0.7, 0.95, "MISSED")])
@@ -297,6 +354,11 @@ def test_target_status_from_the_ratio_spread(low, high, status):
 def test_a_targets_ratio_ends_show_the_side_of_it_they_are_on(low, high, text):
     assert report.ratio_text(timing.Summary(0.98, low, high), 1.0) == text
     assert report.ratio_text(timing.Summary(0.98, low, high)).startswith("0.98x (")
+
+
+def test_a_targets_ratio_median_shows_the_side_of_it_it_is_on():
+    assert report.ratio_text(timing.Summary(0.996, 0.99, 0.998), 1.0) == "0.996x (0.99–0.998)"
+    assert report.ratio_text(timing.Summary(0.996, 0.99, 0.998)) == "1.00x (0.99–1.00)"
 
 
 @pytest.mark.parametrize("cut_short", [False, True], ids=["complete", "cut_short"])
@@ -317,6 +379,51 @@ def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
     (result,) = json.loads((tmp_path / "results.json").read_text())["targets"]
     assert result["status"] == "not measured"
     assert result["why_not"] == (report.CUT_SHORT if cut_short else "its group recorded nothing")
+
+
+def _groups_by_case(name: str, size: str = "full", device: str = "cpu") -> dict:
+    setting = suites.Setting(torch.device(device), torch.float32, size)
+    return {(g.case, g.direction): g for g in suites.load(name).groups(setting)}
+
+
+def test_attention_flops_count_real_query_rows_against_the_keys_each_sees():
+    from transformer_kernels.bench.suites import attention
+
+    groups = _groups_by_case("attention", device="cuda")
+    sweep = [c for c in attention.cases(suites.Setting(torch.device("cuda"), torch.float32, "full"))
+             if c.padding is not None]
+    dense = 4 * sweep[0].batch * sweep[0].heads * sweep[0].length**2 * sweep[0].head_dim
+    for case in sweep:  # every sequence n = L (1 - padding) real tokens: n² (query, key) pairs
+        real = round(case.length * (1 - case.padding))
+        assert groups[case.name, "fwd"].flops == pytest.approx(dense * real**2 / case.length**2)
+    causal = next(c for c in attention.CPU_TARGET_CASES if c.causal and c.padded)
+    lengths = causal.lengths().double()
+    pairs = (lengths * (lengths + 1) / 2).sum().item()
+    group = _groups_by_case("attention")[causal.name, "fwd+bwd"]
+    assert group.flops == pytest.approx(3.5 * 4 * causal.heads * causal.head_dim * pairs)
+
+
+def test_module_and_model_flops_count_real_tokens_and_decoding_none():
+    nn_groups = _groups_by_case("nn")
+    self_padded, causal = (nn_groups[f"seeds_B128_L8-40_{kind}", "fwd"] for kind in ("self", "causal"))
+    assert self_padded.flops < 0.75 * causal.flops  # lengths uniform in [8, 40]: about 60% real tokens
+    model_groups = _groups_by_case("models")
+    greedy = [g for (case, _), g in model_groups.items() if "greedy" in case]
+    assert greedy and all(g.flops is None for g in greedy)
+    record = {**_group("models", "greedy", {"eager": OLD_TIMES}, flops=None), "errors": {"eager": 0.0}}
+    (row,) = [line for line in report.key_table([record], 100.0) if "| greedy |" in line]
+    assert row.split(" | ")[6:8] == ["—", "—"]  # TFLOP/s and % of peak
+
+
+def test_readme_shows_results_of_an_older_flop_count_with_the_suites_present_counts():
+    case = next(iter(_groups_by_case("attention", size="quick").values()))
+    old = _results({"eager": OLD_TIMES})
+    old.pop("flop_count")
+    old["groups"] = [_group(case.op, case.case, {"eager": OLD_TIMES}, flops=123.0),
+                     _group(case.op, "a case the suite no longer has", {"eager": OLD_TIMES}, flops=123.0)]
+    recounted = report.recounted_flops(old)
+    assert [g["flops"] for g in recounted["groups"]] == [case.flops, None]
+    assert report.recounted_flops(recounted) is recounted
 
 
 def test_a_target_of_another_size_or_none_says_so():

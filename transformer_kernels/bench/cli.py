@@ -18,6 +18,7 @@ import argparse
 import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -102,7 +103,17 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def _benchmark(args, device: torch.device, names: list[str]) -> int:
+def _make_folder(parser: argparse.ArgumentParser, out: Path) -> None:
+    """``out`` created and writable, or a usage error saying why not."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        parser.error(f"--out {out}: cannot write there ({error.strerror or error})")
+
+
+def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, names: list[str]) -> int:
     size = args.size or ("full" if device.type == "cuda" else "quick")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     setting = suites.Setting(device, dtype, size)
@@ -111,7 +122,7 @@ def _benchmark(args, device: torch.device, names: list[str]) -> int:
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
-    out.mkdir(parents=True, exist_ok=True)
+    _make_folder(parser, out)
     print(f"{env['device']}, {env['dtype']}, {size} run, {env['threads']} torch threads; writing {out}",
           file=sys.stderr)
     targets = report.load_targets(names)
@@ -174,11 +185,14 @@ def _compare(parser: argparse.ArgumentParser, old_path: Path, new_path: Path) ->
     return 1 if regressed or report.failed_in(new["groups"]) else 0
 
 
-def _readme(readme: Path, results_dir: Path) -> int:
-    latest = report.latest_results(results_dir)
-    if not latest:
-        raise SystemExit(f"--readme: no results.json under {results_dir}/*/")
-    report.update_readme(readme, report.readme_section(latest, readme.resolve().parent))
+def _readme(parser: argparse.ArgumentParser, readme: Path, results_dir: Path) -> int:
+    try:
+        latest = report.latest_results(results_dir)
+        if not latest:
+            parser.error(f"--readme: no results.json under {results_dir}/*/")
+        report.update_readme(readme, report.readme_section(latest, readme.resolve().parent))
+    except (OSError, ValueError) as error:
+        parser.error(f"--readme {readme}: {error}")
     print(f"rewrote the performance section of {readme} from " + ", ".join(str(path) for path, _ in latest))
     return 0
 
@@ -189,11 +203,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.compare:
         return _compare(parser, *args.compare)
     if args.readme:
-        return _readme(args.readme, args.results)
+        return _readme(parser, args.readme, args.results)
     names = _suite_names(parser, args.only)
     device = _device(parser, args.device)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out}: a file, not a folder")
+    if args.out is not None and not args.check:
+        _make_folder(parser, args.out)
     check_ops = [CHECK_OPS[name] for name in names if name in CHECK_OPS]
     if args.check and not check_ops:
         parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names none of them")
@@ -202,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
     if args.check:
         return _check(args, device, check_ops)
-    return _benchmark(args, device, names)
+    return _benchmark(parser, args, device, names)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+import torch
 
 from . import suites, timing
 
 LOW, HIGH = (f"p{round(q * 100)}" for q in timing.SPREAD)
 RESULTS_FORMAT = 1
+# How the suites count a group's FLOPs (``Group.flops``), recorded in results.json: files from before
+# count 2 (useful work of real query rows and tokens only) show the suites' present counts instead.
+FLOP_COUNT = 2
 
 
 def median_ms(record: dict, impl: str) -> float:
@@ -26,11 +32,12 @@ def median_ms(record: dict, impl: str) -> float:
 
 
 def ratio_text(summary: Optional[timing.Summary], target: Optional[float] = None) -> str:
-    """``median (low–high)`` to 2 decimals; against a ``target``, the ends to as many more as keep
-    them on the side of it they are on (0.996 shown as 1.00 would contradict its MISSED)."""
+    """``median (low–high)`` to 2 decimals; against a ``target``, each to as many more as keep it on
+    the side of the target it is on (0.996 shown as 1.00 would contradict its MISSED)."""
     if summary is None:
         return "—"
-    return f"{summary.median:.2f}x ({_end_text(summary.low, target)}–{_end_text(summary.high, target)})"
+    low, median, high = (_end_text(value, target) for value in (summary.low, summary.median, summary.high))
+    return f"{median}x ({low}–{high})"
 
 
 def _end_text(value: float, target: Optional[float]) -> str:
@@ -46,7 +53,10 @@ def best_peer(record: dict) -> Optional[str]:
     return min(peers, key=lambda impl: median_ms(record, impl), default=None)
 
 
-def tflops(record: dict, impl: str) -> float:
+def tflops(record: dict, impl: str) -> Optional[float]:
+    """None for a group that counts no work (``flops`` None, or 0 in files from before count 2)."""
+    if not record["flops"]:
+        return None
     return record["flops"] / (median_ms(record, impl) / 1e3) / 1e12
 
 
@@ -137,8 +147,8 @@ def load_targets(names: Iterable[str]) -> list[suites.Target]:
 
 
 def write_results(path: Path, env: dict, records: list[dict], target_results: list[dict]) -> None:
-    path.write_text(json.dumps({"format": RESULTS_FORMAT, "environment": env, "targets": target_results,
-                                "groups": records}, indent=1))
+    path.write_text(json.dumps({"format": RESULTS_FORMAT, "flop_count": FLOP_COUNT, "environment": env,
+                                "targets": target_results, "groups": records}, indent=1))
 
 
 def read_results(path: Path) -> dict:
@@ -147,11 +157,54 @@ def read_results(path: Path) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:  # missing, a folder, not UTF-8, not JSON
         raise ValueError(f"{path}: cannot read it as JSON ({error})") from error
-    if not (isinstance(data, dict) and data.get("format") == RESULTS_FORMAT and isinstance(data.get("groups"), list)
-            and isinstance(data.get("environment"), dict)):
+    problem = _results_problem(data)
+    if problem is not None:
         raise ValueError(f"{path}: not a results.json of `python -m transformer_kernels.bench` "
-                         f"(format {RESULTS_FORMAT})")
+                         f"(format {RESULTS_FORMAT}): {problem}")
     return data
+
+
+_ENVIRONMENT_KEYS = ("device", "device_type", "dtype", "size", "date", "torch", "threads", "load_average_1min_at_start")
+_GROUP_KEYS = ("op", "case", "direction", "device", "ours", "reference", "flops", "times_s", "errors",
+               "peak_mem_bytes", "failed", "unavailable")
+
+
+def _results_problem(data: object) -> Optional[str]:
+    """What keeps ``data`` from being a results file the report, ``--compare`` and ``--readme`` read."""
+    if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT:
+        return f"no \"format\": {RESULTS_FORMAT}"
+    if not isinstance(data.get("environment"), dict):
+        return "no environment"
+    missing = [key for key in _ENVIRONMENT_KEYS if key not in data["environment"]]
+    if missing:
+        return f"the environment lacks {', '.join(missing)}"
+    if not isinstance(data.get("groups"), list) or not isinstance(data.get("targets", []), list):
+        return "no list of groups"
+    for index, group in enumerate(data["groups"]):
+        if not isinstance(group, dict) or any(key not in group for key in _GROUP_KEYS):
+            return f"group {index} lacks one of {', '.join(_GROUP_KEYS)}"
+        times = group["times_s"]
+        if not isinstance(times, dict) or not all(isinstance(t, list) and t for t in times.values()):
+            return f"group {index} ({group['op']} {group['case']}) has an implementation without times"
+    return None
+
+
+def recounted_flops(data: dict) -> dict:
+    """``data`` (a results file) with each group's ``flops`` as the suites count it now, where the
+    file was written by an older :data:`FLOP_COUNT`: the suite's group of the same (op, case,
+    direction) on the file's device type, dtype and size, or None (no TFLOP/s) where it has none."""
+    if data.get("flop_count") == FLOP_COUNT:
+        return data
+    env = data["environment"]
+    setting = suites.Setting(torch.device(env["device_type"]), getattr(torch, env["dtype"]), env["size"])
+    counts = {}
+    for name in suites.SUITES:
+        try:
+            counts.update({(g.op, g.case, g.direction): g.flops for g in suites.load(name).groups(setting)})
+        except Exception:  # a suite this installation cannot load: its groups show no rate
+            continue
+    groups = [{**group, "flops": counts.get(_group_key(group))} for group in data["groups"]]
+    return {**data, "flop_count": FLOP_COUNT, "groups": groups}
 
 
 # ----------------------------------------------------------------------------- report.md
@@ -170,7 +223,7 @@ def _summary_row(record: dict, impl: str, peak_tflops: Optional[float]) -> list[
     vs_peer = None if peer in (None, impl) else timing.ratio_summary(times, peer, impl)
     peak_mib = record["peak_mem_bytes"][impl] / 2**20 if record["device"] == "cuda" else None
     return [impl, f"{spread.median:.3f}", f"{spread.low:.3f}–{spread.high:.3f}", _fmt(rate, ".3g"),
-            _fmt(100 * rate / peak_tflops if peak_tflops else None, ".1f"), _fmt(peak_mib, ".1f"),
+            _fmt(100 * rate / peak_tflops if peak_tflops and rate is not None else None, ".1f"), _fmt(peak_mib, ".1f"),
             _fmt(record["errors"].get(impl), ".1e"), ratio_text(vs_reference),
             "—" if vs_peer is None else f"{ratio_text(vs_peer)} {peer}"]
 
@@ -240,8 +293,11 @@ def write_report(path: Path, env: dict, records: list[dict], target_results: lis
         f"their {LOW}–{HIGH} range; a speed-up is the median of the per-round ratios (the other's time / this "
         f"one's, same round) with their {LOW}–{HIGH} range. A target is met when the ratio's {LOW} reaches it, "
         f"within noise when the range straddles it, MISSED when even its {HIGH} falls short. TFLOP/s count useful "
-        "work (padding excluded, causal halved); max error is the largest absolute difference of the outputs from "
-        "the exact math (float64 on CPU, float32 on CUDA). Peak memory is measured on CUDA only.",
+        "work: attention's real query rows against the keys each sees (padding excluded, causal about halved), "
+        "a projection's or model's weights against the real tokens they read; decoding counts none (—). Max error "
+        "is the largest absolute difference of the outputs from the exact math (float64 on CPU, float32 on CUDA); "
+        "for the models, of the training loss, and for greedy decoding the fraction of tokens that differ from the "
+        "exact model's. Peak memory is measured on CUDA only.",
         "",
     ]
     failures = [(r, impl, why) for r in records for impl, why in r["failed"].items()]
@@ -368,7 +424,7 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
     so cases a suite no longer has do not come back."""
     runs: dict[tuple[str, str], list[tuple[Path, dict]]] = {}
     for path in sorted(results_dir.glob("*/results.json")):
-        data = read_results(path)
+        data = recounted_flops(read_results(path))
         for op in {group["op"] for group in data["groups"]}:
             runs.setdefault((data["environment"]["device_type"], op), []).append((path, data))
     # path -> (device type, data, the (op, case, direction) keys it stands for)
@@ -405,7 +461,7 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
         counts = ", ".join(f"{statuses.count(s)} {s}" for s in ("met", "within noise", "MISSED", "not measured")
                            if statuses.count(s))
         dirty = ", with uncommitted changes" if env.get("dirty") else ""
-        folder = path.resolve().parent.relative_to(root).as_posix()
+        folder = Path(os.path.relpath(path.resolve().parent, root)).as_posix()
         lines += [
             "", f"**{env['device']}** ({env['dtype']}, {env['size']} run, {env['threads']} torch thread(s), load "
             f"{env['load_average_1min_at_start']:.1f}), {env['date'][:10]}, "

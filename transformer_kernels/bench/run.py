@@ -61,7 +61,7 @@ def measure_group(group: suites.Group, device: torch.device, schedule: timing.Sc
 def unavailable_suite_record(name: str, reason: str, device: torch.device) -> dict:
     """The one row a suite that cannot load leaves in the results."""
     return {"op": name, "case": "—", "direction": "—", "device": device.type, "ours": [], "reference": None,
-            "params": {}, "flops": 0.0, "rounds": 0, "calls": {}, "times_s": {}, "peak_mem_bytes": {}, "errors": {},
+            "params": {}, "flops": None, "rounds": 0, "calls": {}, "times_s": {}, "peak_mem_bytes": {}, "errors": {},
             "unavailable": {name: reason}, "failed": {}}
 
 

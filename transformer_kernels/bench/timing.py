@@ -39,7 +39,9 @@ SPREAD = (0.1, 0.9)
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How many rounds a group gets: as many as fit in ``budget_s`` (after
-    warm-up), clamped to ``[min_rounds, max_rounds]``."""
+    warm-up), clamped to ``[min_rounds, max_rounds]``, then made whole designs of round orders
+    (:func:`_whole_designs`): at least ``min_rounds`` where such a number of designs fits in
+    ``max_rounds``, else as many whole designs as fit."""
 
     min_rounds: int
     max_rounds: int
@@ -147,14 +149,15 @@ def round_orders(count: int) -> list[list[int]]:
     return rows if count % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def _whole_designs(rounds: int, design_rounds: int, max_rounds: int) -> int:
+def _whole_designs(rounds: int, design_rounds: int, min_rounds: int, max_rounds: int) -> int:
     """``rounds`` rounded to a whole number of :func:`round_orders` designs of ``design_rounds`` rounds
-    (their orders balance predecessors only over whole designs): the nearest such count, at least one
-    design and at most ``max_rounds``, where one design fits in ``max_rounds``; else ``rounds``."""
+    (their orders balance predecessors only over whole designs): the nearest such count, but at
+    least ``min_rounds`` and at most ``max_rounds`` (where both cannot hold, the most designs that
+    fit), where one design fits in ``max_rounds``; else ``rounds``."""
     if design_rounds > max_rounds:
         return rounds
-    designs = min(max(1, round(rounds / design_rounds)), max_rounds // design_rounds)
-    return designs * design_rounds
+    designs = max(round(rounds / design_rounds), math.ceil(min_rounds / design_rounds))
+    return min(designs, max_rounds // design_rounds) * design_rounds
 
 
 def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule: Schedule) -> dict:
@@ -174,7 +177,7 @@ def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule
     round_s = sum(estimate[name] * calls[name] for name in names)
     rounds = int(min(schedule.max_rounds, max(schedule.min_rounds, schedule.budget_s // max(round_s, 1e-9))))
     orders = round_orders(len(names))
-    rounds = _whole_designs(rounds, len(orders), schedule.max_rounds)
+    rounds = _whole_designs(rounds, len(orders), schedule.min_rounds, schedule.max_rounds)
     peak = {name: peak_memory(fns[name], device) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()

@@ -124,7 +124,8 @@ class Group:
     it cannot run: it is then reported "n/a" with the message).  ``unavailable``: implementations
     not even set up, with the reason.  ``error``: outputs -> max abs error against the exact
     reference (float64 on CPU, float32 on GPUs).  ``flops``: floating-point operations of one call
-    in this direction (useful work: padding excluded, causal halved).  ``params``: what the plots
+    in this direction, useful work only (real query rows against the keys each sees, weights against
+    the real tokens they read), or None where the group counts none.  ``params``: what the plots
     draw on: ``length``, ``padding`` (fraction of padded keys), ``family`` (cases that differ only
     in ``length`` or ``padding``).  ``ours``: the package's implementations among ``setups``."""
 
@@ -134,7 +135,7 @@ class Group:
     setups: dict[str, Callable[[], Impl]]
     unavailable: dict[str, str]
     error: Callable[[Tensors], float]
-    flops: float
+    flops: Optional[float]
     ours: tuple[str, ...]
     params: dict = dataclasses.field(default_factory=dict)
     reference: str = "reference"

@@ -364,9 +364,12 @@ def _skip_reason(case: AttentionCase, impl: str, setting: Setting) -> Optional[s
 
 
 def _flops(case: AttentionCase, direction: str) -> float:
-    """Two matmuls of 2·Lq·Lk·D per head on the real keys (causal: half); backward 2.5x forward."""
-    keys = case.lengths().float().mean().item() if case.padded else case.length
-    forward = 4 * case.batch * case.heads * case.length * keys * case.head_dim * (0.5 if case.causal else 1.0)
+    """Useful work: two matmuls of 2·D per (real query, key it sees) pair, per head: a sequence of n
+    real tokens has n² pairs, n(n+1)/2 causal; its padding rows and keys none.  Backward 2.5x
+    forward."""
+    lengths = case.lengths().double() if case.padded else torch.full((case.batch,), float(case.length))
+    pairs = (lengths * (lengths + 1) / 2 if case.causal else lengths**2).sum().item()
+    forward = 4 * case.heads * case.head_dim * pairs
     return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[direction]
 
 

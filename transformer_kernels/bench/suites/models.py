@@ -245,10 +245,7 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
         tokens, exact = (F.pad(t, (0, width - t.shape[1]), value=PAD) for t in (tokens, exact))
         return tokens.ne(exact).double().mean().item()
 
-    # Useful work: 2 FLOPs per weight per real token (embeddings excluded), x3 with the backward.
-    with torch.device("meta"):  # counts the weights without allocating them
-        weights = sum(p.numel() for name, p in case.build("fused").named_parameters() if "embedding" not in name)
-    forward_flops = 2.0 * weights * _real_tokens(case)
+    forward_flops = _forward_flops(case)
     train_impls = [*backends.ours, "reference"] + (["nn_transformer"] if case.model == "transformer" else [])
     greedy_impls = [*backends.ours, "reference", "redecoding"] + (["eager_steps"] if setting.cuda else [])
     return [
@@ -258,16 +255,32 @@ def _case_groups(case: ModelCase, setting: Setting) -> list[Group]:
               flops=GEMM_DIRECTION_COST["fwd+bwd"] * forward_flops, ours=backends.ours, params={"family": None}),
         Group(op=OP, case=_greedy(case), direction="fwd",
               setups={impl: functools.partial(greedy_setup, impl) for impl in greedy_impls},
-              unavailable=backends.unavailable, error=greedy_error, flops=0.0, ours=backends.ours,
+              unavailable=backends.unavailable, error=greedy_error, flops=None, ours=backends.ours,
               params={"family": None}),
     ]
 
 
-def _real_tokens(case: ModelCase) -> int:
-    """Real (non-pad) source and target tokens of the case's batch."""
+def _forward_flops(case: ModelCase) -> float:
+    """Useful work of a forward: 2 FLOPs per weight per real token it is applied to (embeddings and
+    attention's scores excluded): the encoder's weights to the source's tokens, the decoder's and the
+    output projection's to the target's, but for the cross-attention's key and value projections
+    (two thirds of its ``in_proj``), which read the source."""
     generator = torch.Generator().manual_seed(0)
-    src, tgt = case.tokens(generator, torch.device("cpu")), case.tokens(generator, torch.device("cpu"))
-    return int(src.ne(PAD).sum() + tgt.ne(PAD).sum())
+    source, target = (float(case.tokens(generator, torch.device("cpu")).ne(PAD).sum()) for _ in "st")
+    with torch.device("meta"):  # counts the weights without allocating them
+        parameters = case.build("fused").named_parameters()
+    flops = 0.0
+    for name, parameter in parameters:
+        if "embedding" in name:
+            continue
+        if name.startswith(("encoder.", "transformer.encoder.")):
+            tokens = source
+        elif ".multihead_attn.in_proj_" in name:
+            tokens = (target + 2 * source) / 3
+        else:
+            tokens = target
+        flops += 2.0 * parameter.numel() * tokens
+    return flops
 
 
 def groups(setting: Setting) -> list[Group]:

@@ -148,6 +148,24 @@ def _exact(case: MhaCase, inputs: Inputs, dtype: torch.dtype) -> torch.Tensor:
         return exact(*args, **inputs.kwargs, need_weights=False)[0]
 
 
+def _forward_flops(case: MhaCase) -> float:
+    """Useful work: each projection 2·E² per real token it reads (the query and output projections
+    the queries', the key and value projections the keys'), and attention's two matmuls 2·E per
+    (real query, key it sees) pair; a padded self-attention's padding rows and keys count nothing."""
+    lengths = case.batch * [float(case.length)]
+    if case.padded:
+        lengths = (~case.padding(torch.device("cpu"))).sum(1).double().tolist()
+    keys = sum(lengths)
+    queries = keys if case.kind == "self" else case.batch * case.length
+    if case.kind == "self":
+        pairs = sum(n * n for n in lengths)
+    elif case.kind == "causal":
+        pairs = sum(n * (n + 1) / 2 for n in lengths)
+    else:
+        pairs = case.length * keys
+    return 4 * case.embed_dim**2 * (queries + keys) + 4 * case.embed_dim * pairs
+
+
 def _case_groups(case: MhaCase, setting: Setting) -> list[Group]:
     """The case's group per direction."""
     backends = backends_for("attention", setting)
@@ -169,10 +187,7 @@ def _case_groups(case: MhaCase, setting: Setting) -> list[Group]:
     def setup(impl: str, direction: str) -> Impl:
         return _impl(case, impl, inputs(), direction)
 
-    # Four projections of 2·L·E² per token, and attention's two matmuls of 2·L·L·E (causal: half).
-    tokens = case.batch * case.length
-    forward = 8 * tokens * case.embed_dim**2 + 4 * tokens * case.length * case.embed_dim * (
-        0.5 if case.kind == "causal" else 1.0)
+    forward = _forward_flops(case)
     return [Group(
         op=OP, case=case.name, direction=direction,
         setups={impl: functools.partial(setup, impl, direction) for impl in [*backends.ours, "torch_mha"]},
