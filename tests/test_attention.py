@@ -1302,6 +1302,32 @@ def test_torch_compile_fullgraph_matches_eager():
     assert_close_to_reference([actual, *grads], [expected, *expected_grads], result_names(1, "qkvm"), tol=1e-5)
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+def test_export_with_dynamic_batch_and_length_holds_across_the_eager_paths(strict):
+    """One exported program for every batch and length in the ranges, as torch's own SDPA exports:
+    no guard on the sizes at which the eager backend changes paths (the inference call's saved
+    tensor is empty on every path), nor a batch or length fixed by reading the output's numel."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return tk.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    batch, length = torch.export.Dim("batch", min=2, max=64), torch.export.Dim("length", min=2, max=256)
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    program = torch.export.export(Attend(), (q, k, v), dynamic_shapes=({0: batch, 2: length},) * 3, strict=strict)
+    for size, tokens in ((3, 9), (2, 200)):  # both sides of the eager backend's materialized-path limit
+        q, k, v = (torch.randn(size, 2, tokens, 8) for _ in range(3))
+        torch.testing.assert_close(program.module()(q, k, v), Attend()(q, k, v))
+
+
+def test_meta_inputs_with_dropout_give_shapes_not_a_read_of_the_seed():
+    q, k, v = (torch.randn(2, 2, 6, 4, device="meta", requires_grad=grad) for grad in (True, False, False))
+    out = tk.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    assert out.device.type == "meta" and out.shape == (2, 2, 6, 4)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
 # ----------------------------------------------------------------------------
 # GPU: low-precision error against an fp32 reference (FlashAttention's criterion)
 # ----------------------------------------------------------------------------

@@ -96,7 +96,8 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
     registered op, not a Function whose arguments it cannot hold), plain dense tensors (or None)
     only, so that what their metadata say is what the checks and the kernels see (a sparse tensor
     reports strides of 0, as an expanded dense one does; a nested tensor of layout torch.strided,
-    of type Tensor, has no shape to read)."""
+    of type Tensor, has no shape to read), none on the meta device (whose kernel is the op's fake:
+    an implementation may read a value, such as a dropout seed's)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() != 0
@@ -106,7 +107,7 @@ def plain_eager_call(*tensors: Optional[Tensor]) -> bool:
         return False
     for tensor in tensors:
         if tensor is not None and (type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided
-                                   or tensor.is_nested):
+                                   or tensor.is_nested or tensor.is_meta):
             return False
     return True
 

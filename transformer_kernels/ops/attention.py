@@ -372,7 +372,7 @@ def scaled_dot_product_attention(
     q, k, v, args, output_shape = _normalize(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
-    if output_shape.numel() == 0 or k.shape[2] == 0:
+    if 0 in output_shape or k.shape[2] == 0:  # not numel(): it would fix a symbolic shape's sizes
         return _without_scores(q, k, v, args.attn_mask).view(output_shape)
     if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
         mask = None if args.attn_mask is None else args.attn_mask[..., :0]

@@ -102,15 +102,18 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def empty_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs, needs_backward: bool):
-    """What :func:`forward` returns for the backward pass besides ``out``: on the tiled flash path
-    (see :func:`_takes_flash_tiles`), the lse (:func:`~transformer_kernels.ops.attention.empty_lse`);
-    on the materialized path, the probabilities (float32 or wider) and where they are kept the
-    folded operands (:func:`._attention_probs.empty_saved_probs`), or an empty tensor when no
-    backward pass will run."""
+    """What :func:`forward` returns for the backward pass besides ``out``: an empty tensor when no
+    backward pass will run (whichever path: so that a traced inference call's shapes do not depend
+    on the sizes that choose it, and an export with a dynamic length holds for every length); else
+    on the tiled flash path (see :func:`_takes_flash_tiles`) the lse
+    (:func:`~transformer_kernels.ops.attention.empty_lse`), and on the materialized path the
+    probabilities (float32 or wider) and where they are kept the folded operands
+    (:func:`._attention_probs.empty_saved_probs`)."""
+    if not needs_backward:
+        return query.new_empty(0, dtype=compute_dtype(query.dtype))
     if _takes_flash_tiles(query, key, value, args, needs_backward):
         return empty_lse(query)
-    dtype = compute_dtype(query.dtype)
-    return empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+    return empty_saved_probs(query, key, value, compute_dtype(query.dtype))
 
 
 def forward(
@@ -118,9 +121,10 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` in the layout of :func:`~transformer_kernels.ops.attention.empty_output` and what
     :func:`empty_saved` describes."""
-    if _takes_flash_tiles(query, key, value, args, needs_backward):
-        return flash_forward(query, key, value, plan(query, key, args), args.scale)
-    return probs_forward(query, key, value, args, needs_backward)
+    if not _takes_flash_tiles(query, key, value, args, needs_backward):
+        return probs_forward(query, key, value, args, needs_backward)
+    out, lse = flash_forward(query, key, value, plan(query, key, args), args.scale)
+    return (out, lse) if needs_backward else (out, empty_saved(query, key, value, args, needs_backward))
 
 
 def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
