@@ -135,12 +135,29 @@ def test_beam_search_finds_a_better_sequence_than_greedy():
             assert decoder.log_prob(row, ended(beam[row])) >= decoder.log_prob(row, ended(greedy[row])) - 1e-12
 
 
-@pytest.mark.parametrize("kwargs, message", [({"beam_size": 0}, "beam_size"), ({"max_len": 0}, "max_len")])
-def test_rejects_bad_arguments(kwargs, message):
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"beam_size": 0}, ValueError, "beam_size"), ({"max_len": 0}, ValueError, "max_len"),
+    ({"beam_size": 2.0}, TypeError, "beam_size must be an int"), ({"beam_size": True}, TypeError, "beam_size"),
+    ({"beam_size": None}, TypeError, "beam_size"), ({"pad_index": -1}, ValueError, "pad_index must be >= 0"),
+    ({"pad_index": VOCAB}, ValueError, f"pad_index must be a token of the decoder's {VOCAB}"),
+])
+def test_rejects_bad_arguments(kwargs, error, message):
     decoder = MarkovDecoder(1, 3, seed=0)
     args = dict(batch_size=1, max_len=3, bos_index=BOS, eos_index=EOS, pad_index=PAD) | kwargs
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         generate(decoder, torch.arange(1), **args)
+
+
+@pytest.mark.parametrize("family", ["transformer", "convs2s"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_models_generate_restores_each_submodules_own_mode(family, training):
+    """A model training with its encoder frozen in eval mode (or evaluated with one submodule kept
+    training, Monte Carlo dropout) gets every submodule back in its own mode."""
+    model = small_seed_model(family).train(training)
+    model.encoder.train(not training) if family == "convs2s" else model.transformer.encoder.train(not training)
+    modes = {name: module.training for name, module in model.named_modules()}
+    model.generate(torch.randint(3, 40, (2, 5)), max_len=4, bos_index=1, eos_index=2, beam_size=2)
+    assert {name: module.training for name, module in model.named_modules()} == modes
 
 
 # ----------------------------------------------------------------------------

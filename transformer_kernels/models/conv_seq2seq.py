@@ -23,7 +23,7 @@ from .. import reference
 from .._checks import check_same_device, check_tensor
 from ..nn.glu_conv import GLUConv1d
 from ..ops.attention import MAX_HEAD_DIM, scaled_dot_product_attention
-from .generation import generate
+from .generation import generate, in_eval_mode, is_int
 
 __all__ = ["ConvSeq2Seq"]
 
@@ -315,7 +315,7 @@ class ConvSeq2Seq(torch.nn.Module):
             ("num_decoder_layers", num_decoder_layers), ("kernel_size", kernel_size), ("max_len", max_len),
             ("decoder_kernel_size", kernel_size if decoder_kernel_size is None else decoder_kernel_size),
         ):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (the encoder pads (kernel_size - 1) // 2 on each side), "
@@ -323,7 +323,7 @@ class ConvSeq2Seq(torch.nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
         vocab = min(src_vocab_size, tgt_vocab_size)
-        if not _is_int(pad_index) or not 0 <= pad_index < vocab:
+        if not is_int(pad_index) or not 0 <= pad_index < vocab:
             raise ValueError(f"pad_index must be an int in [0, min(src_vocab_size, tgt_vocab_size)) = [0, {vocab}), "
                              f"got {pad_index!r}")
         if impl not in _IMPLS:
@@ -397,31 +397,23 @@ class ConvSeq2Seq(torch.nn.Module):
             LongTensor ``[B, T]``, ``T <= max_len``: each row starts with ``bos_index``; after its
             ``eos_index`` it holds ``pad_index``.
         """
-        if not _is_int(max_len) or not 1 <= max_len <= self.max_len + 1:
+        if not is_int(max_len) or not 1 <= max_len <= self.max_len + 1:
             raise ValueError(f"max_len must be an int in [1, model max_len + 1 = {self.max_len + 1}] "
                              f"(the decoder's positions), got {max_len!r}")
         vocab = self.decoder.fc_out.out_features
         for name, value in (("bos_index", bos_index), ("eos_index", eos_index)):
-            if not _is_int(value) or not 0 <= value < vocab:
+            if not is_int(value) or not 0 <= value < vocab:
                 raise ValueError(f"{name} must be an int in [0, tgt_vocab_size = {vocab}), got {value!r}")
-        was_training = self.training
-        self.eval()
-        try:
+        with in_eval_mode(self):
             encoder = self.encode(src)
             return generate(
                 self.decoder, self.decoder.initial_state(encoder), batch_size=src.shape[0], max_len=max_len,
                 bos_index=bos_index, eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size,
                 device=src.device, cuda_graph=cuda_graph,
             )
-        finally:
-            self.train(was_training)
 
     def _check_tokens(self, name: str, tokens: Tensor) -> None:
         check_tensor(name, tokens, ndim=2, dtypes=(torch.int64, torch.int32))
         if not 1 <= tokens.shape[1] <= self.max_len:
             raise ValueError(f"{name} must have 1 to max_len = {self.max_len} positions, got shape "
                              f"{tuple(tokens.shape)}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,13 +18,14 @@ the host only asks, once per step, whether every hypothesis has ended.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["IncrementalDecoder", "RedecodingDecoder", "generate"]
+__all__ = ["IncrementalDecoder", "RedecodingDecoder", "check_int", "generate", "in_eval_mode", "is_int"]
 
 
 class IncrementalDecoder(Protocol):
@@ -74,6 +75,32 @@ class _Prefixes:
         self.source, self.prefix = source, prefix
 
 
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """A TypeError naming ``name`` unless ``value`` is an int (not a bool), a ValueError below ``minimum``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@contextlib.contextmanager
+def in_eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in evaluation mode, then every submodule back in its own mode: ``module.train(
+    was_training)`` would set them all to the top's (an encoder frozen in eval mode while the rest
+    trains, or a submodule kept training for Monte Carlo dropout, would lose its mode)."""
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
+
+
 class _Search:
     """The search's tensors, allocated once and updated in place, and its step: the decoder's step
     for every hypothesis, then the choice of the next tokens (:func:`generate`'s rules).  A step
@@ -103,6 +130,8 @@ class _Search:
         # Search in the decoder's precision, at least float32 (float16 scores would tie too often).
         log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
         vocab_size = log_probs.shape[-1]
+        if self.pad_index >= vocab_size:  # (a host-side int: nothing read back from the device)
+            raise ValueError(f"pad_index must be a token of the decoder's {vocab_size}, got {self.pad_index}")
         # An ended hypothesis continues only with pad, at no cost: its score stays as it was.  (In-place
         # fills: indexing by the mask and a column would read the mask back to the host.)
         log_probs.masked_fill_(self.finished[:, None], float("-inf"))
@@ -225,10 +254,9 @@ def generate(
         LongTensor ``[batch_size, T]``, ``T <= max_len``: ``T`` is ``max_len``, or one more than
         the step at which the last hypothesis ended.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    check_int("beam_size", beam_size, 1)
+    check_int("max_len", max_len, 1)
+    check_int("pad_index", pad_index, 0)
     device = torch.device("cpu") if device is None else torch.device(device)
     search = _Search(decoder, state, batch_size=batch_size, beam_size=beam_size, max_len=max_len,
                      bos_index=bos_index, eos_index=eos_index, pad_index=pad_index, device=device)

@@ -131,12 +131,12 @@ class Transformer(nn.Module):
             ("num_decoder_layers", num_decoder_layers, 0), ("dim_feedforward", dim_feedforward, 1),
             ("max_len", max_len, 1),
         ):
-            _check_int(name, value, minimum)
+            generation.check_int(name, value, minimum)
         if d_model % nhead != 0:
             raise ValueError(f"d_model must be divisible by nhead, got d_model={d_model} and nhead={nhead}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        _check_int("pad_index", pad_index, 0)
+        generation.check_int("pad_index", pad_index, 0)
         if pad_index >= min(src_vocab_size, tgt_vocab_size):
             raise ValueError(
                 f"pad_index must be a token of both vocabularies (< {min(src_vocab_size, tgt_vocab_size)}), "
@@ -211,17 +211,15 @@ class Transformer(nn.Module):
             LongTensor ``[B, T]``, ``T <= max_len``, on ``src``'s device.
         """
         self._check_tokens("src", src)
-        _check_int("max_len", max_len, 1)
+        generation.check_int("max_len", max_len, 1)
         if max_len > self.max_len:
             raise ValueError(f"max_len must be at most the model's max_len ({self.max_len}), got {max_len}")
         vocab_size = self.tgt_embedding.num_embeddings
         for name, index in (("bos_index", bos_index), ("eos_index", eos_index)):
-            _check_int(name, index, 0)
+            generation.check_int(name, index, 0)
             if index >= vocab_size:
                 raise ValueError(f"{name} must be a target token (< {vocab_size}), got {index}")
-        was_training = self.training
-        self.eval()
-        try:
+        with generation.in_eval_mode(self):
             padding = src.eq(self.pad_index)
             memory = self.transformer.encoder(self._embed(self.src_embedding, src), padding)
             state = self.transformer.decoder.initial_state(memory, padding, max_len)
@@ -230,8 +228,6 @@ class Transformer(nn.Module):
                 eos_index=eos_index, pad_index=self.pad_index, beam_size=beam_size, device=src.device,
                 cuda_graph=cuda_graph,
             )
-        finally:
-            self.train(was_training)
 
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """``tokens [B, L]`` -> ``[B, L, E]``, at positions ``0, ..., L - 1``, or with ``positions``
@@ -582,10 +578,3 @@ def _sinusoidal_positions(max_len: int, d_model: int, dtype: Optional[torch.dtyp
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
     return table.to(device=device, dtype=dtype or torch.get_default_dtype())
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
