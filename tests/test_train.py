@@ -71,11 +71,15 @@ def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
     (["--model", "rnn"], "invalid choice"),
     (["--steps", "0"], "must be positive"),
     (["--dtype", "int8"], "invalid choice"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--device", "bogus"], "--device: "),
+    (["--device", "cuda:99"], "CUDA device(s)"),
 ])
-def test_bad_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit):
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
-    assert message in capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -54,3 +54,17 @@ def check_same_device(reference_name: str, reference: torch.Tensor, **others: Op
             raise ValueError(
                 f"{name} must be on the same device as {reference_name} ({reference.device}), got {tensor.device}"
             )
+
+
+def machine_device(name: str) -> torch.device:
+    """The device ``name`` (``cpu``, ``cuda`` or ``cuda:N``) names, for a command-line option; a
+    ValueError saying why where torch does not parse it or this machine lacks it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"{name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"expected cpu, cuda or cuda:N, got {name}")
+    return device

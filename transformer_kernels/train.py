@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._checks import machine_device
 from ._progress import Progress
 from .models import ConvSeq2Seq, Transformer
 
@@ -351,6 +352,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch-size must be positive")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.device is not None:
+        try:
+            machine_device(args.device)
+        except ValueError as error:
+            parser.error(f"--device: {error}")
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from .._checks import machine_device
 from . import check, environment, plots, report, run, suites, timing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -82,14 +83,9 @@ def _device(parser: argparse.ArgumentParser, name: Optional[str]) -> torch.devic
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
-    except RuntimeError as error:
+        return machine_device(name)
+    except ValueError as error:
         parser.error(f"--device: {error}")
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device: expected cpu, cuda or cuda:N, got {name}")
-    return device
 
 
 def _positive_int(text: str) -> int:

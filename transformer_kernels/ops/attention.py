@@ -286,8 +286,9 @@ def scaled_dot_product_attention(
         backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"eager"``; overrides
             :func:`transformer_kernels.use_backend` and the
             ``TRANSFORMER_KERNELS_BACKEND`` environment variable.  ``"auto"``
-            runs CUDA tensors on the CUDA extension or Triton when they can
-            serve the call, else on eager; CPU tensors run on eager.  A backend
+            runs CUDA tensors on Triton when it can serve the call, else on
+            eager (never on the CUDA extension, whose attention measured slower
+            than Triton's: name it to use it); CPU tensors run on eager.  A backend
             named explicitly that cannot serve the call raises
             :class:`transformer_kernels.BackendUnavailableError`.
 

@@ -137,7 +137,10 @@ def glu_conv1d(
             A Python number (not a tensor).
         backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"eager"``; ``None``
             follows :func:`transformer_kernels.use_backend` and the
-            ``TRANSFORMER_KERNELS_BACKEND`` environment variable.
+            ``TRANSFORMER_KERNELS_BACKEND`` environment variable.  ``"auto"``
+            runs CPU tensors on eager, and CUDA tensors on the CUDA extension
+            where it is built and preferred on the GPU's architecture (README,
+            "Backends"), else on Triton, else on eager.
 
     Returns:
         ``[B, C, L]`` with ``x``'s dtype, channel-last if ``x`` is channel-last,

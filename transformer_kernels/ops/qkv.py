@@ -97,8 +97,10 @@ def qkv_projection(
         backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"eager"``; ``None``
             follows :func:`transformer_kernels.use_backend` and the
             ``TRANSFORMER_KERNELS_BACKEND`` environment variable.  ``"auto"``
-            runs CUDA tensors on Triton and CPU tensors on eager (one
-            ``F.linear`` with the packed weight, then the head split).
+            runs CPU tensors on eager (one ``F.linear`` with the packed weight,
+            then the head split), and CUDA tensors on the CUDA extension where
+            it is built and preferred on the GPU's architecture (README,
+            "Backends"), else on Triton, else on eager.
 
     Returns:
         A tuple of ``n`` tensors, each ``[*batch, H, L, Dh]`` with the dtype
