@@ -171,7 +171,8 @@ def test_check_fails_on_a_wrong_op(one_thread, monkeypatch, capsys):
 
 
 def _group(op: str, case: str, times_by_impl: dict[str, list[float]], flops: Optional[float] = 1e9) -> dict:
-    return {"op": op, "case": case, "direction": "fwd", "device": "cpu", "ours": ["eager"], "reference": "reference",
+    ours = [impl for impl in ("eager", "triton") if impl in times_by_impl]  # a run lists only what it timed
+    return {"op": op, "case": case, "direction": "fwd", "device": "cpu", "ours": ours, "reference": "reference",
             "params": {}, "flops": flops, "rounds": len(next(iter(times_by_impl.values()), [])), "calls": {},
             "times_s": times_by_impl, "peak_mem_bytes": {}, "errors": {}, "unavailable": {}, "failed": {}}
 
@@ -239,8 +240,11 @@ def test_compare_names_what_it_cannot_compare_and_what_failed(tmp_path, capsys):
 @pytest.mark.parametrize(("damage", "problem"), [
     (lambda data: data["environment"].pop("device"), "the environment lacks device"),
     (lambda data: data["groups"][0].pop("times_s"), "group 0 lacks one of"),
-    (lambda data: data["groups"][0]["times_s"].update(triton=[]), "has an implementation without times"),
+    (lambda data: data["groups"][0]["times_s"].update(triton=[]), "has an implementation of ours without times"),
+    (lambda data: data["groups"][0]["times_s"].clear(), "has an implementation of ours without times"),
     (lambda data: data.update(groups={}), "no list of groups"),
+    (lambda data: data.pop("targets"), "no list of groups or of targets"),
+    (lambda data: data["targets"].append({"op": "attention"}), "target 0 lacks one of"),
 ])
 def test_compare_refuses_a_results_file_missing_what_it_reads(damage, problem, tmp_path, capsys):
     good, damaged = tmp_path / "good.json", tmp_path / "damaged.json"

@@ -6,12 +6,15 @@ plumbing, not the kernels, is what is tested here) and, on eager in float64, aga
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 from _helpers import backend_params, device_for, precise_dtype
 
 import transformer_kernels as tk
@@ -131,6 +134,35 @@ def test_gradients_recorded_by_autograd_equal_plain_ones_and_refuse_a_second_der
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.func.grad(lambda p: sum(g.sum() for g in torch.func.grad(case.loss)(p, sample, backend)))(params)
+
+
+@pytest.mark.parametrize("route", ["checkpoint", "dispatch_mode"])
+def test_recorded_gradients_through_a_checkpoint_or_a_dispatch_mode(case, route):
+    """A non-reentrant checkpoint unpacks each saved tensor once; a dispatch mode (FlopCounterMode)
+    routes the call through the registered op, which hands a ``Tensor[]`` output's gradients over
+    as one list.  Either way the first derivative is plain autograd's and a second one raises, with
+    only the bias requiring grad (what ties it to the graph is the incoming gradient alone)."""
+    op, case = case
+    params, samples = case.make(torch.float64, torch.device("cpu"))
+    sample = _sample(samples, 0)
+    weight, bias = (params[0], params[1].requires_grad_()) if op != "attention" else (params[0].requires_grad_(), None)
+    leaf = bias if bias is not None else weight
+
+    def loss(leaf):
+        p = (weight, leaf) if bias is not None else (leaf,)
+        return case.loss(p, sample, "eager")
+
+    expected = torch.autograd.grad(loss(leaf), leaf)[0]
+    if route == "checkpoint":
+        context, run = contextlib.nullcontext(), lambda: torch.utils.checkpoint.checkpoint(loss, leaf,
+                                                                                           use_reentrant=False)
+    else:
+        context, run = FlopCounterMode(display=False), lambda: loss(leaf)
+    with context:
+        (grad,) = torch.autograd.grad(run(), leaf, create_graph=True)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="not twice differentiable"):
+            grad.square().sum().backward()
 
 
 def _forward(op, params, sample, backend):

@@ -167,6 +167,8 @@ def read_results(path: Path) -> dict:
 _ENVIRONMENT_KEYS = ("device", "device_type", "dtype", "size", "date", "torch", "threads", "load_average_1min_at_start")
 _GROUP_KEYS = ("op", "case", "direction", "device", "ours", "reference", "flops", "times_s", "errors",
                "peak_mem_bytes", "failed", "unavailable")
+_TARGET_KEYS = ("op", "case", "direction", "impl", "baseline", "min_speedup", "status", "why_not", "speedup",
+                "ours_ms", "baseline_ms", "memory_ratio", "max_memory_ratio")
 
 
 def _results_problem(data: object) -> Optional[str]:
@@ -178,14 +180,19 @@ def _results_problem(data: object) -> Optional[str]:
     missing = [key for key in _ENVIRONMENT_KEYS if key not in data["environment"]]
     if missing:
         return f"the environment lacks {', '.join(missing)}"
-    if not isinstance(data.get("groups"), list) or not isinstance(data.get("targets", []), list):
-        return "no list of groups"
+    if not isinstance(data.get("groups"), list) or not isinstance(data.get("targets"), list):
+        return "no list of groups or of targets"
+    for index, target in enumerate(data["targets"]):
+        if not isinstance(target, dict) or any(key not in target for key in _TARGET_KEYS):
+            return f"target {index} lacks one of {', '.join(_TARGET_KEYS)}"
     for index, group in enumerate(data["groups"]):
         if not isinstance(group, dict) or any(key not in group for key in _GROUP_KEYS):
             return f"group {index} lacks one of {', '.join(_GROUP_KEYS)}"
         times = group["times_s"]
-        if not isinstance(times, dict) or not all(isinstance(t, list) and t for t in times.values()):
-            return f"group {index} ({group['op']} {group['case']}) has an implementation without times"
+        if not (isinstance(times, dict) and isinstance(group["ours"], list)
+                and all(isinstance(t, list) and t for t in times.values())
+                and all(impl in times for impl in group["ours"])):
+            return f"group {index} ({group['op']} {group['case']}) has an implementation of ours without times"
     return None
 
 

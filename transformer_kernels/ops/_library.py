@@ -68,6 +68,23 @@ def _schema_type(annotation: Any) -> str:
     raise TypeError(f"no schema type for {annotation!r}")
 
 
+def _flat(values: Sequence[Any]) -> list:
+    """``values`` with its lists and tuples (one level) spliced in."""
+    return [value for entry in values for value in (entry if isinstance(entry, (list, tuple)) else (entry,))]
+
+
+class _SavedOnce:
+    """An autograd ctx whose saved tensors are unpacked once, however often they are read: a
+    non-reentrant checkpoint's unpack hook refuses a second unpack."""
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        self.saved_tensors = ctx.saved_tensors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
 class _GradientsNotDifferentiable(torch.autograd.Function):
     """``apply(message, count, *gradients, *sources)``: copies of the ``count`` gradients, which
     autograd (or a torch.func transform) sees as computed from ``sources`` (the op's saved tensors
@@ -358,11 +375,12 @@ class RegisteredOp:
         def recorded_backward(ctx, *grad_outputs):
             if not torch.is_grad_enabled():
                 return backward(ctx, *grad_outputs)
+            ctx = _SavedOnce(ctx)
             with torch.no_grad():
                 grads = backward(ctx, *grad_outputs)
-            flat = [grad for entry in grads for grad in (entry if isinstance(entry, (list, tuple)) else (entry,))]
-            tensors = [grad for grad in flat if isinstance(grad, Tensor)]
-            sources = [t for t in (*ctx.saved_tensors, *grad_outputs) if isinstance(t, Tensor)]
+            tensors = [grad for grad in _flat(grads) if isinstance(grad, Tensor)]
+            # (A Tensor[] output's gradients arrive as one list on the dispatcher's route.)
+            sources = [t for t in (*ctx.saved_tensors, *_flat(grad_outputs)) if isinstance(t, Tensor)]
             if not tensors:
                 return grads
             marked = iter(_GradientsNotDifferentiable.apply(message, len(tensors), *tensors, *sources))
