@@ -101,6 +101,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     - On the fused path dropout masks differ from torch's for the same seed (the
       statistics are the same).
     - With ``batch_first=True`` the output is contiguous (torch returns a transposed view).
+    - A bool ``key_padding_mask`` or ``attn_mask`` is saved for the backward pass, not
+      copied: changing it in place before that pass raises autograd's "modified by an
+      inplace operation" (torch works from a float copy and does not).
     - ``torch.jit.script`` cannot compile it (``torch.compile`` can, ``fullgraph=True``).
       ``torch.jit.trace`` records it, but with parameters that require grad its check finds
       the attention op's flag "a backward pass will run" differing between its traces: trace

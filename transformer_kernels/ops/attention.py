@@ -249,7 +249,11 @@ def scaled_dot_product_attention(
             As in torch (which adds it to ``query @ key^T`` in place), the
             mask must broadcast to the shape of ``query @ key^T``, not only
             to the output's: a mask may not add dimensions that only
-            ``value`` has.  It is read through ``expand``, not copied.
+            ``value`` has.  It is read through ``expand``, not copied, and
+            saved for the backward pass as it is, as ``key_padding_mask`` is:
+            changing either in place before that pass raises autograd's
+            "modified by an inplace operation" (torch copies a bool mask, and
+            does not).
         dropout_p: probability in ``[0, 1]`` of dropping an attention weight
             (after the softmax; kept weights are scaled by ``1 / (1 - dropout_p)``;
             ``1.0`` drops every weight: the output and the gradients are 0, as in torch).
