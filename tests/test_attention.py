@@ -1234,10 +1234,11 @@ def test_opcheck_forward_and_backward(backend, dropout, float_mask, needs_backwa
     ("blhd", 9, True, None, 1, None),   # ... with the folded copies of views (one flat buffer)
     ("blhd", 9, True, 1, 1, None),      # ... made chunk by chunk
     ("bhld", 9, True, 1, 4, None),      # ... the probabilities alone, in chunks: batch-major
-    ("bhld", 9, False, None, 1, None),  # no backward, operands that fold: the materialized path, keeping nothing
-    ("blhd", 9, False, None, 3, 1),     # ... but views it would copy to fold, at one thread: the flash path's lse
+    # No backward pass: nothing kept, whichever path runs (so an export's shapes hold across them):
+    ("bhld", 9, False, None, 1, None),  # operands that fold: the materialized path
+    ("blhd", 9, False, None, 1, 1),     # views it would copy to fold, at one thread: the flash path
     ("blhd", 9, False, None, 1, 2),     # ... and at more: the materialized path
-    ("bhld", 41, False, None, 3, None),  # no backward past _INFERENCE_PROBS_MAX_SCORES: the flash path's lse
+    ("bhld", 41, False, None, 1, None),  # past _INFERENCE_PROBS_MAX_SCORES: the flash path
     ("gqa", 9, True, None, 3, None),    # grouped heads: the flash path
     ("bhld", 129, True, None, 3, None),  # past _PROBS_MAX_SCORES: the flash path
 ])
@@ -1245,8 +1246,8 @@ def test_eager_keeps_probabilities_for_short_calls(layout, length, needs_backwar
                                                    monkeypatch, request):
     """What the eager forward keeps for its backward pass, op-checked with it: short differentiated
     calls with one head count keep the probabilities (with the folded copies of operands it copies
-    to fold them), short calls without a backward pass nothing (a backward recomputes the
-    probabilities), the others the lse."""
+    to fold them), calls without a backward pass nothing (a backward recomputes what it needs),
+    the others the lse."""
     if chunk_bytes is not None:
         monkeypatch.setattr(eager_probs, "_CHUNK_BYTES_PER_THREAD", chunk_bytes)
     if threads is not None:  # torch's own setter, restored after (never a monkeypatched torch attribute)

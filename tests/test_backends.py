@@ -246,6 +246,19 @@ def test_context_is_left_when_the_call_raises(forward_calls, public):
     assert forward_calls.backends == ["eager"]
 
 
+def test_a_context_leaving_removes_its_own_entry(monkeypatch):
+    """Blocks of two threads that leave out of order (the first opened leaves first): the other's
+    block stays in force, not the one that left."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    first, second = use_backend("triton"), use_backend("eager")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert _backend.requested_backend(None) == "eager"
+    second.__exit__(None, None, None)
+    assert _backend.requested_backend(None) == "auto"
+
+
 @skip_unless_backend("triton")
 def test_argument_beats_context_beats_environment_variable(forward_calls, monkeypatch, public):
     _, function = public

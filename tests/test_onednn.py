@@ -21,6 +21,56 @@ def test_speedup_is_measured_once_outside_dispatch_modes(monkeypatch):
     assert onednn.speedup() == speedup
 
 
+def _in_threads(count: int, function) -> list:
+    """``function()`` in ``count`` threads started together; their results."""
+    import threading
+
+    barrier, results = threading.Barrier(count), [None] * count
+
+    def run(index):
+        barrier.wait()
+        results[index] = function()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@requires_onednn
+def test_threads_making_the_first_call_together_time_once(monkeypatch):
+    """One timing for the process: threads that ask together wait for it (each timing on its own
+    read the thread count another had set to 1, and restored that 1 for the whole process), and
+    a timed choice is the one kept (each thread used its own winner, so identical calls gave
+    different bits)."""
+    import time
+
+    from transformer_kernels.backends.eager import _tuning
+
+    timings = []
+
+    def best_times(runs):
+        timings.append(torch.get_num_threads())
+        time.sleep(0.05)
+        return {name: float(len(timings) + index) for index, name in enumerate(runs)}
+
+    monkeypatch.setattr(onednn, "_speedup", None)
+    monkeypatch.setattr(_tuning, "best_times", best_times)
+    monkeypatch.setattr(_tuning, "_choices", {})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert len(set(_in_threads(4, onednn.speedup))) == 1 and timings == [1]
+        assert torch.get_num_threads() == 2
+        timings.clear()
+        choices = _in_threads(4, lambda: _tuning.fastest("key", lambda: {"a": None, "b": None}))
+        assert len(timings) == 1 and len(set(choices)) == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
 @requires_onednn
 @pytest.mark.parametrize("fails", [False, True])
 def test_speedup_is_timed_on_one_thread_and_the_thread_count_restored(monkeypatch, fails):

@@ -42,8 +42,11 @@ ENV_VAR = "TRANSFORMER_KERNELS_BACKEND"
 _logger = logging.getLogger("transformer_kernels")
 _logged_reasons: set[tuple[str, str, str]] = set()
 # A plain list rather than a ContextVar: torch.compile traces reads of module
-# globals without a graph break, and backend choice is a per-process setting.
-_backend_stack: list[str] = []
+# globals without a graph break, and backend choice is a per-process setting (as
+# torch.nn.attention.sdpa_kernel's is).  Each entry is (token, name): a block
+# leaving removes its own entry, not the top one, which another thread's block
+# may have pushed since.
+_backend_stack: list[tuple[object, str]] = []
 
 
 class BackendUnavailableError(RuntimeError):
@@ -156,18 +159,22 @@ def _check_name(name: str, origin: str) -> str:
 def use_backend(name: str) -> Iterator[None]:
     """Run the calls inside the ``with`` block on backend ``name``.
 
-    An explicit ``backend=`` argument still wins over the context.
+    An explicit ``backend=`` argument still wins over the context.  The setting is the
+    process's, not the thread's (as ``torch.nn.attention.sdpa_kernel``'s is): while a
+    block is open, calls from every thread that name no backend take the innermost
+    block's, whichever thread opened it.
 
     Example::
 
         with transformer_kernels.use_backend("eager"):
             out = transformer_kernels.scaled_dot_product_attention(q, k, v)
     """
-    _backend_stack.append(_check_name(name, "use_backend(name)"))
+    entry = (object(), _check_name(name, "use_backend(name)"))
+    _backend_stack.append(entry)
     try:
         yield
     finally:
-        _backend_stack.pop()
+        _backend_stack.remove(entry)
 
 
 def requested_backend(backend: Optional[str]) -> str:
@@ -175,7 +182,7 @@ def requested_backend(backend: Optional[str]) -> str:
     if backend is not None:
         return _check_name(backend, "backend")
     if _backend_stack:
-        return _backend_stack[-1]
+        return _backend_stack[-1][1]
     env = os.environ.get(ENV_VAR)
     if env:
         return _check_name(env, f"environment variable {ENV_VAR}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from typing import Callable, Hashable, Iterator, Mapping
 
@@ -22,6 +23,11 @@ __all__ = ["enabled", "real_tensors", "best_times", "fastest"]
 # Interleaved rounds timed per choice, after one warm-up call of each run; the best round counts.
 _ROUNDS = 5
 _choices: dict[Hashable, str] = {}
+# One timing at a time in the process: threads that make the same first call wait for its choice
+# (rather than each timing, keeping a choice of its own, and the last one's standing for later
+# calls), and a timing that sets torch's process-wide thread count (onednn.speedup) restores it
+# before another one reads it.  Reentrant: a timing may ask for another (the GEMM speed-up).
+timing_lock = threading.RLock()
 
 
 def enabled() -> bool:
@@ -55,8 +61,11 @@ def fastest(key: Hashable, make_runs: Callable[[], Mapping[str, Callable[[], obj
     """The name of the fastest of the runs ``make_runs()`` returns (timed with :func:`best_times`
     on the first call with ``key``, then kept for the process)."""
     choice = _choices.get(key)
-    if choice is None:
-        with real_tensors():
-            best = best_times(make_runs())
-        choice = _choices[key] = min(best, key=best.__getitem__)
-    return choice
+    if choice is not None:
+        return choice
+    with timing_lock:
+        if key not in _choices:
+            with real_tensors():
+                best = best_times(make_runs())
+            _choices[key] = min(best, key=best.__getitem__)
+        return _choices[key]

@@ -72,7 +72,9 @@ def speedup() -> float:
     if torch.are_deterministic_algorithms_enabled():
         return 0.0
     if _speedup is None:
-        _speedup = _measure() if _LINEAR is not None else 0.0
+        with _tuning.timing_lock:
+            if _speedup is None:
+                _speedup = _measure() if _LINEAR is not None else 0.0
     return _speedup
 
 
