@@ -379,10 +379,10 @@ class RegisteredOp:
             with torch.no_grad():
                 grads = backward(ctx, *grad_outputs)
             tensors = [grad for grad in _flat(grads) if isinstance(grad, Tensor)]
-            # (A Tensor[] output's gradients arrive as one list on the dispatcher's route.)
-            sources = [t for t in (*ctx.saved_tensors, *_flat(grad_outputs)) if isinstance(t, Tensor)]
             if not tensors:
                 return grads
+            # (A Tensor[] output's gradients arrive as one list on the dispatcher's route.)
+            sources = [t for t in (*ctx.saved_tensors, *_flat(grad_outputs)) if isinstance(t, Tensor)]
             marked = iter(_GradientsNotDifferentiable.apply(message, len(tensors), *tensors, *sources))
 
             def mark(grad):

@@ -124,7 +124,7 @@ def forward(
     if not _takes_flash_tiles(query, key, value, args, needs_backward):
         return probs_forward(query, key, value, args, needs_backward)
     out, lse = flash_forward(query, key, value, plan(query, key, args), args.scale)
-    return (out, lse) if needs_backward else (out, empty_saved(query, key, value, args, needs_backward))
+    return out, lse if needs_backward else empty_saved(query, key, value, args, needs_backward)
 
 
 def _takes_flash_tiles(query, key, value, args: AttentionArgs, needs_backward: bool) -> bool:
