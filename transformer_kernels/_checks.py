@@ -56,6 +56,18 @@ def check_same_device(reference_name: str, reference: torch.Tensor, **others: Op
             )
 
 
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """A TypeError naming ``name`` unless ``value`` is an int (not a bool), a ValueError below ``minimum``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 def machine_device(name: str) -> torch.device:
     """The device ``name`` (``cpu``, ``cuda`` or ``cuda:N``) names, for a command-line option; a
     ValueError saying why where torch does not parse it or this machine lacks it."""

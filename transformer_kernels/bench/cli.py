@@ -118,7 +118,8 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
-    _make_folder(parser, out)
+    if args.out is None:  # (main made an --out folder already, before the environment was measured)
+        _make_folder(parser, out)
     print(f"{env['device']}, {env['dtype']}, {size} run, {env['threads']} torch threads; writing {out}",
           file=sys.stderr)
     targets = report.load_targets(names)

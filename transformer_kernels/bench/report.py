@@ -10,6 +10,7 @@ with its ``timing.SPREAD`` quantiles; a target is "met" when the lower quantile 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -203,15 +204,22 @@ def recounted_flops(data: dict) -> dict:
     if data.get("flop_count") == FLOP_COUNT:
         return data
     env = data["environment"]
-    setting = suites.Setting(torch.device(env["device_type"]), getattr(torch, env["dtype"]), env["size"])
+    counts = _suite_flops(env["device_type"], env["dtype"], env["size"])
+    groups = [{**group, "flops": counts.get(_group_key(group))} for group in data["groups"]]
+    return {**data, "flop_count": FLOP_COUNT, "groups": groups}
+
+
+@functools.cache
+def _suite_flops(device_type: str, dtype: str, size: str) -> dict[tuple[str, str, str], Optional[float]]:
+    """Every suite's groups' FLOP counts on a setting, by (op, case, direction)."""
+    setting = suites.Setting(torch.device(device_type), getattr(torch, dtype), size)
     counts = {}
     for name in suites.SUITES:
         try:
             counts.update({(g.op, g.case, g.direction): g.flops for g in suites.load(name).groups(setting)})
         except Exception:  # a suite this installation cannot load: its groups show no rate
             continue
-    groups = [{**group, "flops": counts.get(_group_key(group))} for group in data["groups"]]
-    return {**data, "flop_count": FLOP_COUNT, "groups": groups}
+    return counts
 
 
 # ----------------------------------------------------------------------------- report.md

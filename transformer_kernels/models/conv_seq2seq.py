@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._checks import check_same_device, check_tensor
+from .._checks import check_same_device, check_tensor, is_int
 from ..nn.glu_conv import GLUConv1d
 from ..ops.attention import MAX_HEAD_DIM, scaled_dot_product_attention
-from .generation import generate, in_eval_mode, is_int
+from .generation import generate, in_eval_mode
 
 __all__ = ["ConvSeq2Seq"]
 
@@ -309,11 +309,12 @@ class ConvSeq2Seq(torch.nn.Module):
         decoder_kernel_size: Optional[int] = None,
     ) -> None:
         super().__init__()
+        decoder_kernel_size = kernel_size if decoder_kernel_size is None else decoder_kernel_size
         for name, value in (
             ("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size), ("emb_dim", emb_dim),
             ("hid_dim", hid_dim), ("num_encoder_layers", num_encoder_layers),
             ("num_decoder_layers", num_decoder_layers), ("kernel_size", kernel_size), ("max_len", max_len),
-            ("decoder_kernel_size", kernel_size if decoder_kernel_size is None else decoder_kernel_size),
+            ("decoder_kernel_size", decoder_kernel_size),
         ):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -335,9 +336,8 @@ class ConvSeq2Seq(torch.nn.Module):
         self.mask_source_padding = mask_source_padding
         self.encoder = ConvEncoder(src_vocab_size, emb_dim, hid_dim, num_encoder_layers, kernel_size, dropout,
                                    max_len, impl)
-        self.decoder = ConvDecoder(tgt_vocab_size, emb_dim, hid_dim, num_decoder_layers,
-                                   kernel_size if decoder_kernel_size is None else decoder_kernel_size, dropout,
-                                   max_len, pad_index, impl)
+        self.decoder = ConvDecoder(tgt_vocab_size, emb_dim, hid_dim, num_decoder_layers, decoder_kernel_size,
+                                   dropout, max_len, pad_index, impl)
 
     @property
     def impl(self) -> str:

@@ -25,7 +25,9 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["IncrementalDecoder", "RedecodingDecoder", "check_int", "generate", "in_eval_mode", "is_int"]
+from .._checks import check_int
+
+__all__ = ["IncrementalDecoder", "RedecodingDecoder", "generate", "in_eval_mode"]
 
 
 class IncrementalDecoder(Protocol):
@@ -73,18 +75,6 @@ class _Prefixes:
 
     def __init__(self, source: Tensor, prefix: Tensor) -> None:
         self.source, self.prefix = source, prefix
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: object, minimum: int) -> None:
-    """A TypeError naming ``name`` unless ``value`` is an int (not a bool), a ValueError below ``minimum``."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @contextlib.contextmanager

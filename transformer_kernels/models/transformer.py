@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from .._backend import select_backend
+from .._checks import check_int
 from ..nn import MultiheadAttention
 from ..ops._autocast import autocast_enabled
 from ..ops.attention import OP_NAME as ATTENTION_NAME
@@ -131,12 +132,12 @@ class Transformer(nn.Module):
             ("num_decoder_layers", num_decoder_layers, 0), ("dim_feedforward", dim_feedforward, 1),
             ("max_len", max_len, 1),
         ):
-            generation.check_int(name, value, minimum)
+            check_int(name, value, minimum)
         if d_model % nhead != 0:
             raise ValueError(f"d_model must be divisible by nhead, got d_model={d_model} and nhead={nhead}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        generation.check_int("pad_index", pad_index, 0)
+        check_int("pad_index", pad_index, 0)
         if pad_index >= min(src_vocab_size, tgt_vocab_size):
             raise ValueError(
                 f"pad_index must be a token of both vocabularies (< {min(src_vocab_size, tgt_vocab_size)}), "
@@ -211,12 +212,12 @@ class Transformer(nn.Module):
             LongTensor ``[B, T]``, ``T <= max_len``, on ``src``'s device.
         """
         self._check_tokens("src", src)
-        generation.check_int("max_len", max_len, 1)
+        check_int("max_len", max_len, 1)
         if max_len > self.max_len:
             raise ValueError(f"max_len must be at most the model's max_len ({self.max_len}), got {max_len}")
         vocab_size = self.tgt_embedding.num_embeddings
         for name, index in (("bos_index", bos_index), ("eos_index", eos_index)):
-            generation.check_int(name, index, 0)
+            check_int(name, index, 0)
             if index >= vocab_size:
                 raise ValueError(f"{name} must be a target token (< {vocab_size}), got {index}")
         with generation.in_eval_mode(self):

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["SUITES", "Backends", "Group", "Impl", "Setting", "SuiteUnavailable", "Target", "load", "max_abs_error"]
+__all__ = ["SUITES", "Backends", "Group", "Impl", "Setting", "SuiteUnavailable", "Target", "attended_pairs", "load",
+           "max_abs_error"]
 
 # Suite name (what --only takes) -> module.
 SUITES = {
@@ -139,6 +140,12 @@ class Group:
     ours: tuple[str, ...]
     params: dict = dataclasses.field(default_factory=dict)
     reference: str = "reference"
+
+
+def attended_pairs(lengths: Sequence[float], causal: bool) -> float:
+    """The (query, key) pairs self-attention over sequences of ``lengths`` real tokens computes:
+    n² for n tokens, n(n + 1) / 2 causal; padding rows and keys none."""
+    return sum(n * (n + 1) / 2 if causal else n * n for n in lengths)
 
 
 def max_abs_error(outputs: Tensors, exact: Tensors, rows: Optional[torch.Tensor] = None) -> float:

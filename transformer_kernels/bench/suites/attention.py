@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import transformer_kernels as tk
 from transformer_kernels.reference import attention as reference_attention
 
-from . import DIRECTIONS, Group, Impl, Setting, Target, backends_for, max_abs_error
+from . import DIRECTIONS, Group, Impl, Setting, Target, attended_pairs, backends_for, max_abs_error
 
 OP = "attention"
 SDPA_BACKENDS = {"torch_sdpa_math": "MATH", "torch_sdpa_flash": "FLASH_ATTENTION",
@@ -367,9 +367,8 @@ def _flops(case: AttentionCase, direction: str) -> float:
     """Useful work: two matmuls of 2·D per (real query, key it sees) pair, per head: a sequence of n
     real tokens has n² pairs, n(n+1)/2 causal; its padding rows and keys none.  Backward 2.5x
     forward."""
-    lengths = case.lengths().double() if case.padded else torch.full((case.batch,), float(case.length))
-    pairs = (lengths * (lengths + 1) / 2 if case.causal else lengths**2).sum().item()
-    forward = 4 * case.heads * case.head_dim * pairs
+    lengths = case.lengths().tolist() if case.padded else case.batch * [case.length]
+    forward = 4 * case.heads * case.head_dim * attended_pairs(lengths, case.causal)
     return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[direction]
 
 

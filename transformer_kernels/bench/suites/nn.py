@@ -28,7 +28,7 @@ import torch
 
 import transformer_kernels.nn as tknn
 
-from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, backends_for, max_abs_error
+from . import GEMM_DIRECTION_COST, Group, Impl, Setting, Target, attended_pairs, backends_for, max_abs_error
 
 OP = "multihead_attention"
 DIRECTIONS = ("fwd", "fwd+bwd")
@@ -157,12 +157,7 @@ def _forward_flops(case: MhaCase) -> float:
         lengths = (~case.padding(torch.device("cpu"))).sum(1).double().tolist()
     keys = sum(lengths)
     queries = keys if case.kind == "self" else case.batch * case.length
-    if case.kind == "self":
-        pairs = sum(n * n for n in lengths)
-    elif case.kind == "causal":
-        pairs = sum(n * (n + 1) / 2 for n in lengths)
-    else:
-        pairs = case.length * keys
+    pairs = case.length * keys if case.kind == "cross" else attended_pairs(lengths, case.kind == "causal")
     return 4 * case.embed_dim**2 * (queries + keys) + 4 * case.embed_dim * pairs
 
 
