@@ -223,7 +223,12 @@ wanted profile && step profile 75 python3 benchmarks/profile_seeds.py
 [ -n "${bench_deadline:-}" ] && limit[benchmarks]=$((bench_deadline - SECONDS > 10 ? bench_deadline - SECONDS : 10))
 # results.json is rewritten after every group; stopped by its time limit, the command still
 # writes report.md and the plots from what it measured.
-wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size --out "$out"
+# The report stops itself (--time-limit) well inside the step's limit: stopped from outside on the
+# H200 (2026-11-28), it died without a word and wrote no report.md.  The margin is the longest
+# group (the seed models' greedy decoding, about 16 s there) and the report's writing.  BENCH_ARGS:
+# more of the command's options (e.g. --cases REGEX, for the groups an earlier lease left out).
+wanted benchmarks && step benchmarks "${limit[benchmarks]}" python3 -m transformer_kernels.bench $bench_size \
+    --time-limit $((limit[benchmarks] > 60 ? limit[benchmarks] - 35 : limit[benchmarks] / 2)) ${BENCH_ARGS:-} --out "$out"
 if wanted tune; then
     step tune 270 python3 benchmarks/tune_attention.py --out "$out/tune" --budget 210
     step tune-short 270 python3 benchmarks/tune_attention.py --short --out "$out/tune/short" --budget 210

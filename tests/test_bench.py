@@ -102,6 +102,42 @@ def test_groups_picked_first_run_first_taking_turns_between_suites(monkeypatch):
     assert measured == turns + [key for key in in_order if key[2] != "fwd+bwd"]
 
 
+def test_no_group_starts_after_the_deadline(monkeypatch):
+    """``--time-limit``: the bench stops by itself, so that its report is written however the
+    command around it would have been stopped."""
+    clock = iter(range(100))
+    monkeypatch.setattr(run.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(run, "measure_group", lambda group, device, schedule: group.case)
+    setting = suites.Setting(CPU, torch.float32, "tiny")
+    measured = []
+    schedule = timing.Schedule.for_device(CPU, "tiny")
+    assert run.run_suites(["glu"], setting, schedule, measured.append, deadline=2) is False
+    assert len(measured) == 2  # the clock read 0 and 1 before the first two groups, 2 before the third
+    measured.clear()
+    assert run.run_suites(["glu"], setting, schedule, measured.append) is True
+    assert len(measured) == len(suites.load("glu").groups(setting))
+
+
+def test_cases_selects_groups_by_name_and_says_why_a_target_is_absent(monkeypatch, tmp_path):
+    keys = []
+    monkeypatch.setattr(run, "measure_group", lambda group, device, schedule: keys.append(
+        (group.op, group.case, group.direction)) or _group(group.op, group.case, {"eager": OLD_TIMES}))
+    assert cli.main(["--device", "cpu", "--only", "glu", "--cases", "_L60_.* fwd$", "--out", str(tmp_path)]) == 0
+    assert keys and all("_L60_" in case and direction == "fwd" for _, case, direction in keys)
+    results = json.loads((tmp_path / "results.json").read_text())
+    planned = report.planned_keys(["glu"], suites.Setting(CPU, torch.float32, "quick"))
+    whys = {(t["op"], t["case"], t["direction"]): t["why_not"] for t in results["targets"]}
+    left_out = [key for key in whys if key in planned and key not in keys]
+    assert left_out and all(whys[key] == report.NOT_SELECTED for key in left_out)
+    for bad, message in (("(", "not a regular expression"), ("no_such_case", "matches no group")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--device", "cpu", "--only", "glu", "--cases", bad, "--out", str(tmp_path)])
+        assert exit_info.value.code == 2
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            cli.main(["--device", "cpu", "--time-limit", bad])
+
+
 def test_attention_implementations_end_at_the_merged_context():
     """Every attention implementation is timed up to the ``[B, L, H * D]`` context the seeds' output
     projection takes (the naive math paying its head merge), and agrees with the exact math there."""
@@ -376,6 +412,7 @@ def test_a_target_without_a_record_says_why(monkeypatch, tmp_path, cut_short):
     def run_suites(*args, **kwargs):
         if cut_short:
             raise SystemExit(124)
+        return True
 
     monkeypatch.setattr(run, "run_suites", run_suites)
     with pytest.raises(SystemExit) if cut_short else contextlib.nullcontext():

@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                              "dtype to check (default float64 and float32, and float16 and bfloat16 on CUDA)")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch CPU threads (default torch's own choice)")
+    parser.add_argument("--cases", type=_pattern, default=None, metavar="REGEX",
+                        help="only the groups whose \"op case direction\" (as the report names them, e.g. "
+                             "\"attention padded_B8_L2048_D64 fwd+bwd\") this regular expression matches "
+                             "(re.search)")
+    parser.add_argument("--time-limit", type=_positive_float, default=None, metavar="SECONDS",
+                        help="start no group after this many seconds; the group in flight finishes, and the "
+                             "report covers what was measured (its other targets: cut short)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="on a CPU, time with the C library allocator's own settings (default: glibc keeps "
                              "freed memory mapped, so that page faults do not decide the ratios)")
@@ -95,6 +103,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def _pattern(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({error}): {text}")
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -109,10 +134,15 @@ def _make_folder(parser: argparse.ArgumentParser, out: Path) -> None:
         parser.error(f"--out {out}: cannot write there ({error.strerror or error})")
 
 
-def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, names: list[str]) -> int:
+def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, names: list[str],
+               deadline: Optional[float]) -> int:
     size = args.size or ("full" if device.type == "cuda" else "quick")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     setting = suites.Setting(device, dtype, size)
+    selected = (lambda key: True) if args.cases is None else (lambda key: bool(args.cases.search(" ".join(key))))
+    if args.cases is not None and not any(map(selected, report.planned_keys(names, setting))):
+        parser.error(f"--cases: {args.cases.pattern!r} matches no group of this run ({size}, on {device.type}, "
+                     f"suites {','.join(names)}); a group is named \"op case direction\", as in the report")
     env = environment.environment(device, dtype, size)
     if device.type == "cpu":
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
@@ -133,12 +163,14 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the report below
     cut_short = True
     try:
-        run.run_suites(names, setting, timing.Schedule.for_device(device, size), save,
-                       first=lambda group: (group.op, group.case, group.direction) in targeted)
-        cut_short = False
+        cut_short = not run.run_suites(
+            names, setting, timing.Schedule.for_device(device, size), save,
+            first=lambda group: (group.op, group.case, group.direction) in targeted,
+            select=lambda group: selected((group.op, group.case, group.direction)),
+            deadline=deadline)
     finally:
         target_results = report.evaluate_targets(targets, records, device.type,
-                                                 report.absent_reasons(names, setting, cut_short))
+                                                 report.absent_reasons(names, setting, cut_short, selected))
         report.write_results(out / "results.json", env, records, target_results)
         plot_names, no_plots = plots.write_plots(out, records)
         report.write_report(out / "report.md", env, records, target_results, plot_names)
@@ -197,6 +229,7 @@ def _readme(parser: argparse.ArgumentParser, readme: Path, results_dir: Path) ->
 def main(argv: Optional[list[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     if args.compare:
         return _compare(parser, *args.compare)
     if args.readme:
@@ -213,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
     if args.check:
         return _check(args, device, check_ops)
-    return _benchmark(parser, args, device, names)
+    return _benchmark(parser, args, device, names, deadline)
 
 
 if __name__ == "__main__":

@@ -69,29 +69,36 @@ def target_status(speedup: Optional[timing.Summary], minimum: float) -> str:
     return "within noise" if speedup.high >= minimum else "MISSED"
 
 
-# Why a target's case has no record: the run ended before it, or the run's size left it out.
+# Why a target's case has no record: the run ended before it, or --cases or the run's size left it out.
 CUT_SHORT = "the run ended before this case (cut short)"
+NOT_SELECTED = "not selected by --cases"
 
 
-def absent_reasons(names: Iterable[str], setting: suites.Setting, cut_short: bool) -> Callable[[tuple], str]:
+def planned_keys(names: Iterable[str], setting: suites.Setting) -> set[tuple[str, str, str]]:
+    """``(op, case, direction)`` of every group a run of the suites ``names`` on ``setting`` plans."""
+    found = set()
+    for name in names:
+        try:  # (in a report written after a run cut short: nothing here may keep it from being written)
+            groups = suites.load(name).groups(setting)
+        except Exception:
+            continue
+        found |= {(g.op, g.case, g.direction) for g in groups}
+    return found
+
+
+def absent_reasons(names: Iterable[str], setting: suites.Setting, cut_short: bool,
+                   selected: Callable[[tuple], bool] = lambda key: True) -> Callable[[tuple], str]:
     """Why a run of the suites ``names`` on ``setting`` has no record of a group (``(op, case,
-    direction)``): it ended before a group it would have run (:data:`CUT_SHORT`), or the group is
-    another size's (``--quick``, ``--full``), or no case of this run's suites, device and dtype."""
-
-    def keys(size: str) -> set[tuple[str, str, str]]:
-        found = set()
-        for name in names:
-            try:  # (in a report written after a run cut short: nothing here may keep it from being written)
-                groups = suites.load(name).groups(dataclasses.replace(setting, size=size))
-            except Exception:
-                continue
-            found |= {(g.op, g.case, g.direction) for g in groups}
-        return found
-
-    planned = keys(setting.size)
-    others = {size: keys(size) for size in ("quick", "full") if size != setting.size}
+    direction)``): ``--cases`` left it out (``selected`` is False), the run ended before a group it
+    would have run (:data:`CUT_SHORT`), or the group is another size's (``--quick``, ``--full``), or
+    no case of this run's suites, device and dtype."""
+    planned = planned_keys(names, setting)
+    others = {size: planned_keys(names, dataclasses.replace(setting, size=size))
+              for size in ("quick", "full") if size != setting.size}
 
     def why(key: tuple) -> str:
+        if key in planned and not selected(key):
+            return NOT_SELECTED
         if key in planned:
             return CUT_SHORT if cut_short else "its group recorded nothing"
         sizes = [size for size, found in others.items() if key in found]

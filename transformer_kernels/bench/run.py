@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -66,9 +67,14 @@ def unavailable_suite_record(name: str, reason: str, device: torch.device) -> di
 
 
 def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.Schedule,
-               on_record: Callable[[dict], None], first: Callable[[suites.Group], bool] = lambda group: False) -> None:
-    """Measures every group of the suites ``names`` on ``setting``, passing each record to ``on_record``
-    as soon as it is measured; a suite that cannot load gives its one "n/a" record.  The groups
+               on_record: Callable[[dict], None], first: Callable[[suites.Group], bool] = lambda group: False,
+               select: Callable[[suites.Group], bool] = lambda group: True,
+               deadline: Optional[float] = None) -> bool:
+    """Measures every group of the suites ``names`` on ``setting`` that ``select`` keeps, passing each
+    record to ``on_record`` as soon as it is measured; a suite that cannot load gives its one "n/a"
+    record.  No group starts once ``time.monotonic()`` has passed ``deadline`` (the one in flight
+    finishes): True when every planned group was measured, False when the deadline cut the run short.
+    The groups
     ``first`` picks run before the others (the CLI's: those with a target, so that a run cut short
     by a time limit has measured them), taking turns between the suites: the first picked group of
     each suite, then the second of each, and so on (a GPU lease's report stopped after a few minutes
@@ -82,7 +88,7 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
         except suites.SuiteUnavailable as error:
             on_record(unavailable_suite_record(name, str(error), setting.device))
             continue
-        groups = module.groups(setting)
+        groups = [group for group in module.groups(setting) if select(group)]
         picked.append([group for group in groups if first(group)])
         rest += [group for group in groups if not first(group)]
     planned = [group for turn in itertools.zip_longest(*picked) for group in turn if group is not None] + rest
@@ -92,10 +98,13 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
     progress = Progress(len(planned), desc="benchmarks", unit="group")
     try:
         while planned:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             group = planned.pop(0)  # dropped once measured: its inputs are freed with it
             progress.begin(f"{group.op} {group.case} {group.direction}")
             on_record(measure_group(group, setting.device, schedule))
             progress.end()
+        return True
     finally:
         progress.close()
         gc.unfreeze()
