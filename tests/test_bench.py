@@ -138,6 +138,19 @@ def test_cases_selects_groups_by_name_and_says_why_a_target_is_absent(monkeypatc
             cli.main(["--device", "cpu", "--time-limit", bad])
 
 
+def test_materializing_implementations_sit_out_long_cases_on_cuda():
+    """On CUDA the naive math, SDPA's math backend and the eager backend hold [B, H, L, L] scores:
+    past L = 2048 they say so instead of running out of memory (the eager backward of L = 16384
+    did on an H200) and failing the run."""
+    from transformer_kernels.bench.suites import attention
+
+    for group in _groups_by_case("attention", device="cuda").values():
+        length = group.params["length"]
+        for impl in ("reference", "torch_sdpa_math", "eager"):
+            skipped = group.unavailable.get(impl, "").startswith("materializes")
+            assert skipped == (length > attention.MATERIALIZED_MAX_LENGTH), (group.case, impl)
+
+
 def test_attention_implementations_end_at_the_merged_context():
     """Every attention implementation is timed up to the ``[B, L, H * D]`` context the seeds' output
     projection takes (the naive math paying its head merge), and agrees with the exact math there."""
@@ -510,6 +523,38 @@ def test_readme_keeps_each_ops_newest_run(tiny_run, tmp_path):
     assert [path.parent.name for path, _ in latest] == ["cpu-only", "cpu-full"]
     assert [{g["op"] for g in data["groups"]} for _, data in latest] == [{ops[0]}, set(ops[1:])]
     assert all(t["op"] != ops[0] for t in latest[1][1]["targets"])
+
+
+def test_readme_shows_each_group_from_the_newest_run_that_measured_it(tiny_run, tmp_path):
+    """A newer run of some of an op's cases (--cases, or cut short by --time-limit) supersedes the
+    older run for those groups only; runs older than an op's newest whole run show none of it."""
+    _, out = tiny_run
+    run = json.loads((out / "results.json").read_text())
+    op = run["groups"][0]["op"]
+    keys = sorted({(g["op"], g["case"], g["direction"]) for g in run["groups"] if g["op"] == op})
+    assert len(keys) >= 2
+    gone = {**run["groups"][0], "case": "a case the suite no longer has"}
+    oldest = {**run, "environment": {**run["environment"], "date": "2000-01-01T00:00:00+00:00"},
+              "groups": [gone], "targets": []}
+    newer = {**run, "environment": {**run["environment"], "date": "9999-01-01T00:00:00+00:00", "cases": "x"},
+             "groups": [g for g in run["groups"] if (g["op"], g["case"], g["direction"]) == keys[0]],
+             "targets": []}
+    results_dir = tmp_path / "results"
+    for name, data in (("oldest", oldest), ("older", run), ("newer", newer)):
+        (results_dir / name).mkdir(parents=True)
+        (results_dir / name / "results.json").write_text(json.dumps(data))
+    (new_path, new_data), (old_path, old_data) = report.latest_results(results_dir)
+    assert (new_path.parent.name, old_path.parent.name) == ("newer", "older")
+    shown_old = {(g["op"], g["case"], g["direction"]) for g in old_data["groups"] if g["op"] == op}
+    assert keys[0] not in shown_old and set(keys[1:]) == shown_old
+    cut_short = {**newer, "environment": {**run["environment"], "date": "9999-01-01T00:00:00+00:00",
+                                          "cut_short": True}}
+    (results_dir / "newer" / "results.json").write_text(json.dumps(cut_short))
+    assert [path.parent.name for path, _ in report.latest_results(results_dir)] == ["newer", "older"]
+    newer_whole = {**newer, "environment": {**run["environment"], "date": "9999-01-01T00:00:00+00:00"}}
+    (results_dir / "newer" / "results.json").write_text(json.dumps(newer_whole))
+    (_, shown), *rest = report.latest_results(results_dir)
+    assert all(g["op"] != op for _, data in rest for g in data["groups"])
 
 
 def test_readme_keeps_a_full_runs_cases_that_a_newer_quick_run_did_not_time(tiny_run, tmp_path):

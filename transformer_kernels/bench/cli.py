@@ -144,6 +144,7 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
         parser.error(f"--cases: {args.cases.pattern!r} matches no group of this run ({size}, on {device.type}, "
                      f"suites {','.join(names)}); a group is named \"op case direction\", as in the report")
     env = environment.environment(device, dtype, size)
+    env["cases"] = None if args.cases is None else args.cases.pattern
     if device.type == "cpu":
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
@@ -169,6 +170,7 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
             select=lambda group: selected((group.op, group.case, group.direction)),
             deadline=deadline)
     finally:
+        env["cut_short"] = cut_short
         target_results = report.evaluate_targets(targets, records, device.type,
                                                  report.absent_reasons(names, setting, cut_short, selected))
         report.write_results(out / "results.json", env, records, target_results)

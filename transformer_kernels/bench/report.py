@@ -274,6 +274,8 @@ def _environment_lines(env: dict) -> list[str]:
            f"{env['onednn_gemm_speedup']:.1f}x the BLAS's (the eager backend's engine choices follow it)"]
           if "cpu_capability" in env else []),
         *([f"- memory: {env['malloc']}"] if "malloc" in env else []),
+        *([f"- groups: those `--cases {env['cases']}` matches"] if env.get("cases") else []),
+        *(["- cut short: groups the run had planned were not measured (see Targets)"] if env.get("cut_short") else []),
     ]
 
 
@@ -438,12 +440,14 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
     """For each device type (CUDA first), the ``results.json`` files under ``results_dir`` to show,
     each with only the groups and targets it stands for, the newest file first.
 
-    Per op: its newest run, whose groups all stand; a run of some suites (``--only``) supersedes
-    the older runs' results for its ops and leaves the others' standing.  When that newest run is
-    of a smaller preset than ``--full`` (``--quick``, whose cases may differ: the CPU's quick models
-    run times smaller models than the full run's seed models), the op's newest full run stands too,
-    for the cases (and directions) the newer run did not time.  Older runs of an op show nothing,
-    so cases a suite no longer has do not come back."""
+    Per op: its newest whole run, whose groups all stand; a run of some suites (``--only``)
+    supersedes the older runs' results for its ops and leaves the others' standing.  Partial runs
+    of an op newer than that (:func:`partial`: some of its cases, ``--cases``, or cut short) stand
+    for the groups they measured, the newest first.  When that whole run is of a smaller preset than
+    ``--full`` (``--quick``, whose cases may differ: the CPU's quick models run times smaller
+    models than the full run's seed models), the op's newest full run stands too, for the cases (and
+    directions) the newer runs did not time.  Older runs of an op show nothing, so cases a suite no
+    longer has do not come back."""
     runs: dict[tuple[str, str], list[tuple[Path, dict]]] = {}
     for path in sorted(results_dir.glob("*/results.json")):
         data = recounted_flops(read_results(path))
@@ -451,16 +455,25 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
             runs.setdefault((data["environment"]["device_type"], op), []).append((path, data))
     # path -> (device type, data, the (op, case, direction) keys it stands for)
     shown: dict[Path, tuple[str, dict, set]] = {}
+
+    def stand(path: Path, data: dict, kind: str, op: str, taken: set) -> None:
+        keys = {_group_key(g) for g in data["groups"] if g["op"] == op} - taken
+        shown.setdefault(path, (kind, data, set()))[2].update(keys)
+        taken |= keys
+
     for (kind, op), op_runs in runs.items():
         op_runs.sort(key=lambda run: run[1]["environment"]["date"], reverse=True)
-        (newest_path, newest), *older = op_runs
-        taken = {_group_key(g) for g in newest["groups"] if g["op"] == op}
-        shown.setdefault(newest_path, (kind, newest, set()))[2].update(taken)
-        if newest["environment"]["size"] != "full":
-            full = next(((path, data) for path, data in older if data["environment"]["size"] == "full"), None)
-            if full is not None:
-                kept = {_group_key(g) for g in full[1]["groups"] if g["op"] == op} - taken
-                shown.setdefault(full[0], (kind, full[1], set()))[2].update(kept)
+        taken: set = set()
+        for index, (path, data) in enumerate(op_runs):
+            stand(path, data, kind, op, taken)
+            if partial(data):
+                continue
+            if data["environment"]["size"] != "full":
+                full = next(((path, data) for path, data in op_runs[index + 1:]
+                             if data["environment"]["size"] == "full" and not partial(data)), None)
+                if full is not None:
+                    stand(*full, kind, op, taken)
+            break
     newest_first = sorted(shown.items(), key=lambda item: item[1][1]["environment"]["date"], reverse=True)
     return [
         (path, {**data, "groups": [g for g in data["groups"] if _group_key(g) in keys],
@@ -468,6 +481,13 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
         for path, (kind, data, keys) in sorted(newest_first, key=lambda item: item[1][0] != "cuda")
         if keys
     ]
+
+
+def partial(data: dict) -> bool:
+    """Whether a results file measured only some of its suites' groups: those ``--cases`` picked,
+    or those before a time limit (``--time-limit``, or a run stopped from outside) cut it short."""
+    env = data["environment"]
+    return bool(env.get("cases")) or bool(env.get("cut_short"))
 
 
 def _group_key(entry: dict) -> tuple[str, str, str]:
@@ -488,7 +508,7 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
             "", f"**{env['device']}** ({env['dtype']}, {env['size']} run, {env['threads']} torch thread(s), load "
             f"{env['load_average_1min_at_start']:.1f}), {env['date'][:10]}, "
             f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
-            f"triton {env.get('triton') or '—'}: [`{folder}/report.md`]"
+            f"triton {env.get('triton') or '—'}{', some cases' if partial(data) else ''}: [`{folder}/report.md`]"
             f"({folder}/report.md). Targets: {counts}.", "",
             *key_table([r for r in data["groups"] if r["ours"]], _peak_tflops(env)),
         ]
