@@ -12,7 +12,8 @@ per step, the same step replayed from a CUDA graph (its kernels without the host
 them), the same two for the forward alone without autograd (inference), then the ops by their own
 CPU time and by their GPU time, so a step's time can be split into host work, kernels and waits.
 The GLU convolution also runs ours on the two inputs its kernels treat apart: the decoder's causal
-padding holding a value, and channel-first x.  One long case follows, dense attention over 16k
+padding holding a value, and channel-first x; and one decoding step of a decoder layer's
+convolution (``glu_conv1d_step``) against the seed's conv1d over the window.  One long case follows, dense attention over 16k
 tokens of 1024, whose GPU-time table splits ours (Triton, and the CUDA extension where it is built)
 and SDPA's forward+backward by kernel.
 
@@ -117,6 +118,19 @@ def _op_cases(device: torch.device, dtype: torch.dtype) -> dict:
         "triton": lambda: tk.glu_conv1d(h_first, conv_weight, residual=h_first, residual_scale=math.sqrt(0.5),
                                         backend="triton"),
     })
+    # One decoding step of a decoder layer's convolution, batch x beam 1 and 8: the H200 report of
+    # 2026-11-28 (7c14f3d) timed Triton's at 89 and 124 us a call, the seed's (conv1d over the window,
+    # then glu) at 73 and 87; its "forward alone" line splits that into host work and kernels.
+    glu_steps = ["triton"] + [name for name in ("cuda",) if name in backends_for("glu_conv", Setting(
+        device, dtype, "quick")).ours]
+    for batch in (1, 8):
+        x_t, state = leaf(batch, CHANNELS), leaf(batch, CHANNELS, 2)
+        step = {name: lambda x_t=x_t, state=state, name=name: tk.glu_conv1d_step(x_t, state, conv_weight,
+                                                                                backend=name)[0]
+                for name in glu_steps}
+        step["seed"] = lambda x_t=x_t, state=state: F.glu(F.conv1d(torch.cat([state, x_t[:, :, None]], 2),
+                                                                   conv_weight), dim=1)[:, :, 0]
+        cases[f"glu_step_B{batch}_C{CHANNELS}"] = ([x_t, state], step)
     return {name: {implementation: (forward, leaves) for implementation, forward in implementations.items()}
             for name, (leaves, implementations) in cases.items()}
 
