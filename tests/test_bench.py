@@ -136,6 +136,10 @@ def test_cases_selects_groups_by_name_and_says_why_a_target_is_absent(monkeypatc
     for bad in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             cli.main(["--device", "cpu", "--time-limit", bad])
+    for mode in (["--check"], ["--readme", str(tmp_path / "README.md")]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*mode, "--cases", "glu", "--device", "cpu"])
+        assert exit_info.value.code == 2
 
 
 def test_materializing_implementations_sit_out_long_cases_on_cuda():

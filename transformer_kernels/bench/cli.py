@@ -232,6 +232,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    timing_only = [name for name, given in (("--cases", args.cases), ("--time-limit", args.time_limit)) if given]
+    other_mode = next((name for name, given in (("--check", args.check), ("--compare", args.compare),
+                                                 ("--readme", args.readme)) if given), None)
+    if timing_only and other_mode:
+        parser.error(f"{' and '.join(timing_only)} {'apply' if len(timing_only) > 1 else 'applies'} to a "
+                     f"benchmark run, not to {other_mode}")
     if args.compare:
         return _compare(parser, *args.compare)
     if args.readme:

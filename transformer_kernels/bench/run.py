@@ -74,8 +74,7 @@ def run_suites(names: Iterable[str], setting: suites.Setting, schedule: timing.S
     record to ``on_record`` as soon as it is measured; a suite that cannot load gives its one "n/a"
     record.  No group starts once ``time.monotonic()`` has passed ``deadline`` (the one in flight
     finishes): True when every planned group was measured, False when the deadline cut the run short.
-    The groups
-    ``first`` picks run before the others (the CLI's: those with a target, so that a run cut short
+    The groups ``first`` picks run before the others (the CLI's: those with a target, so that a run cut short
     by a time limit has measured them), taking turns between the suites: the first picked group of
     each suite, then the second of each, and so on (a GPU lease's report stopped after a few minutes
     has then measured some targets of every op, where the attention suite's long cases alone would

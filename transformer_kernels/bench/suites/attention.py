@@ -344,8 +344,8 @@ def _attention(case: AttentionCase, impl: str, inputs: Inputs) -> Callable[[], t
 
 def _skip_reason(case: AttentionCase, impl: str, setting: Setting) -> Optional[str]:
     materialized = setting.cuda and case.length > MATERIALIZED_MAX_LENGTH
-    # The eager backend (the CPU's) materializes them on CUDA too: at L = 16384 (B1 H32) its backward
-    # passed 129 GiB dense and ran out of the H200's 140 causal (2026-11-28).
+    # The eager backend (the CPU's) materializes them on CUDA too: at L = 16384 (B1 H32) its
+    # forward+backward peaked at 129 GiB dense and ran out of the H200's 140 GiB causal (2026-11-28).
     if impl in ("torch_sdpa_math", "reference", "eager") and materialized:
         return f"materializes [B, H, L, L] scores: only L <= {MATERIALIZED_MAX_LENGTH}"
     if impl in SDPA_BACKENDS and setting.size == "quick" and not setting.cuda:
