@@ -143,13 +143,15 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
     if args.cases is not None and not any(map(selected, report.planned_keys(names, setting))):
         parser.error(f"--cases: {args.cases.pattern!r} matches no group of this run ({size}, on {device.type}, "
                      f"suites {','.join(names)}); a group is named \"op case direction\", as in the report")
+    if args.out is not None:  # before the environment is measured (oneDNN's speed-up takes seconds on a CPU)
+        _make_folder(parser, args.out)
     env = environment.environment(device, dtype, size)
     env["cases"] = None if args.cases is None else args.cases.pattern
     if device.type == "cpu":
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
     out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
-    if args.out is None:  # (main made an --out folder already, before the environment was measured)
+    if args.out is None:
         _make_folder(parser, out)
     print(f"{env['device']}, {env['dtype']}, {size} run, {env['threads']} torch threads; writing {out}",
           file=sys.stderr)
@@ -244,8 +246,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _readme(parser, args.readme, args.results)
     names = _suite_names(parser, args.only)
     device = _device(parser, args.device)
-    if args.out is not None and not args.check:
-        _make_folder(parser, args.out)
     check_ops = [CHECK_OPS[name] for name in names if name in CHECK_OPS]
     if args.check and not check_ops:
         parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names none of them")
