@@ -961,6 +961,10 @@ def test_errors_name_the_argument():
         tk.glu_conv1d(torch.randn(6, 5), weight)
     with pytest.raises(ValueError, match=r"at least one position \(L >= 1\)"):
         tk.glu_conv1d(torch.randn(2, 6, 0), weight)
+    with pytest.raises(ValueError, match=r"x must have at least one channel \(C_in >= 1\)"):
+        tk.glu_conv1d(torch.randn(2, 0, 5), torch.randn(8, 0, 3), bias)
+    with pytest.raises(ValueError, match=r"x_t must have at least one channel \(C_in >= 1\)"):
+        tk.glu_conv1d_step(torch.randn(2, 0), None, torch.randn(8, 0, 3), bias)
     with pytest.raises(TypeError, match="weight must have the same dtype as x"):
         tk.glu_conv1d(x, weight.double())
     with pytest.raises(ValueError, match="residual must be on the same device as x"):

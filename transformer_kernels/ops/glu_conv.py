@@ -328,6 +328,9 @@ def _check_weight_and_bias(
     """Returns ``(C, k)``: GLU output channels and kernel size."""
     check_tensor("weight", weight, ndim=3)
     channels_in = x.shape[1]
+    if channels_in < 1:
+        # torch's conv1d returns zero channels here rather than the bias; no kernel has a meaning for it.
+        raise ValueError(f"{x_name} must have at least one channel (C_in >= 1), got shape {tuple(x.shape)}")
     if weight.shape[1] != channels_in or weight.shape[2] < 1:
         raise ValueError(
             f"weight must have shape [2*C, C_in, k] with C_in = {x_name}.shape[1] = {channels_in} and k >= 1, "
