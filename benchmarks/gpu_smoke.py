@@ -63,6 +63,13 @@ def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> list[torch.Tenso
             out = tk.glu_conv1d(x, weight, bias, padding=padding, pad_value=1.0, residual=x, residual_scale=0.5**0.5,
                                 backend="triton")
             results += [out, *torch.autograd.grad(out, (x, weight, bias), torch.randn_like(out))]
+    # Decoding steps: the step kernel for one row and a few, the whole-sequence kernels past its rows.
+    for batch, channels_in, channels, kernel_size in ((1, 37, 24, 3), (9, 64, 520, 2), (70, 16, 8, 3)):
+        weight = torch.randn(2 * channels, channels_in, kernel_size, device=device, dtype=dtype, requires_grad=True)
+        x_t = torch.randn(batch, channels_in, device=device, dtype=dtype, requires_grad=True)
+        residual = torch.randn(batch, channels, device=device, dtype=dtype)
+        out, state = tk.glu_conv1d_step(x_t, None, weight, residual=residual, residual_scale=0.5, backend="triton")
+        results += [out, state, *torch.autograd.grad(out, (x_t, weight), torch.randn_like(out))]
     return results
 
 

@@ -13,7 +13,7 @@ The shapes are small, since the host path does not depend on them, except for th
 copies a call makes: on CPU tensors a copy moves its data on the host, where on a GPU it is a
 kernel, of which only the launch is host time.  The GLU convolution's forward packs its weight
 (128 x 64 x 3 here) on every call: ``glu weight pack`` times that copy alone, so that it can be
-told apart.  Gradients are taken with ``torch.autograd.grad``, so no leaf accumulates them.
+told apart (a decoding step's kernel reads the weight as it is, unpacked).  Gradients are taken with ``torch.autograd.grad``, so no leaf accumulates them.
 
 Usage: ``python benchmarks/host_time.py [--rounds N]``; prints median and
 p10-p90 microseconds per call.  Issue 9's target: at most 20 us per forward on

@@ -621,4 +621,4 @@ def test_host_time_script_prints_every_call_and_launch():
     speeds = re.findall(r"(?:a Python call|torch\.empty\(16\)|a transpose) ([0-9.]+) us", text.splitlines()[0])
     assert len(speeds) == 3 and all(float(us) > 0.0 for us in speeds), text
     assert len(calls) == 10 and all(math.isfinite(float(us)) for _, us in calls), text
-    assert len(launches) == 12 and all(math.isfinite(float(us)) for pair in launches for us in pair), text
+    assert len(launches) == 13 and all(math.isfinite(float(us)) for pair in launches for us in pair), text

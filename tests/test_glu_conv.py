@@ -724,6 +724,43 @@ def test_triton_step_by_step_equals_causal():
 
 
 @requires_triton
+@pytest.mark.parametrize("batch", [1, 5, 64, 65], ids=lambda b: f"B{b}")  # 65: past the step kernel's rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel_size,with_bias,with_residual", [(3, True, True), (1, False, False), (2, True, False)])
+def test_triton_step_matches_the_exact_math_with_its_gradients(batch, dtype, kernel_size, with_bias, with_residual):
+    device = device_for("triton")
+    generator = torch.Generator().manual_seed(batch)
+    channels_in, channels = 7, 5  # K = 7 k: no tile divides it
+
+    def make(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype).requires_grad_()
+
+    x_t, state = make(batch, channels_in), make(batch, channels_in, kernel_size - 1)
+    weight = make(2 * channels, channels_in, kernel_size, scale=0.3)
+    bias = make(2 * channels) if with_bias else None
+    residual = make(batch, channels) if with_residual else None
+    out, new_state = tk.glu_conv1d_step(x_t, state, weight, bias, residual=residual, residual_scale=SCALE,
+                                        backend="triton")
+    inputs = [t for t in (x_t, state, weight, bias, residual) if t is not None]
+    exact_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    exact_x_t, exact_state, exact_weight, *rest = exact_inputs
+    exact_bias = rest.pop(0) if with_bias else None
+    exact_residual = rest.pop(0) if with_residual else None
+    window = torch.cat([exact_state, exact_x_t.unsqueeze(2)], dim=2)
+    exact = reference_glu_conv1d(window, exact_weight, exact_bias, padding="causal", residual_scale=SCALE)[:, :, -1]
+    if exact_residual is not None:
+        exact = exact + exact_residual * SCALE
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(out.double(), exact, **tolerance)
+    torch.testing.assert_close(new_state, window[:, :, 1:].to(dtype))
+    grad = torch.randn(out.shape, generator=generator).to(device, dtype)
+    grads = torch.autograd.grad(out, inputs, grad)
+    exact_grads = torch.autograd.grad(exact, exact_inputs, grad.double())
+    for got, expected in zip(grads, exact_grads):
+        torch.testing.assert_close(got.double(), expected, **tolerance)
+
+
+@requires_triton
 def test_triton_strided_input_and_empty_batch():
     device = device_for("triton")
     _, weight, bias, residual = _make_inputs(2, 3, 6, 4, 4, dtype=torch.float32, device=device)

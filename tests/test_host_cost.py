@@ -130,3 +130,20 @@ def test_qkv_forward_budget(host_ops):
 def test_qkv_backward_budget(host_ops):
     _, backward_ops = host_ops("qkv", _qkv_call())
     assert len(backward_ops) <= BACKWARD_BUDGET, backward_ops
+
+
+
+def test_glu_step_runs_its_kernel_on_the_weight_as_it_is(monkeypatch):
+    """A decoding step allocates its outputs and concatenates its window, and copies nothing else:
+    not the weight, which the whole-sequence kernels read repacked.  (Under a dispatch mode a call
+    takes its checked route, whose stand-in for the window is the first allocation.)"""
+    monkeypatch.setattr(triton_common.KernelLaunch, "__call__", lambda self: None)
+    x_t, state = torch.randn(2, 64, requires_grad=True), torch.randn(2, 64, 2, requires_grad=True)
+    weight = torch.randn(128, 64, 3, requires_grad=True)
+    recorder = OpRecorder(_recorded, descend=True)
+    with recorder:
+        tk.glu_conv1d_step(x_t, state, weight, backend="triton")
+    views = {"unsqueeze", "squeeze", "slice"}  # x_t as the window's last column, out_t, new_state
+    assert [op for op in recorder.ops if op not in views] == ["new_empty", "cat", "new_empty", "new_empty"], (
+        recorder.ops
+    )

@@ -21,7 +21,10 @@ Kernels:
 * ``_glu_conv_grad_input_kernel``: ``grad_x``, a transposed convolution of
   ``grad_z``.
 * ``_glu_conv_grad_weight_kernel``: ``grad_weight`` per tap and
-  ``grad_bias``, as split-K partial sums reduced on the host.
+  ``grad_bias``, as split-K partial sums that ``_split_sum``'s kernel adds up.
+* A decoding step (one output position, no padding, a batch of up to
+  ``_glu_step.MAX_BATCH``) runs ``_glu_step._glu_step_kernel`` on the weight
+  as it is instead (:mod:`._glu_step`).
 
 Each kernel is a GEMM of ``BLOCK_M x BLOCK_N`` output tiles reducing
 ``BLOCK_K`` at a time; its comment says what M, N and K are.  Strides are
@@ -68,6 +71,7 @@ from ._common import (
     run_launches,
     strided_layout,
 )
+from . import _glu_step
 from ._split_sum import split_count, split_sum_pointers, split_sum_template, wanted_sums
 
 __all__ = [
@@ -514,7 +518,10 @@ _TEMPLATES = LaunchTemplates()
 
 def empty_saved(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> torch.Tensor:
     """What ``forward`` returns for backward: the packed weight (see :func:`_packed_weight`), so
-    backward does not pack it again; the pre-activation is recomputed, never kept."""
+    backward does not pack it again; the pre-activation is recomputed, never kept.  A decoding
+    step's: its pre-activation ``[B, 1, 2C]`` (see :mod:`._glu_step`)."""
+    if _glu_step.uses_step_kernel(x, weight, args):
+        return _glu_step.empty_saved(x, weight)
     channels_z, channels_in, kernel_size = weight.shape
     return weight.new_empty(kernel_size, channels_in, channels_z)
 
@@ -532,7 +539,10 @@ def forward(
     residual: Optional[torch.Tensor],
     args: GluConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, packed weight)``: backward reuses the packed weight and recomputes the pre-activation."""
+    """``(out, packed weight)``: backward reuses the packed weight and recomputes the pre-activation
+    (a decoding step's: ``(out, pre-activation)``, see :mod:`._glu_step`)."""
+    if _glu_step.uses_step_kernel(x, weight, args):
+        return _glu_step.forward(x, weight, bias, residual, args)
     length_out = args.output_length(x.shape[2], weight.shape[2])
     out = empty_output(x, weight.shape[0] // 2, length_out)
     packed = _packed_weight(weight)
@@ -542,10 +552,15 @@ def forward(
     return out, packed
 
 
-def prepare_forward(x, weight, bias, residual, args: GluConvArgs) -> Optional["_PreparedForward"]:
-    """:func:`forward` prepared for the calls of this one's layout (see :class:`_PreparedForward`), or
-    None for an empty batch, which launches nothing."""
-    return None if x.shape[0] == 0 else _PreparedForward(x, weight, bias, residual, args)
+def prepare_forward(x, weight, bias, residual, args: GluConvArgs):
+    """:func:`forward` prepared for the calls of this one's layout (see :class:`_PreparedForward`,
+    and for a decoding step :class:`._glu_step.PreparedStep`), or None for an empty batch, which
+    launches nothing."""
+    if x.shape[0] == 0:
+        return None
+    if _glu_step.uses_step_kernel(x, weight, args):
+        return _glu_step.PreparedStep(x, weight, bias, residual, args)
+    return _PreparedForward(x, weight, bias, residual, args)
 
 
 class _PreparedForward:
@@ -707,8 +722,12 @@ def backward(
     """``(grad_x, grad_weight, grad_bias)``; an output not asked for is an empty tensor.
 
     ``packed`` is what forward saved, the packed weight; the first kernel recomputes the
-    pre-activation from ``x`` (:func:`_backward_templates` says what each kernel does).
+    pre-activation from ``x`` (:func:`_backward_templates` says what each kernel does).  A decoding
+    step saved its pre-activation instead (see :mod:`._glu_step`).
     """
+    if _glu_step.uses_step_kernel(x, weight, args):
+        return _glu_step.backward(grad_out, x, weight, bias, packed, args, needs_grad_x, needs_grad_weight,
+                                  needs_grad_bias)
     wanted = WantedGradients(needs_grad_x, needs_grad_weight, needs_grad_bias and bias is not None)
     dots = _Dots.of(x, grad_out.shape[2])
     split = _WeightSplit.of(x, grad_out, weight, dots)
@@ -957,7 +976,8 @@ def compile_targets() -> list[CompileTarget]:
     constexpr flags (the forward kernel also in its COMPUTE_GRAD form), for each representative
     problem with ``x`` channel-first and channel-last, padded with zeros and (16-bit ``x``, the
     kernels that read the padding) with another value, on each architecture with the
-    configuration :func:`kernel_config` picks there."""
+    configuration :func:`kernel_config` picks there; and the decoding step's kernel
+    (:func:`._glu_step.compile_targets`)."""
     # float32 as the dispatcher runs it: "tf32x3" when TF32 is allowed, else "ieee" (input_precision).
     variants = [(torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3"), (torch.float32, "ieee")]
     kernels = [("forward", False), ("forward", True), ("grad_input", False), ("grad_weight", False)]
@@ -985,4 +1005,4 @@ def compile_targets() -> list[CompileTarget]:
             )
             for capabilities in by_config.values()
         )
-    return targets
+    return targets + _glu_step.compile_targets()

@@ -1,0 +1,249 @@
+"""The GLU convolution's decoding step on Triton: one output position, no padding.
+
+A step's window ``[B, C_in, k]`` is the whole receptive field of its one output position, so its
+pre-activation is a batched GEMV over ``K = C_in * k``: ``z[b, o] = sum_j window[b, j] * weight[o, j]``,
+both read as the rows they are in memory (the weight as ``nn.Conv1d`` holds it).  The whole-sequence
+kernels read the weight repacked as ``[k, C_in, 2C]``, a copy made on every call: for a step, that
+copy is a launch and a pass over the weight as long as the step itself.  The step's forward saves
+``z`` (``[B, 1, 2C]``, a few values per row) for backward, which runs the eager backend's on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.glu_conv import GluConvArgs, empty_output
+from ..eager import glu_conv as eager_glu_conv
+from ._common import (
+    TORCH_TO_TRITON_DTYPE,
+    CompileTarget,
+    KernelConfig,
+    KernelLaunch,
+    LaunchTemplates,
+    TensorLayout,
+    as_float32,
+    cdiv,
+    check_prepared_launches,
+    filled,
+    run_launches,
+)
+
+__all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
+
+# Up to this many rows a step runs on FMAs, where each program reads its weight rows once for all of
+# its rows; a larger batch (a beam search over a large batch) takes the tensor-core GEMM of the
+# whole-sequence kernels.  Also the most positions the eager backward runs as an untimed im2col GEMM,
+# which the step's backward relies on (its saved z is the im2col GEMM's layout).
+MAX_BATCH = 64
+# Rows per program: one for a batch of one (greedy decoding of one sequence), else eight.
+_BLOCK_ROWS = 8
+_CONFIG = KernelConfig(block_n=8, block_k=64, num_warps=4, num_stages=1)
+
+
+# Each program owns BLOCK_M rows times BLOCK_N output channels of both GLU halves, and reduces over K
+# in BLOCK_K slices with FMAs: a decoding batch is too short for a tensor-core tile, and the step is
+# bound by reading the weight, which each program streams once for its rows.
+#   for j0 in range(0, K, BLOCK_K):
+#       acc_a[b, c] += sum_j window[b, j] * W[c, j];  acc_g[b, c] += sum_j window[b, j] * W[C + c, j]
+# Epilogue (fp32), as the whole-sequence forward's: z = acc + bias, stored for backward;
+# out = (a * sigmoid(g) + residual) * residual_scale.
+@triton.jit
+def _glu_step_kernel(
+    window_ptr,
+    weight_ptr,
+    bias_ptr,
+    residual_ptr,
+    out_ptr,
+    z_ptr,
+    batch,
+    channels_out,
+    reduction,
+    residual_scale,
+    stride_window_row,
+    stride_rb,
+    stride_rc,
+    stride_ob,
+    stride_oc,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    residual_scale = as_float32(residual_scale)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < batch
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < channels_out
+    window_rows = window_ptr + rows.to(tl.int64) * stride_window_row
+    value_rows = weight_ptr + cols.to(tl.int64) * reduction
+    gate_rows = weight_ptr + (cols.to(tl.int64) + channels_out) * reduction
+
+    # Per-lane partial sums over the K slice, reduced across lanes once after the loop.
+    partial_a = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    partial_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, reduction, BLOCK_K):
+        j = start + tl.arange(0, BLOCK_K)
+        j_ok = j < reduction
+        x = tl.load(window_rows[:, None] + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+        w_mask = col_ok[:, None] & j_ok[None, :]
+        w_value = tl.load(value_rows[:, None] + j[None, :], mask=w_mask, other=0.0)
+        w_gate = tl.load(gate_rows[:, None] + j[None, :], mask=w_mask, other=0.0)
+        x = x.to(tl.float32)[:, None, :]
+        partial_a += x * w_value.to(tl.float32)[None, :, :]
+        partial_g += x * w_gate.to(tl.float32)[None, :, :]
+    acc_a = tl.sum(partial_a, axis=2)
+    acc_g = tl.sum(partial_g, axis=2)
+
+    if HAS_BIAS:
+        acc_a += tl.load(bias_ptr + cols * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(bias_ptr + (channels_out + cols) * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tile_mask = row_ok[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    z_ptrs = z_ptr + (rows * 2 * channels_out)[:, None] + cols[None, :]
+    tl.store(z_ptrs, acc_a.to(z_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(z_ptrs + channels_out, acc_g.to(z_ptr.dtype.element_ty), mask=tile_mask)
+    y = acc_a * tl.sigmoid(acc_g)
+    if HAS_RESIDUAL:
+        y += tl.load(
+            residual_ptr + (rows * stride_rb)[:, None] + cols[None, :] * stride_rc, mask=tile_mask, other=0.0
+        ).to(tl.float32)
+    y = y * residual_scale
+    tl.store(out_ptr + (rows * stride_ob)[:, None] + cols[None, :] * stride_oc, y.to(out_ptr.dtype.element_ty),
+             mask=tile_mask)
+
+
+def uses_step_kernel(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> bool:
+    """A decoding step (one output position, no padding) of a batch the step kernel takes."""
+    return args.pad_left == 0 and args.pad_right == 0 and x.shape[2] == weight.shape[2] and x.shape[0] <= MAX_BATCH
+
+
+def empty_saved(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What a step's forward saves: its pre-activation ``[B, 1, 2C]``."""
+    return x.new_empty(x.shape[0], 1, weight.shape[0])
+
+
+def _rows_in_place(t: torch.Tensor) -> bool:
+    """Whether ``t`` ``[N, C_in, k]`` holds each of its ``N`` rows as ``C_in * k`` consecutive elements."""
+    _, channels_in, kernel_size = t.shape
+    return (kernel_size == 1 or t.stride(2) == 1) and (channels_in == 1 or t.stride(1) == kernel_size)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if _rows_in_place(t) else t.contiguous()
+
+
+def _pointers(window, weight, bias, residual, out, z) -> tuple:
+    """``_glu_step_kernel``'s tensor arguments (an absent one repeats another tensor)."""
+    return window, weight, weight if bias is None else bias, out if residual is None else residual, out, z
+
+
+def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tuple[KernelLaunch, ...]:
+    """The launch template of a step of these tensors' layouts (window and weight rows in place)."""
+    pointers = _pointers(window, weight, bias, residual, out, z)
+    layout = ("step", window.shape, window.stride(0), weight.shape, None if bias is None else bias.stride(),
+              None if residual is None else residual.stride(), out.stride(), z.dtype, args.residual_scale)
+
+    def build() -> KernelLaunch:
+        batch, channels_out = window.shape[0], weight.shape[0] // 2
+        block_rows = 1 if batch == 1 else _BLOCK_ROWS
+        grid = (cdiv(channels_out, _CONFIG.block_n), cdiv(batch, block_rows))
+        return KernelLaunch(_glu_step_kernel, grid, (
+            *pointers,
+            batch,
+            channels_out,
+            weight.shape[1] * weight.shape[2],
+            float(args.residual_scale),
+            window.stride(0),
+            *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
+            out.stride(0),
+            out.stride(1),
+            1 if bias is None else bias.stride(0),
+        ), dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_rows,
+                **_CONFIG.launch_kwargs()))
+
+    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
+
+
+def _launch(window, weight, bias, residual, out, z, args: GluConvArgs) -> KernelLaunch:
+    (launch,) = filled(_template(window, weight, bias, residual, out, z, args),
+                       _pointers(window, weight, bias, residual, out, z), {})
+    return launch
+
+
+# Every launch of this kernel, by layout (see ``LaunchTemplates``).
+_TEMPLATES = LaunchTemplates()
+
+
+def forward(x, weight, bias, residual, args: GluConvArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, z)``: ``out`` ``[B, C, 1]`` in ``x``'s layout and the pre-activation ``z`` ``[B, 1, 2C]``."""
+    out, z = empty_output(x, weight.shape[0] // 2, 1), empty_saved(x, weight)
+    if x.shape[0] > 0:
+        run_launches([_launch(_as_rows(x), _as_rows(weight), bias, residual, out, z, args)], x)
+    return out, z
+
+
+def backward(grad_out, x, weight, bias, z, args: GluConvArgs, needs_grad_x: bool, needs_grad_weight: bool,
+             needs_grad_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's gradients from its saved pre-activation: the eager backend's backward (an im2col GEMM
+    of at most ``MAX_BATCH`` rows)."""
+    return eager_glu_conv.backward(grad_out, x, weight, bias, z, args, needs_grad_x, needs_grad_weight,
+                                   needs_grad_bias)
+
+
+class PreparedStep:
+    """:func:`forward` for the steps of one layout (the call plan holds the tensors' layouts and the
+    scalars fixed): the launch template and the outputs' layouts, worked out once.  A layout whose
+    window or weight rows are not in place takes :func:`forward`, which copies them."""
+
+    __slots__ = ("template", "out_layout", "z_layout", "in_place")
+
+    def __init__(self, x, weight, bias, residual, args: GluConvArgs) -> None:
+        out, z = empty_output(x, weight.shape[0] // 2, 1), empty_saved(x, weight)
+        self.in_place = _rows_in_place(x) and _rows_in_place(weight)
+        self.template = _template(x, weight, bias, residual, out, z, args) if self.in_place else None
+        self.out_layout, self.z_layout = TensorLayout.of(out), TensorLayout.of(z)
+
+    def __call__(self, x, weight, bias, residual, args: GluConvArgs, backend: str):
+        """The registered op's implementation for this layout (same signature)."""
+        if not self.in_place:
+            return forward(x, weight, bias, residual, args)
+        out, z = self.out_layout.empty(), self.z_layout.empty()
+        launches = filled(self.template, _pointers(x, weight, bias, residual, out, z), {})
+        if LaunchTemplates.verify:
+            check_prepared_launches(launches, [_launch(x, weight, bias, residual, out, z, args)], "GLU step")
+        run_launches(launches, x)
+        return out, z
+
+    def backward(self, grad_out, x, weight, bias, z, args: GluConvArgs, needs_grad_x: bool, needs_grad_weight: bool,
+                 needs_grad_bias: bool, backend: str):
+        """The registered backward's implementation (same signature)."""
+        return backward(grad_out, x, weight, bias, z, args, needs_grad_x, needs_grad_weight, needs_grad_bias)
+
+
+# The representative steps: C_in = C = 256, k = 4 (K = 1024) for a batch of 16; a batch of 1 (an
+# integer Triton specializes as the constant 1, and one row per program) of C_in = 37, k = 3
+# (K = 111: no divisibility by 16).
+_TARGET_PROBLEMS = {"B16": (16, 256, 4), "B1-ragged": (1, 37, 3)}
+
+
+def _target_launch(dtype: torch.dtype, problem: str) -> KernelLaunch:
+    batch, channels_in, kernel_size = _TARGET_PROBLEMS[problem]
+    channels = 256
+    window = torch.empty(batch, channels_in, kernel_size, dtype=dtype)
+    weight = torch.empty(2 * channels, channels_in, kernel_size, dtype=dtype)
+    bias, residual = torch.empty(2 * channels, dtype=dtype), torch.empty(batch, channels, 1, dtype=dtype)
+    out, z = torch.empty(batch, channels, 1, dtype=dtype), empty_saved(window, weight)
+    return _launch(window, weight, bias, residual, out, z, GluConvArgs(0, 0, 0.0, 0.5))
+
+
+def compile_targets() -> list[CompileTarget]:
+    """The step kernel for each dtype and representative problem, with bias and residual."""
+    return [
+        CompileTarget(f"glu_step-{TORCH_TO_TRITON_DTYPE[dtype]}-{problem}",
+                      lambda dtype=dtype, problem=problem: _target_launch(dtype, problem))
+        for dtype in (torch.float16, torch.bfloat16, torch.float32) for problem in _TARGET_PROBLEMS
+    ]
