@@ -32,10 +32,9 @@ from ._common import (
 
 __all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
 
-# Up to this many rows a step runs on FMAs, where each program reads its weight rows once for all of
-# its rows; a larger batch (a beam search over a large batch) takes the tensor-core GEMM of the
-# whole-sequence kernels.  Also the most positions the eager backward runs as an untimed im2col GEMM,
-# which the step's backward relies on (its saved z is the im2col GEMM's layout).
+# Up to this many rows a step runs on FMAs, each program reading its weight rows once for its eight
+# rows; a larger batch (a beam search over a large batch) takes the whole-sequence kernels'
+# tensor-core GEMM, which reads the weight once per 128 rows.
 MAX_BATCH = 64
 # Rows per program: one for a batch of one (greedy decoding of one sequence), else eight.
 _BLOCK_ROWS = 8
