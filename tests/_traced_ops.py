@@ -79,6 +79,7 @@ def cases(fake: FakeTensorMode) -> dict:
         seed = torch.zeros(2, dtype=torch.int64, device="cuda")
         x, weight, bias = empty(2, 16, 64), empty(192, 64), empty(192)
         glu_x, glu_weight, glu_bias = empty(2, 32, 20), empty(64, 32, 3), empty(64)
+        glu_window = empty(8, 32, 3)  # a decoding step's: the last k positions of 8 sequences
 
     def attention(query, key, value, grad_out, padding, seed):
         args = AttentionArgs(padding, None, Causal.TOP_LEFT, 0.125, 0.1, seed)
@@ -107,6 +108,9 @@ def cases(fake: FakeTensorMode) -> dict:
         out, saved = glu_conv1d_forward(x, weight, None, None, args, "triton")
         return glu_conv1d_backward(out, x, weight, None, saved, args, True, True, False, "triton")
 
+    def glu_step(window, weight, bias):  # a decoding step, forward alone (inference)
+        return glu_conv1d_forward(window, weight, bias, None, GluConvArgs(0, 0, 0.0, 1.0), "triton")
+
     traced = {
         "attention": _traced(attention, query, key, value, grad_out, padding, seed),
         "attention_short_keys": _traced(attention, query, short_key, short_value, grad_out, short_padding, seed),
@@ -115,6 +119,7 @@ def cases(fake: FakeTensorMode) -> dict:
         "qkv": _traced(qkv, x, weight, bias),
         "glu": _traced(glu, glu_x, glu_weight, glu_bias),
         "glu_causal": _traced(glu_causal, glu_x, glu_weight),
+        "glu_step": _traced(glu_step, glu_window, glu_weight, glu_bias),
     }
     with torch._functorch.config.patch(decompose_custom_triton_ops=False):  # as torch.export traces
         traced["qkv_exported"] = _traced(qkv, x, weight, bias)
