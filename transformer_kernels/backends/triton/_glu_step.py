@@ -32,15 +32,19 @@ from ._common import (
 
 __all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
 
-# Up to this many rows a step runs on FMAs, each program reading its weight rows once for its eight
-# rows; a larger batch (a beam search over a large batch) takes the whole-sequence kernels'
+# Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows; a larger batch (a beam search over a large batch) takes the whole-sequence kernels'
 # tensor-core GEMM, which reads the weight once per 128 rows but only after repacking it.  At the
 # seeds' greedy decoding (128 sequences, C = 512, k = 3) the FMAs, about 0.2 G, take about as long
 # as that GEMM's eight programs, without the repacking's launch (an estimate: not yet timed on a GPU).
 MAX_BATCH = 128
-# Rows per program: one for a batch of one (greedy decoding of one sequence), else eight.
-_BLOCK_ROWS = 8
-_CONFIG = KernelConfig(block_n=8, block_k=64, num_warps=4, num_stages=1)
+# A step is bound by the latency of its weight loads, not by bandwidth: the whole weight (3 MB at
+# C = 512, k = 3 in 16 bits) is about what an H100/H200 must have in flight to reach its memory
+# bandwidth.  So each program keeps a large slice of K in flight per iteration (in per-lane partial
+# sums, 32 registers each for both halves), and four channels per program make 128 programs at
+# C = 512.  Rows per program: one for a batch of one (greedy decoding of one sequence), whose
+# iterations load 8 KB of weight; else eight, whose iterations load 2 KB of weight and 2 KB of window.
+_ONE_ROW = KernelConfig(block_m=1, block_n=4, block_k=512, num_warps=4, num_stages=1)
+_ROWS = KernelConfig(block_m=8, block_n=4, block_k=128, num_warps=4, num_stages=1)
 
 
 # Each program owns BLOCK_M rows times BLOCK_N output channels of both GLU halves, and reduces over K
@@ -150,8 +154,8 @@ def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tupl
 
     def build() -> KernelLaunch:
         batch, channels_out = window.shape[0], weight.shape[0] // 2
-        block_rows = 1 if batch == 1 else _BLOCK_ROWS
-        grid = (cdiv(channels_out, _CONFIG.block_n), cdiv(batch, block_rows))
+        config = _ONE_ROW if batch == 1 else _ROWS
+        grid = (cdiv(channels_out, config.block_n), cdiv(batch, config.block_m))
         return KernelLaunch(_glu_step_kernel, grid, (
             *pointers,
             batch,
@@ -163,8 +167,7 @@ def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tupl
             out.stride(0),
             out.stride(1),
             1 if bias is None else bias.stride(0),
-        ), dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_rows,
-                **_CONFIG.launch_kwargs()))
+        ), dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, **config.launch_kwargs()))
 
     return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
 
