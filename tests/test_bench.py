@@ -319,6 +319,10 @@ def test_compare_refuses_a_results_file_missing_what_it_reads(damage, problem, t
     (["--only", ""], "--only: no suite"),
     (["--only", "qkv,ghost"], "unknown suite(s) ['ghost']"),
     (["--check", "--only", "nn,models"], "--check covers the suites"),
+    (["--check", "--only", "qkv,models"], "--only names models"),
+    (["--check", "--out", "somewhere", "--full"], "--out and --quick/--full apply to a benchmark run, not to --check"),
+    (["--compare", "old.json", "new.json", "--only", "glu"], "--only applies to a benchmark run, not to --compare"),
+    (["--readme", "--device", "cpu", "--malloc-defaults"], "--device and --malloc-defaults apply to a benchmark run"),
 ])
 def test_the_command_refuses_what_it_cannot_take_as_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -344,7 +348,7 @@ def test_readme_refuses_what_it_cannot_rewrite_as_a_usage_error(tmp_path, capsys
     empty.mkdir()
     for readme, results, message in ((tmp_path / "missing.md", results_dir, "No such file"),
                                      (unmarked, results_dir, "has no performance markers"),
-                                     (unmarked, empty, "no results.json under")):
+                                     (unmarked, empty, "no results.json with a measured group under")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["--readme", str(readme), "--results", str(results)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -587,6 +591,81 @@ def test_readme_keeps_a_full_runs_cases_that_a_newer_quick_run_did_not_time(tiny
     assert {g["case"] for g in latest[0][1]["groups"]} == {cases[0]}
     assert {g["case"] for g in latest[1][1]["groups"]} == set(cases[1:])
     assert {t["case"] for t in latest[1][1]["targets"]} <= set(cases[1:])
+
+
+def test_readme_lets_a_partial_run_between_a_full_and_a_newer_quick_run_stand(tiny_run, tmp_path):
+    """full (oldest) < some cases, timed again (--cases) < quick: the cases the quick run did not
+    time come from the partial run where it timed them, the full run's older rows of them hidden."""
+    _, out = tiny_run
+    run = json.loads((out / "results.json").read_text())
+    op = run["groups"][0]["op"]
+    cases = sorted({g["case"] for g in run["groups"] if g["op"] == op})
+    assert len(cases) >= 2
+
+    def of_size(size: str, date: str, kept_cases, **env) -> dict:
+        return {**run, "environment": {**run["environment"], "size": size, "date": date, **env},
+                "groups": [g for g in run["groups"] if g["op"] == op and g["case"] in kept_cases],
+                "targets": [t for t in run["targets"] if t["op"] == op and t["case"] in kept_cases]}
+
+    results_dir = tmp_path / "results"
+    for name, data in (("full", of_size("full", "2001-01-01T00:00:00+00:00", cases)),
+                       ("between", of_size("full", "2001-06-01T00:00:00+00:00", cases[-1:], cases="x")),
+                       ("new-quick", of_size("quick", "2002-01-01T00:00:00+00:00", cases[:1]))):
+        (results_dir / name).mkdir(parents=True)
+        (results_dir / name / "results.json").write_text(json.dumps(data))
+    shown = {path.parent.name: {g["case"] for g in data["groups"]} for path, data in report.latest_results(results_dir)}
+    assert shown.pop("new-quick") == {cases[0]} and shown.pop("between") == {cases[-1]}
+    assert shown.get("full", set()) == set(cases[1:-1])
+
+
+def test_every_save_before_the_end_marks_the_run_cut_short(monkeypatch, tmp_path):
+    """A run killed between two groups (no report written after it) leaves a results.json that says
+    it was cut short, so --readme does not take it for a whole run."""
+    out = tmp_path / "out"
+    seen = []
+
+    def run_suites(names, setting, schedule, on_record, **kwargs):
+        on_record(run.unavailable_suite_record("qkv", "a stand-in record", CPU))
+        seen.append(json.loads((out / "results.json").read_text())["environment"]["cut_short"])
+        return True
+
+    monkeypatch.setattr(run, "run_suites", run_suites)
+    assert cli.main(["--tiny", "--device", "cpu", "--only", "qkv", "--out", str(out)]) == 0
+    assert seen == [True]
+    assert json.loads((out / "results.json").read_text())["environment"]["cut_short"] is False
+
+
+def test_a_run_without_out_keeps_that_days_earlier_run(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "run_suites", lambda *args, **kwargs: True)
+    assert cli.main(["--tiny", "--device", "cpu", "--only", "qkv"]) == 0
+    assert cli.main(["--tiny", "--device", "cpu", "--only", "qkv", "--cases", "fwd"]) == 0
+    folders = sorted((tmp_path / "benchmarks" / "results").iterdir())
+    assert len(folders) == 2 and all((folder / "results.json").exists() for folder in folders)
+    assert folders[1].name.startswith(folders[0].name + "-")
+
+
+@pytest.mark.parametrize("who", ["ours", "peer"])
+def test_an_implementation_raising_while_timed_is_left_out_and_the_rest_timed(who):
+    """One that runs at its setup and raises later (out of memory at its third call, say) is recorded
+    as failed (ours) or unavailable (a peer), with the reason, and the others are timed without it."""
+    x = torch.randn(8, 8, requires_grad=True)
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("out of memory (simulated)")
+        return x * 2
+
+    name = "eager" if who == "ours" else "flaky_peer"
+    setups = {"reference": lambda: suites.Impl(lambda: x * 2, (x,)), name: lambda: suites.Impl(flaky, (x,))}
+    group = suites.Group(op="op", case="case", direction="fwd", setups=setups, unavailable={},
+                         error=lambda outputs: 0.0, flops=None, ours=("eager",) if who == "ours" else ())
+    record = run.measure_group(group, CPU, timing.Schedule.for_device(CPU, "tiny"))
+    assert set(record["times_s"]) == {"reference"} and record["rounds"] >= 2
+    reasons = record["failed"] if who == "ours" else record["unavailable"]
+    assert reasons == {name: "RuntimeError: out of memory (simulated)"} and name not in record["errors"]
 
 
 def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):

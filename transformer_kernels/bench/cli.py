@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default=",".join(suites.SUITES),
                         help=f"comma-separated suites (default all: {','.join(suites.SUITES)})")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default benchmarks/results/<device>-<date> under the current folder)")
+                        help="output folder (default benchmarks/results/<device>-<date> under the current folder, or "
+                             "<device>-<date>-<time> where that one holds a run already)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cuda when available)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="benchmark dtype (default bfloat16 on CUDA, float32 on CPU); with --check, the one "
@@ -150,8 +151,11 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
     if device.type == "cpu":
         env["malloc"] = timing.cpu_malloc(keep_freed_memory=not args.malloc_defaults)
     kind = env["device"] if device.type == "cuda" else f"cpu-{env['device']}"
-    out = args.out or Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
-    if args.out is None:
+    out = args.out
+    if out is None:
+        out = Path("benchmarks/results") / f"{_slug(kind)}-{env['date'][:10]}"
+        if (out / "results.json").exists():  # that day's earlier run stays (--readme composes them)
+            out = out.with_name(f"{out.name}-{env['date'][11:19].replace(':', '')}")
         _make_folder(parser, out)
     print(f"{env['device']}, {env['dtype']}, {size} run, {env['threads']} torch threads; writing {out}",
           file=sys.stderr)
@@ -164,7 +168,9 @@ def _benchmark(parser: argparse.ArgumentParser, args, device: torch.device, name
 
     targeted = {(t.op, t.case, t.direction) for t in targets if t.device == device.type}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout`: still write the report below
-    cut_short = True
+    # Every save before the end says the run is cut short: one killed (SIGKILL, out of memory, a lost
+    # machine) never reaches the report below, and its results.json must not pass for a whole run.
+    cut_short = env["cut_short"] = True
     try:
         cut_short = not run.run_suites(
             names, setting, timing.Schedule.for_device(device, size), save,
@@ -222,7 +228,7 @@ def _readme(parser: argparse.ArgumentParser, readme: Path, results_dir: Path) ->
     try:
         latest = report.latest_results(results_dir)
         if not latest:
-            parser.error(f"--readme: no results.json under {results_dir}/*/")
+            parser.error(f"--readme: no results.json with a measured group under {results_dir}/*/")
         report.update_readme(readme, report.readme_section(latest, readme.resolve().parent))
     except (OSError, ValueError) as error:
         parser.error(f"--readme {readme}: {error}")
@@ -230,16 +236,31 @@ def _readme(parser: argparse.ArgumentParser, readme: Path, results_dir: Path) ->
     return 0
 
 
+def _refuse_what_the_mode_ignores(parser: argparse.ArgumentParser, args) -> None:
+    """A usage error for an option the chosen mode would ignore: ``--compare`` and ``--readme``
+    read results files and take no run option; ``--check`` takes ``--only``, ``--device``,
+    ``--dtype`` and ``--threads``."""
+    mode = next((name for name, given in (("--check", args.check), ("--compare", args.compare),
+                                           ("--readme", args.readme)) if given), None)
+    if mode is None:
+        return
+    given = {"--only": args.only != parser.get_default("only"), "--device": args.device is not None,
+             "--dtype": args.dtype is not None, "--threads": args.threads is not None,
+             "--out": args.out is not None, "--quick/--full": args.size is not None,
+             "--cases": args.cases is not None, "--time-limit": args.time_limit is not None,
+             "--malloc-defaults": args.malloc_defaults}
+    taken = ("--only", "--device", "--dtype", "--threads") if mode == "--check" else ()
+    ignored = [name for name, was_given in given.items() if was_given and name not in taken]
+    if ignored:
+        parser.error(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} to a benchmark run, "
+                     f"not to {mode}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
-    timing_only = [name for name, given in (("--cases", args.cases), ("--time-limit", args.time_limit)) if given]
-    other_mode = next((name for name, given in (("--check", args.check), ("--compare", args.compare),
-                                                 ("--readme", args.readme)) if given), None)
-    if timing_only and other_mode:
-        parser.error(f"{' and '.join(timing_only)} {'apply' if len(timing_only) > 1 else 'applies'} to a "
-                     f"benchmark run, not to {other_mode}")
+    _refuse_what_the_mode_ignores(parser, args)
     if args.compare:
         return _compare(parser, *args.compare)
     if args.readme:
@@ -247,8 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = _suite_names(parser, args.only)
     device = _device(parser, args.device)
     check_ops = [CHECK_OPS[name] for name in names if name in CHECK_OPS]
-    if args.check and not check_ops:
-        parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names none of them")
+    unchecked = [name for name in names if name not in CHECK_OPS]
+    if args.check and (not check_ops or (unchecked and args.only != parser.get_default("only"))):
+        parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names "
+                     f"{','.join(unchecked) if check_ops else 'none of them'}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)

@@ -446,8 +446,9 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
     for the groups they measured, the newest first.  When that whole run is of a smaller preset than
     ``--full`` (``--quick``, whose cases may differ: the CPU's quick models run times smaller
     models than the full run's seed models), the op's newest full run stands too, for the cases (and
-    directions) the newer runs did not time.  Older runs of an op show nothing, so cases a suite no
-    longer has do not come back."""
+    directions) the newer runs did not time, after the partial runs between the two (newer than
+    it, they stand first).  Older runs of an op show nothing, so cases a suite no longer has do not
+    come back."""
     runs: dict[tuple[str, str], list[tuple[Path, dict]]] = {}
     for path in sorted(results_dir.glob("*/results.json")):
         data = recounted_flops(read_results(path))
@@ -469,10 +470,14 @@ def latest_results(results_dir: Path) -> list[tuple[Path, dict]]:
             if partial(data):
                 continue
             if data["environment"]["size"] != "full":
-                full = next(((path, data) for path, data in op_runs[index + 1:]
-                             if data["environment"]["size"] == "full" and not partial(data)), None)
-                if full is not None:
-                    stand(*full, kind, op, taken)
+                between = []
+                for older in op_runs[index + 1:]:
+                    if partial(older[1]):
+                        between.append(older)
+                    elif older[1]["environment"]["size"] == "full":
+                        for run in (*between, older):
+                            stand(*run, kind, op, taken)
+                        break
             break
     newest_first = sorted(shown.items(), key=lambda item: item[1][1]["environment"]["date"], reverse=True)
     return [
@@ -509,7 +514,7 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
             f"{env['load_average_1min_at_start']:.1f}), {env['date'][:10]}, "
             f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
             f"triton {env.get('triton') or '—'}{', some cases' if partial(data) else ''}: [`{folder}/report.md`]"
-            f"({folder}/report.md). Targets: {counts}.", "",
+            f"({folder}/report.md). Targets: {counts or 'none evaluated (the run stopped before its report)'}.", "",
             *key_table([r for r in data["groups"] if r["ours"]], _peak_tflops(env)),
         ]
     lines += ["", README_END]

@@ -160,25 +160,44 @@ def _whole_designs(rounds: int, design_rounds: int, min_rounds: int, max_rounds:
     return min(designs, max_rounds // design_rounds) * design_rounds
 
 
+class ImplementationFailed(Exception):
+    """Raised by :func:`measure` when the implementation ``name`` raised ``error`` while timed."""
+
+    def __init__(self, name: str, error: Exception) -> None:
+        super().__init__(f"{name}: {type(error).__name__}: {error}")
+        self.name, self.error = name, error
+
+
 def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule: Schedule) -> dict:
     """Times the implementations ``fns`` (name -> zero-argument callable) interleaved.
 
     Returns ``{"rounds": R, "calls": {name: n}, "times_s": {name: [R seconds per call]},
     "peak_mem_bytes": {name: bytes}}``; ``times_s[a][r]`` and ``times_s[b][r]``
-    were taken in the same round ``r``.
+    were taken in the same round ``r``.  An implementation that raises (out of memory on its
+    third call, say) raises :class:`ImplementationFailed` naming it.
     """
     names = list(fns)
     if not names:
         return {"rounds": 0, "calls": {}, "times_s": {}, "peak_mem_bytes": {}}
+
+    def naming_failures(name: str, measurement: Callable[[], float]) -> float:
+        try:
+            return measurement()
+        except Exception as error:
+            raise ImplementationFailed(name, error) from error
+
+    def sample(name: str, calls: int) -> float:
+        return naming_failures(name, lambda: _sample(fns[name], calls, device))
+
     for name in names:  # compilation, autotuning, allocator caches
-        _sample(fns[name], 1, device)
-    estimate = {name: _sample(fns[name], 1, device) for name in names}
+        sample(name, 1)
+    estimate = {name: sample(name, 1) for name in names}
     calls = {name: max(1, math.ceil(schedule.min_sample_s / max(estimate[name], 1e-9))) for name in names}
     round_s = sum(estimate[name] * calls[name] for name in names)
     rounds = int(min(schedule.max_rounds, max(schedule.min_rounds, schedule.budget_s // max(round_s, 1e-9))))
     orders = round_orders(len(names))
     rounds = _whole_designs(rounds, len(orders), schedule.min_rounds, schedule.max_rounds)
-    peak = {name: peak_memory(fns[name], device) for name in names}
+    peak = {name: naming_failures(name, lambda: peak_memory(fns[name], device)) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
     gc_was_enabled = gc.isenabled()
@@ -186,7 +205,7 @@ def measure(fns: dict[str, Callable[[], object]], device: torch.device, schedule
     try:
         for r in range(rounds):
             for index in orders[r % len(orders)]:
-                times[names[index]].append(_sample(fns[names[index]], calls[names[index]], device))
+                times[names[index]].append(sample(names[index], calls[names[index]]))
     finally:
         if gc_was_enabled:
             gc.enable()
