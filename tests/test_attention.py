@@ -350,6 +350,7 @@ def test_dropout_of_every_weight_gives_zeros_like_torch(backend):
     ((2, 3, 5, 8), (2, 3, 0, 8), (2, 3, 0, 8)),  # no key: every row gives 0
     ((2, 3, 5, 8), (2, 3, 6, 8), (2, 3, 6, 0)),  # an empty value head dim
     ((2, 4, 5, 8), (2, 2, 0, 8), (2, 2, 0, 8)),  # grouped heads without keys
+    ((1, 0, 2, 5, 8), (1, 0, 2, 6, 8), (1, 0, 2, 6, 8)),  # an empty inner batch dimension (5-D)
 ])
 @pytest.mark.parametrize("mask", [None, "float", "padding"])
 def test_zero_sized_inputs(query_shape, key_shape, value_shape, mask):

@@ -159,7 +159,8 @@ def fold(tensor: Tensor, split: int) -> Tensor:
     ``i * Hk + h // (Hq / Hk)`` is the one the backends pick."""
     if tensor.dim() == 4 and split == 1:
         return tensor
-    return tensor.reshape(math.prod(tensor.shape[:split]), -1, *tensor.shape[-2:])
+    # Both sizes spelled out: with an empty batch, -1 would leave the heads' size ambiguous.
+    return tensor.reshape(math.prod(tensor.shape[:split]), math.prod(tensor.shape[split:-2]), *tensor.shape[-2:])
 
 
 def broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
