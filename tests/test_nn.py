@@ -327,6 +327,25 @@ def test_mismatched_mask_dtypes_warn_like_torch():
     torch.testing.assert_close(actual, expected, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("mask_name", ["attn_mask", "key_padding_mask"])
+def test_float32_masks_of_other_dtypes_inputs_follow_torch(dtype, mask_name):
+    """torch's SDPA path (``need_weights=False``) takes a float32 mask with float16 or float64 inputs
+    (``nn.Transformer.generate_square_subsequent_mask`` makes float32 ones); its weights path refuses it."""
+    reference, ours = module_pair(batch_first=True, dtype=dtype)
+    x = torch.randn(BATCH, LK, EMBED, dtype=dtype)
+    mask = (torch.nn.Transformer.generate_square_subsequent_mask(LK) if mask_name == "attn_mask"
+            else float_pairs(BATCH, LK).detach().float())
+    assert mask.dtype == torch.float32
+    expected = reference(x, x, x, need_weights=False, **{mask_name: mask})[0]
+    actual = ours(x, x, x, need_weights=False, **{mask_name: mask})[0]
+    tolerance = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(actual, expected, **tolerance)
+    for module in (reference, ours):
+        with pytest.raises(RuntimeError):
+            module(x, x, x, need_weights=True, **{mask_name: mask})
+
+
 # ----------------------------------------------------------------------------
 # What reaches the fused ops
 # ----------------------------------------------------------------------------

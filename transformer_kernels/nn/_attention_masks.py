@@ -70,15 +70,19 @@ class AttentionMasks:
         return scores
 
 
-def _check_dtype(name: str, mask: Optional[Tensor], dtype: torch.dtype) -> None:
+def _check_dtype(name: str, mask: Optional[Tensor], dtype: torch.dtype, need_weights: bool) -> None:
+    """As torch checks: a float mask of query's dtype, or, where SDPA runs (``need_weights=False``),
+    float32 too (``nn.Transformer.generate_square_subsequent_mask`` makes float32 masks)."""
     if mask is None:
         return
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise AssertionError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
-    if mask.is_floating_point() and mask.dtype != dtype:
-        raise RuntimeError(f"a float {name} must have query's dtype ({dtype}), got {mask.dtype}")
+    allowed = (dtype,) if need_weights else (dtype, torch.float32)
+    if mask.is_floating_point() and mask.dtype not in allowed:
+        also = "" if need_weights or dtype == torch.float32 else " or, with need_weights=False, float32"
+        raise RuntimeError(f"a float {name} must have query's dtype ({dtype}){also}, got {mask.dtype}")
 
 
 def _attn_mask_4d(attn_mask: Tensor, batch: int, num_heads: int, tgt_len: int, src_len: int) -> Tensor:
@@ -117,8 +121,8 @@ def sdpa_masks(
     (unchecked) and applies a causal one, anywhere else it applies the mask and ignores
     the hint.  Mask dtypes that differ warn as torch warns.
     """
-    _check_dtype("key_padding_mask", key_padding_mask, dtype)
-    _check_dtype("attn_mask", attn_mask, dtype)
+    _check_dtype("key_padding_mask", key_padding_mask, dtype, need_weights)
+    _check_dtype("attn_mask", attn_mask, dtype, need_weights)
     if key_padding_mask is not None and attn_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
         warnings.warn(
             "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both instead.",

@@ -52,7 +52,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     - ``attn_mask``: ``[L, S]`` (the same for every sequence and head) or
       ``[N * num_heads, L, S]``, bool with True marking a pair that is *not* allowed to
       attend (the opposite of :func:`torch.nn.functional.scaled_dot_product_attention`'s
-      convention), or float and added to the scores.  Float masks have ``query``'s dtype.
+      convention), or float and added to the scores.  Float masks have ``query``'s dtype (or,
+      with ``need_weights=False``, float32, as torch's SDPA path takes them).
     - ``is_causal``: a hint that ``attn_mask`` is the causal mask; it needs an ``attn_mask``.
       As in torch, with no ``key_padding_mask`` and ``need_weights=False`` the mask is then
       not read and a top-left causal mask is applied instead (no mask is built); otherwise
