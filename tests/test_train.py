@@ -73,6 +73,7 @@ def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
     (["--dtype", "int8"], "invalid choice"),
     (["--lr", "-1"], "--lr must be positive"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--examples", "-2"], "--examples must be 0 or more"),
     (["--device", "bogus"], "--device: "),
     (["--device", "cuda:99"], "CUDA device(s)"),
 ])

@@ -356,6 +356,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         parser.error(f"--lr must be positive, got {args.lr}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.examples < 0:
+        parser.error(f"--examples must be 0 or more, got {args.examples}")
     if args.device is not None:
         try:
             machine_device(args.device)
