@@ -618,6 +618,19 @@ def test_readme_lets_a_partial_run_between_a_full_and_a_newer_quick_run_stand(ti
     assert shown.get("full", set()) == set(cases[1:-1])
 
 
+def test_readme_names_each_of_our_implementations_that_failed(tiny_run, tmp_path):
+    """A group where ours failed shows no row: the README says so and why."""
+    _, out = tiny_run
+    run = json.loads((out / "results.json").read_text())
+    group = {**run["groups"][0], "ours": [], "failed": {"eager": "RuntimeError: boom"}}
+    data = {**run, "groups": [group], "targets": []}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(data))
+    section = report.readme_section(report.latest_results(tmp_path), tmp_path)
+    key = " ".join(report.group_key(group))
+    assert f"- FAILED: {key} eager: RuntimeError: boom" in section and "| op | case |" not in section
+
+
 def test_every_save_before_the_end_marks_the_run_cut_short(monkeypatch, tmp_path):
     """A run killed between two groups (no report written after it) leaves a results.json that says
     it was cut short, so --readme does not take it for a whole run."""

@@ -515,10 +515,19 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
             f"commit `{(env.get('commit') or 'unknown')[:7]}`{dirty}, torch {env['torch']}, "
             f"triton {env.get('triton') or '—'}{', some cases' if partial(data) else ''}: [`{folder}/report.md`]"
             f"({folder}/report.md). Targets: {counts or 'none evaluated (the run stopped before its report)'}.", "",
-            *key_table([r for r in data["groups"] if r["ours"]], _peak_tflops(env)),
         ]
+        measured = [r for r in data["groups"] if r["ours"]]
+        failures = [f"- FAILED: {' '.join(failure)}: {_shortened(group['failed'][failure[3]])}"
+                    for group in data["groups"] for failure in failed_in([group])]
+        lines += [*(key_table(measured, _peak_tflops(env)) if measured else []),
+                  *([""] if measured and failures else []), *failures]
     lines += ["", README_END]
     return "\n".join(lines)
+
+
+def _shortened(reason: str, limit: int = 160) -> str:
+    """A failure's reason for the README (its report.md has it whole)."""
+    return reason if len(reason) <= limit else reason[:limit - 3].rstrip() + "..."
 
 
 def update_readme(readme: Path, section: str) -> None:
