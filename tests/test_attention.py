@@ -351,6 +351,7 @@ def test_dropout_of_every_weight_gives_zeros_like_torch(backend):
     ((2, 3, 5, 8), (2, 3, 6, 8), (2, 3, 6, 0)),  # an empty value head dim
     ((2, 4, 5, 8), (2, 2, 0, 8), (2, 2, 0, 8)),  # grouped heads without keys
     ((1, 0, 2, 5, 8), (1, 0, 2, 6, 8), (1, 0, 2, 6, 8)),  # an empty inner batch dimension (5-D)
+    ((2, 3, 2, 5, 8), (2, 3, 2, 0, 8), (2, 3, 2, 0, 8)),  # no key (5-D)
 ])
 @pytest.mark.parametrize("mask", [None, "float", "padding"])
 def test_zero_sized_inputs(query_shape, key_shape, value_shape, mask):
@@ -358,18 +359,26 @@ def test_zero_sized_inputs(query_shape, key_shape, value_shape, mask):
     zeros where torch's math has no key (it gives NaN there: rows without keys give 0 here), and
     every input, a float mask included, in the graph with a zero gradient."""
     q, k, v = (torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in (query_shape, key_shape, value_shape))
-    enable_gqa = query_shape[1] != key_shape[1]
+    enable_gqa = query_shape[-3] != key_shape[-3] or query_shape[-3] == 0  # no heads: grouped too
     kwargs, leaves = {}, [q, k, v]
     if mask == "float":
         kwargs["attn_mask"] = torch.randn(query_shape[-2], key_shape[-2], dtype=torch.float64, requires_grad=True)
         leaves.append(kwargs["attn_mask"])
     out = tk.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, backend="eager", **kwargs,
-                                          **({"key_padding_mask": torch.zeros(query_shape[0], key_shape[-2],
+                                          **({"key_padding_mask": torch.zeros(*query_shape[:-3], key_shape[-2],
                                                                               dtype=torch.bool)} if mask == "padding" else {}))
     assert out.shape == (*query_shape[:-1], value_shape[-1])
     assert (out == 0).all()
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
     assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, leaves))
+
+
+@pytest.mark.parametrize("padding_shape", [(6,), (1, 1, 6), (2, 0, 6)])
+def test_an_empty_inner_batch_dimension_takes_a_broadcast_key_padding_mask(padding_shape):
+    q, k, v = (torch.randn(2, 0, 2, length, 8) for length in (5, 6, 6))
+    out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(padding_shape, dtype=torch.bool),
+                                          backend="eager")
+    assert out.shape == (2, 0, 2, 5, 8)
 
 
 @pytest.mark.parametrize("head_dim", [257, 300])

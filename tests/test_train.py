@@ -58,6 +58,12 @@ def test_the_command_reports_a_bad_configuration_or_data_file_without_a_tracebac
     data.write_text("a b\tx\n" * 70, encoding="utf-8")
     assert train_module.main(["--data", str(data), "--steps", "1", "--batch-size", "8"]) == 2
     assert "error: batch_size (8) exceeds the 6 training pairs" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.tsv"
+    latin1.write_bytes("caf\u00e9 b\tx\n".encode("latin-1") * 70)
+    assert train_module.main(["--data", str(latin1), "--steps", "1"]) == 2
+    assert f"error: {latin1}: not UTF-8 text" in capsys.readouterr().err
+    assert train_module.main(["--data", "", "--steps", "1"]) == 2  # not the synthetic task
+    assert "No such file or directory" in capsys.readouterr().err
 
 
 def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
@@ -72,6 +78,8 @@ def test_batch_larger_than_the_training_pairs_is_named(tmp_path):
     (["--steps", "0"], "must be positive"),
     (["--dtype", "int8"], "invalid choice"),
     (["--lr", "-1"], "--lr must be positive"),
+    (["--lr", "inf"], "--lr must be positive and finite"),
+    (["--seed", str(2**64)], "--seed must be in [-2**63, 2**64)"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     (["--examples", "-2"], "--examples must be 0 or more"),
     (["--device", "bogus"], "--device: "),

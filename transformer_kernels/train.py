@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import random
 import sys
@@ -119,17 +120,20 @@ def synthetic_corpus(
 def tsv_corpus(path: str, held_out: int = 64) -> Corpus:
     """``source<TAB>target`` per line, whitespace-tokenized; the last ``held_out`` lines are held out."""
     pairs = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            columns = line.rstrip("\n").split("\t")
-            if len(columns) != 2:
-                raise ConfigError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
-            source, target = columns[0].split(), columns[1].split()
-            if not source:  # the models take sources of at least one token
-                raise ConfigError(f"{path}:{number}: the source (before the tab) has no token")
-            pairs.append((source, target))
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                columns = line.rstrip("\n").split("\t")
+                if len(columns) != 2:
+                    raise ConfigError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
+                source, target = columns[0].split(), columns[1].split()
+                if not source:  # the models take sources of at least one token
+                    raise ConfigError(f"{path}:{number}: the source (before the tab) has no token")
+                pairs.append((source, target))
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     if len(pairs) <= held_out:
         raise ConfigError(f"{path}: {len(pairs)} sentence pairs; need more than the {held_out} held out")
     return _encode(pairs, held_out)
@@ -236,7 +240,7 @@ def train(config: TrainConfig) -> dict:
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
     torch.manual_seed(config.seed)
-    corpus = tsv_corpus(config.data) if config.data else synthetic_corpus(seed=config.seed)
+    corpus = tsv_corpus(config.data) if config.data is not None else synthetic_corpus(seed=config.seed)
     if config.batch_size > len(corpus.train):
         raise ConfigError(f"batch_size ({config.batch_size}) exceeds the {len(corpus.train)} training pairs "
                           "(batches draw distinct pairs)")
@@ -352,8 +356,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch-size must be positive")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be positive and finite, got {args.lr}")
+    if not -2**63 <= args.seed < 2**64:  # what torch.manual_seed takes
+        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.examples < 0:

@@ -56,7 +56,8 @@ def grouped_key_value(query: Tensor, key: Tensor, value: Tensor, ndim: int) -> t
                 f"got shape {tuple(tensor.shape)}"
             )
     num_heads, key_heads, value_heads = query.shape[-3], key.shape[-3], value.shape[-3]
-    if num_heads % key_heads != 0 or num_heads % value_heads != 0:
+    divides = all(count != 0 and num_heads % count == 0 for count in (key_heads, value_heads))
+    if num_heads != 0 and not divides:  # no query heads take any key/value head count, as in torch
         raise ValueError(
             f"with enable_gqa=True the number of query heads ({num_heads}) must be a multiple of the number of "
             f"key heads ({key_heads}) and of value heads ({value_heads}) (dimension -3)"
@@ -122,7 +123,10 @@ def _broadcast_shape(*shapes: tuple[int, ...]) -> Optional[tuple[int, ...]]:
 
 
 def _mergeable(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether these adjacent dimensions can be viewed as one (size-1 dimensions have no stride)."""
+    """Whether these adjacent dimensions can be viewed as one (size-1 dimensions have no stride, and
+    a tensor without elements views as any shape)."""
+    if 0 in sizes:
+        return True
     kept = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
     return all(outer[1] == inner[1] * inner[0] for outer, inner in zip(kept, kept[1:]))
 

@@ -609,8 +609,8 @@ def _normalize(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         padding = inputs.expanded(key_padding_mask, (*lead_shape, lk))
         if split < len(lead_shape):
             padding = padding[(slice(None),) * split + (0,) * (len(lead_shape) - split)]
-        if padding.dim() != 2:
-            padding = padding.reshape(-1, lk)
+        if padding.dim() != 2:  # both sizes spelled out: -1 is ambiguous without keys
+            padding = padding.reshape(math.prod(padding.shape[:-1]), lk)
         padding = padding.contiguous()
 
     args = AttentionArgs(padding, mask, causal, scale, dropout_p, _dropout_seed(dropout_p, query.device))
