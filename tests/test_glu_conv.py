@@ -761,6 +761,18 @@ def test_triton_step_matches_the_exact_math_with_its_gradients(batch, dtype, ker
 
 
 @requires_triton
+def test_triton_step_reads_a_weight_whose_rows_are_strided():
+    """A weight whose rows are each contiguous but lie apart (every other row of a larger one): the
+    step kernel reads them in place, at their own stride."""
+    device = device_for("triton")
+    weight = torch.randn(16, 6, 3, device=device)[::2]
+    x_t, state = torch.randn(3, 6, device=device), torch.randn(3, 6, 2, device=device)
+    out, _ = tk.glu_conv1d_step(x_t, state, weight, backend="triton")
+    expected, _ = tk.glu_conv1d_step(x_t, state, weight.contiguous(), backend="eager")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@requires_triton
 def test_triton_strided_input_and_empty_batch():
     device = device_for("triton")
     _, weight, bias, residual = _make_inputs(2, 3, 6, 4, 4, dtype=torch.float32, device=device)

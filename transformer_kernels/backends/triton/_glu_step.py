@@ -32,8 +32,8 @@ from ._common import (
 
 __all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
 
-# Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows; a larger batch (a beam search over a large batch) takes the whole-sequence kernels'
-# tensor-core GEMM, which reads the weight once per 128 rows but only after repacking it.  At the
+# Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows;
+# a larger batch (a beam search over a large batch) takes the whole-sequence kernels' tensor-core GEMM, which reads the weight once per 128 rows but only after repacking it.  At the
 # seeds' greedy decoding (128 sequences, C = 512, k = 3) the FMAs, about 0.2 G, take about as long
 # as that GEMM's eight programs, without the repacking's launch (an estimate: not yet timed on a GPU).
 MAX_BATCH = 128
@@ -67,6 +67,7 @@ def _glu_step_kernel(
     reduction,
     residual_scale,
     stride_window_row,
+    stride_weight_row,
     stride_rb,
     stride_rc,
     stride_ob,
@@ -84,8 +85,8 @@ def _glu_step_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < channels_out
     window_rows = window_ptr + rows.to(tl.int64) * stride_window_row
-    value_rows = weight_ptr + cols.to(tl.int64) * reduction
-    gate_rows = weight_ptr + (cols.to(tl.int64) + channels_out) * reduction
+    value_rows = weight_ptr + cols.to(tl.int64) * stride_weight_row
+    gate_rows = weight_ptr + (cols.to(tl.int64) + channels_out) * stride_weight_row
 
     # Per-lane partial sums over the K slice, reduced across lanes once after the loop.
     partial_a = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -132,7 +133,8 @@ def empty_saved(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_in_place(t: torch.Tensor) -> bool:
-    """Whether ``t`` ``[N, C_in, k]`` holds each of its ``N`` rows as ``C_in * k`` consecutive elements."""
+    """Whether ``t`` ``[N, C_in, k]`` holds each of its ``N`` rows as ``C_in * k`` consecutive elements
+    (the rows themselves at any stride, which the kernel takes)."""
     _, channels_in, kernel_size = t.shape
     return (kernel_size == 1 or t.stride(2) == 1) and (channels_in == 1 or t.stride(1) == kernel_size)
 
@@ -149,7 +151,8 @@ def _pointers(window, weight, bias, residual, out, z) -> tuple:
 def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tuple[KernelLaunch, ...]:
     """The launch template of a step of these tensors' layouts (window and weight rows in place)."""
     pointers = _pointers(window, weight, bias, residual, out, z)
-    layout = ("step", window.shape, window.stride(0), weight.shape, None if bias is None else bias.stride(),
+    layout = ("step", window.shape, window.stride(0), weight.shape, weight.stride(0),
+              None if bias is None else bias.stride(),
               None if residual is None else residual.stride(), out.stride(), z.dtype, args.residual_scale)
 
     def build() -> KernelLaunch:
@@ -163,6 +166,7 @@ def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tupl
             weight.shape[1] * weight.shape[2],
             float(args.residual_scale),
             window.stride(0),
+            weight.stride(0),
             *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
             out.stride(0),
             out.stride(1),
