@@ -119,21 +119,22 @@ def synthetic_corpus(
 
 def tsv_corpus(path: str, held_out: int = 64) -> Corpus:
     """``source<TAB>target`` per line, whitespace-tokenized; the last ``held_out`` lines are held out."""
-    pairs = []
     try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                columns = line.rstrip("\n").split("\t")
-                if len(columns) != 2:
-                    raise ConfigError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
-                source, target = columns[0].split(), columns[1].split()
-                if not source:  # the models take sources of at least one token
-                    raise ConfigError(f"{path}:{number}: the source (before the tab) has no token")
-                pairs.append((source, target))
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    pairs = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        columns = line.split("\t")
+        if len(columns) != 2:
+            raise ConfigError(f"{path}:{number}: expected 'source<TAB>target', got {len(columns)} columns")
+        source, target = columns[0].split(), columns[1].split()
+        if not source:  # the models take sources of at least one token
+            raise ConfigError(f"{path}:{number}: the source (before the tab) has no token")
+        pairs.append((source, target))
     if len(pairs) <= held_out:
         raise ConfigError(f"{path}: {len(pairs)} sentence pairs; need more than the {held_out} held out")
     return _encode(pairs, held_out)

@@ -517,8 +517,8 @@ def readme_section(results: list[tuple[Path, dict]], root: Path) -> str:
             f"({folder}/report.md). Targets: {counts or 'none evaluated (the run stopped before its report)'}.", "",
         ]
         measured = [r for r in data["groups"] if r["ours"]]
-        failures = [f"- FAILED: {' '.join(failure)}: {_shortened(group['failed'][failure[3]])}"
-                    for group in data["groups"] for failure in failed_in([group])]
+        failures = [f"- FAILED: {' '.join(group_key(group))} {impl}: {_shortened(reason)}"
+                    for group in data["groups"] for impl, reason in group.get("failed", {}).items()]
         lines += [*(key_table(measured, _peak_tflops(env)) if measured else []),
                   *([""] if measured and failures else []), *failures]
     lines += ["", README_END]

@@ -33,8 +33,9 @@ from ._common import (
 __all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
 
 # Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows;
-# a larger batch (a beam search over a large batch) takes the whole-sequence kernels' tensor-core GEMM, which reads the weight once per 128 rows but only after repacking it.  At the
-# seeds' greedy decoding (128 sequences, C = 512, k = 3) the FMAs, about 0.2 G, take about as long
+# a larger batch (a beam search over a large batch) takes the whole-sequence kernels' tensor-core
+# GEMM, which reads the weight once per 128 rows but only after repacking it.  At the seeds' greedy
+# decoding (128 sequences, C = 512, k = 3) the FMAs, about 0.2 G, take about as long
 # as that GEMM's eight programs, without the repacking's launch (an estimate: not yet timed on a GPU).
 MAX_BATCH = 128
 # A step is bound by the latency of its weight loads, not by bandwidth: the whole weight (3 MB at
