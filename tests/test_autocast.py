@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from _helpers import backend_params, device_for
 
 import transformer_kernels as tk
+from transformer_kernels.ops import _autocast
 from transformer_kernels.models import ConvSeq2Seq, Transformer
 from transformer_kernels.train import logits_of, parse_args, train
 
@@ -82,6 +83,19 @@ def test_float64_is_not_cast():
         assert tk.scaled_dot_product_attention(q, q, q, is_causal=True).dtype == torch.float64
         assert tk.qkv_projection(x.transpose(1, 2), torch.randn(24, 8, dtype=torch.float64), num_heads=2)[0].dtype \
             == torch.float64
+
+
+@pytest.mark.parametrize("device_type", _autocast._DEVICE_TYPES)
+def test_autocast_of_every_device_type_is_seen(device_type):
+    """The public functions skip their autocast casts where torch._C._is_any_autocast_enabled says
+    no autocast is on, except for the device types listed as unseen by it: that list must hold."""
+    assert not torch._C._is_any_autocast_enabled()
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        seen = torch._C._is_any_autocast_enabled()
+    finally:
+        torch.set_autocast_enabled(device_type, False)
+    assert seen == (device_type not in _autocast._UNCOVERED_DEVICE_TYPES)
 
 
 def test_decoding_step_runs_in_the_autocast_dtype():

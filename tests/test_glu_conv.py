@@ -445,6 +445,26 @@ def test_residual_is_the_input(backend):
     torch.testing.assert_close(grad_x, torch.autograd.grad(expected.sum(), x_ref)[0], **_tolerance(backend))
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
+def test_the_output_can_be_changed_in_place_as_torchs(backend, channels_last):
+    """As F.glu's output, the output takes an in-place change while autograd records, and the
+    gradients follow it: it is no view that the op's forward made (a channel-last output is made
+    with its strides, not as a transposed tensor)."""
+    device = device_for(backend)
+    x, weight, bias, _ = _make_inputs(2, 3, 7, 8, 8, dtype=working_dtype(backend), device=device,
+                                      channels_last=channels_last, residual=False)
+    x, weight, bias = _leaves(x, weight, bias)
+    out = tk.glu_conv1d(x, weight, bias, backend=backend)
+    assert not out._is_view()
+    out.mul_(3.0)
+    grads = torch.autograd.grad(out.square().sum(), (x, weight, bias))
+    expected = reference_glu_conv1d(x, weight, bias) * 3.0
+    expected_grads = torch.autograd.grad(expected.square().sum(), (x, weight, bias))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=2e-2, rtol=2e-2)
+
+
 def test_residual_scale_applies_without_residual():
     x, weight, bias, _ = _make_inputs(2, 3, 7, 4, 4, dtype=torch.float64, residual=False)
     out = tk.glu_conv1d(x, weight, bias, residual_scale=0.25, backend="eager")
@@ -610,6 +630,36 @@ def test_step_state_reorders_with_index_select():
     full = tk.glu_conv1d(x[order], weight, bias, padding="causal", pad_value=1.0, residual=residual[order],
                          residual_scale=SCALE, backend="eager")
     torch.testing.assert_close(steps[:, :, 5:], full[:, :, 5:])
+
+
+@pytest.mark.parametrize("pad_value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("backend", backend_params("glu_conv"))
+def test_a_non_finite_pad_value_reaches_only_the_outputs_that_read_padding(backend, pad_value):
+    """Only positions whose window holds padding see an infinite or NaN pad_value: as F.pad +
+    conv1d give it, and for every gradient the same."""
+    device, dtype = device_for(backend), working_dtype(backend)
+    x, weight, bias, _ = _make_inputs(2, 3, 6, 5, 4, dtype=dtype, device=device, residual=False)
+    x, weight, bias = _leaves(x, weight, bias)
+    out = tk.glu_conv1d(x, weight, bias, padding="same", pad_value=pad_value, backend=backend)
+    interior = out[:, :, 1:-1]  # positions 1 .. L-2 of a k=3 "same" convolution read no padding
+    expected = reference_glu_conv1d(x.double(), weight.double(), bias.double())[:, :, 1:-1]
+    torch.testing.assert_close(interior, expected.to(dtype), **_tolerance(backend))
+    assert not out[:, :, [0, -1]].isfinite().any()
+    without_padding = tk.glu_conv1d(x, weight[:, :, :1], bias, padding="same", pad_value=pad_value, backend=backend)
+    grads = torch.autograd.grad(without_padding.sum(), (x, weight, bias))
+    assert without_padding.isfinite().all() and all(grad.isfinite().all() for grad in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_a_pad_value_the_dtype_cannot_hold_is_refused(dtype):
+    """As F.pad refuses it; a value that would overflow to infinity in the kernels' tiles."""
+    too_large = float(torch.finfo(dtype).max) * 2
+    x, weight = torch.randn(1, 4, 3, dtype=dtype), torch.randn(8, 4, 3, dtype=dtype)
+    with pytest.raises(ValueError, match="pad_value = .* overflows"):
+        tk.glu_conv1d(x, weight, pad_value=too_large)
+    with pytest.raises(ValueError, match="pad_value = .* overflows"):
+        tk.glu_conv1d_step(x[:, :, 0], None, weight, pad_value=-too_large)
+    tk.glu_conv1d(x, weight, pad_value=float(torch.finfo(dtype).max))  # the largest value is taken
 
 
 def test_step_errors():

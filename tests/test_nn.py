@@ -285,6 +285,26 @@ def test_out_proj_is_read_as_parameters_like_torch(need_weights):
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_out_proj_weight_is_read_once_per_call_like_torch(need_weights, batched):
+    """A parametrization of out_proj.weight runs on every read of it (spectral_norm steps its power
+    iteration): torch's forward reads it once, and so does ours."""
+    reads = []
+
+    class Counted(torch.nn.Module):
+        def forward(self, weight):
+            reads.append(1)
+            return weight
+
+    _, ours = module_pair(batch_first=True)
+    torch.nn.utils.parametrize.register_parametrization(ours.out_proj, "weight", Counted())
+    x = torch.randn(BATCH, LK, EMBED) if batched else torch.randn(LK, EMBED)
+    reads.clear()
+    ours(x, x, x, need_weights=need_weights)
+    assert len(reads) == 1
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
 def test_meta_inputs_give_torchs_shapes(need_weights):
     reference, ours = module_pair(batch_first=True)
     reference, ours = reference.to("meta"), ours.to("meta")
@@ -1050,6 +1070,15 @@ def test_glu_conv_argument_errors():
         same.step(torch.randn(2, 4), same.weight.new_zeros(2, 4, 2))
     with pytest.raises(RuntimeError, match="needs padding='causal'"):
         same.initial_state(2)
+    for pad_value in ("1.5", True, None):  # as glu_conv1d refuses them
+        with pytest.raises(TypeError, match="pad_value must be a Python float"):
+            tknn.GLUConv1d(4, 4, 3, pad_value=pad_value)
+    causal = tknn.GLUConv1d(4, 4, 3, padding="causal", pad_value=1)
+    assert type(causal.pad_value) is float
+    with pytest.raises(TypeError, match="batch_size must be an int, got float"):
+        causal.initial_state(2.0)
+    with pytest.raises(ValueError, match="batch_size must be non-negative, got -1"):
+        causal.initial_state(-1)
 
 
 # ----------------------------------------------------------------------------

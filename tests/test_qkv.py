@@ -175,6 +175,29 @@ def test_outputs_share_no_storage_even_when_views_would_be_contiguous():
     assert len(storages) == 3
 
 
+@pytest.mark.parametrize("shape,num_proj,chunk_tokens", [
+    ((2, 5, 8), 3, None), ((1, 1, 8), 1, None), ((2, 2, 3, 8), 2, None), ((3, 4, 8), 3, 2),
+], ids=["three", "one_token", "two_batch_dims", "in_chunks"])
+@pytest.mark.parametrize("backend", backend_params("qkv"))
+def test_outputs_can_be_changed_in_place_as_torchs(monkeypatch, backend, shape, num_proj, chunk_tokens):
+    """Like the view of nn.Linear's output it replaces, each output takes an in-place change while
+    autograd records (``q.mul_(scale)``), and the gradients follow it: no output is a view that the
+    op's forward made, which autograd would refuse to change in place."""
+    from transformer_kernels.backends.eager import qkv as eager_qkv
+
+    if chunk_tokens is not None:
+        monkeypatch.setattr(eager_qkv, "_CHUNK_ELEMENTS", chunk_tokens * num_proj * shape[-1])
+    x, weight, b = _inputs(shape, num_proj, working_dtype(backend), device=device_for(backend))
+    outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
+    assert not any(out._is_view() for out in outputs)
+    for i, out in enumerate(outputs):
+        out.mul_(i + 2)
+    grads = torch.autograd.grad(sum(out.square().sum() for out in outputs), (x, weight, b))
+    expected = [out * (i + 2) for i, out in enumerate(reference_qkv(x, weight, b, 2))]
+    expected_grads = torch.autograd.grad(sum(out.square().sum() for out in expected), (x, weight, b))
+    assert_close_to_reference(grads, expected_grads, rtol=2e-2, atol=2e-2)
+
+
 # --------------------------------------------------------------------------- triton (interpreter on CPU)
 
 TRITON_CASES = [

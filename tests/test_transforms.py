@@ -189,6 +189,27 @@ def test_vmap_equals_a_loop(case, backend):
         torch.testing.assert_close(got_output, expected_output, **_tolerance(precise_dtype(backend)))
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_vmap_and_per_sample_grads_over_no_samples(case, backend):
+    """A vmapped dimension of size 0 gives empty results and empty per-sample gradients, as torch's
+    ops give them, of the shapes that the samples' would have."""
+    op, case = case
+    params, samples = case.make(precise_dtype(backend), device_for(backend))
+    no_samples = tuple(s[:0] for s in samples) if isinstance(samples, tuple) else samples[:0]
+    with torch.no_grad():
+        got = torch.func.vmap(_forward, in_dims=(None, None, 0, None))(op, params, no_samples, backend)
+        expected = torch.func.vmap(_forward, in_dims=(None, None, 0, None))(op, params, samples, backend)
+    for got_output, expected_output in zip(*(t if isinstance(t, (list, tuple)) else [t] for t in (got, expected))):
+        assert got_output.shape == (0, *expected_output.shape[1:])
+
+    def loss(params, sample, backend):  # no Python sum(): torch's own 0 + tensor fails over no samples
+        outputs = _forward(op, params, sample, backend)
+        return (outputs[0] if isinstance(outputs, (list, tuple)) else outputs).square().sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))(params, no_samples, backend)
+    assert [tuple(g.shape) for g in grads] == [(0, *p.shape) for p in params]
+
+
 def test_grad_and_jacrev_equal_torch():
     q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64) for _ in range(3))
     mask = torch.randn(5, 5, dtype=torch.float64)

@@ -113,6 +113,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
       its fast path, which calls ``torch._transformer_encoder_layer_fwd`` with this
       module's weights and never calls ``forward``: such layers compute with torch's own
       fused inference kernel, unchanged.
+    - ``is_causal=True`` without an ``attn_mask`` raises, as torch's module does, also where
+      torch's own inference fast path (``eval()`` under ``torch.no_grad()``) accepts it and
+      ignores the hint, attending to every key: so ``nn.TransformerDecoder(...,
+      tgt_is_causal=True)`` without a ``tgt_mask`` raises here in inference too.
+    - The weights are read once per call: a parametrization on them (``spectral_norm``,
+      whose power iteration runs on every read) steps once per call here, where torch's
+      batched self-attention reads ``in_proj_weight`` three times (its fast-path checks).
 
     Example::
 
@@ -167,7 +174,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        is_batched = self._check_inputs(query, key, value, key_padding_mask)
+        # Read once: a parametrization of out_proj.weight (spectral_norm's power iteration) computes
+        # it on every read, and torch's forward reads it once.
+        out_weight = self.out_proj.weight
+        is_batched = self._check_inputs(query, key, value, key_padding_mask, out_weight.dtype)
         self_attention = query is key and key is value
         shared_key_value = key is value
         if not is_batched:
@@ -204,15 +214,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         attn = attn.transpose(1, 2).reshape(batch, tgt_len, self.embed_dim)
         # out_proj's parameters, not the module: torch's forward never calls it (nor its hooks).
         if not is_batched:
-            out = F.linear(attn.squeeze(0), self.out_proj.weight, self.out_proj.bias)
+            out = F.linear(attn.squeeze(0), out_weight, self.out_proj.bias)
             return out, None if weights is None else weights.squeeze(0)
         if not self.batch_first:
             attn = attn.transpose(0, 1)  # the projection then writes torch's contiguous [L, N, E]
-        return F.linear(attn, self.out_proj.weight, self.out_proj.bias), weights
+        return F.linear(attn, out_weight, self.out_proj.bias), weights
 
     # ------------------------------------------------------------------ steps of forward
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor]) -> bool:
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+                      parameters_dtype: torch.dtype) -> bool:
         """torch's input checks, with its exception types, on tensors; returns whether the input is
         batched."""
         if query.dim() not in (2, 3):
@@ -244,7 +255,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"key and value must have the same sequence and batch dimensions, "
                 f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
             )
-        parameters_dtype = self.out_proj.weight.dtype
         if not autocast_enabled(query.device.type):  # else the projections cast, as nn.Linear's do
             for name, tensor in (("query", query), ("key", key), ("value", value)):
                 if tensor.dtype != parameters_dtype:

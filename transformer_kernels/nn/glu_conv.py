@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops.glu_conv import glu_conv1d, glu_conv1d_step
+from .._checks import is_int
+from ..ops.glu_conv import _check_number, glu_conv1d, glu_conv1d_step
 from ._checks import check_backend
 
 __all__ = ["GLUConv1d"]
@@ -81,7 +82,7 @@ class GLUConv1d(torch.nn.Module):
         self.out_channels = out_channels
         self.kernel_size = kernel_size
         self.padding = padding
-        self.pad_value = float(pad_value)
+        self.pad_value = _check_number("pad_value", pad_value)
         self.backend = check_backend(backend)
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(2 * out_channels, in_channels, kernel_size, **factory))
@@ -122,6 +123,10 @@ class GLUConv1d(torch.nn.Module):
         """The decoding state before the first step: ``[batch_size, C_in, k - 1]`` of
         ``pad_value`` (the causal padding), with the parameters' dtype and device."""
         self._check_causal("initial_state")
+        if not is_int(batch_size):
+            raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be non-negative, got {batch_size}")
         return self.weight.new_full((batch_size, self.in_channels, self.kernel_size - 1), self.pad_value)
 
     def step(

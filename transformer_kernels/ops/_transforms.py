@@ -37,11 +37,15 @@ def under_transform() -> bool:
     )
 
 
-def _slice(value: Any, dim: Any, index: int) -> Any:
+def _slice(value: Any, dim: Any, index: Optional[int]) -> Any:
+    """``value`` at ``index`` of its vmapped dimension ``dim``; zeros of that shape for index None
+    (a vmapped dimension of size 0 has no index)."""
     if dim is None:
         return value
     if isinstance(value, (list, tuple)):  # a Tensor[] argument: a dim per element
         return type(value)(_slice(item, item_dim, index) for item, item_dim in zip(value, dim))
+    if index is None:
+        return value.new_zeros(value.shape[:dim] + value.shape[dim + 1 :])
     return value.select(dim, index)
 
 
@@ -58,7 +62,13 @@ def _stacked(results: list) -> tuple[Any, Any]:
 def vmap_by_loop(call: Callable, batch_size: int, in_dims: Sequence[Any], args: Sequence[Any]) -> tuple[Any, Any]:
     """``call(*args)`` under vmap: once per index of the vmapped dimension (``in_dims`` as torch
     gives them, None for an argument that is not batched), the results stacked along dimension 0:
-    ``(outputs, out_dims)``."""
+    ``(outputs, out_dims)``.  A dimension of size 0 gives results of size 0 along it, of the shapes
+    that one call on zeros gives (as torch's ops give them)."""
+    if batch_size == 0:
+        outputs, out_dims = _stacked([call(*(_slice(arg, dim, None) for arg, dim in zip(args, in_dims)))])
+        if isinstance(outputs, Tensor):
+            return outputs[:0], out_dims
+        return type(outputs)(output[:0] for output in outputs), out_dims
     results = [call(*(_slice(arg, dim, index) for arg, dim in zip(args, in_dims))) for index in range(batch_size)]
     return _stacked(results)
 

@@ -76,12 +76,13 @@ def results_in_x_layout(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs
 def empty_output(x: torch.Tensor, channels: int, length: int, channel_last: Optional[bool] = None) -> torch.Tensor:
     """An uninitialized ``[B, channels, length]`` tensor, channel-last when ``channel_last``, else
     contiguous; by default in ``x``'s memory layout.  Every backend returns its output and
-    ``grad_x`` in the layout its ``results_channel_last`` states."""
+    ``grad_x`` in the layout its ``results_channel_last`` states.  Not a view (of a transposed
+    tensor): autograd refuses in-place changes to a view that an op's forward made."""
     batch = x.shape[0]
     if is_channels_last(x) if channel_last is None else channel_last:
-        return x.new_empty(batch, length, channels).transpose(1, 2)
+        return torch.empty_strided((batch, channels, length), (length * channels, 1, channels), dtype=x.dtype,
+                                   device=x.device)
     return x.new_empty(batch, channels, length)
-
 
 
 # --------------------------------------------------------------------------- public functions
@@ -126,7 +127,9 @@ def glu_conv1d(
             position ``t`` sees inputs ``t - k + 1 .. t`` only (the decoder).
         pad_value: the value of every padding position, in both modes.  ``0.0``
             is ``nn.Conv1d``'s zero padding; the seq2seq decoder fills its left
-            padding with the target pad index (e.g. ``pad_value=1.0``).
+            padding with the target pad index (e.g. ``pad_value=1.0``).  A finite
+            value must fit the computation's dtype (float16: up to 65504), as
+            ``F.pad`` requires; infinities and NaN pad as they are.
         residual: ``[B, C, L]`` (any strides) added to the GLU output, or ``None``
             (the same as zeros).
         residual_scale: multiplies ``glu + residual``; it applies whether or not
@@ -184,7 +187,7 @@ def glu_conv1d(
             raise ValueError(f"padding must be one of {_PADDINGS}, got {padding!r}")
         if x.shape[2] < 1:
             raise ValueError(f"x must have at least one position (L >= 1), got shape {tuple(x.shape)}")
-        scalars = _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale)
+        scalars = _check_pad_value(pad_value, x.dtype), _check_number("residual_scale", residual_scale)
         _check_residual(residual, (x.shape[0], channels_out, x.shape[2]), "x", x)
         pads = ((kernel_size - 1) // 2, kernel_size // 2) if padding == "same" else (kernel_size - 1, 0)
         args = GluConvArgs(*pads, *scalars, timed_choices=True)
@@ -242,7 +245,7 @@ def glu_conv1d_step(
     def checked() -> tuple[GluConvArgs, str]:
         check_tensor("x_t", x_t, ndim=2, dtypes=_DTYPES)
         channels_out, kernel_size = _check_weight_and_bias(x_t, weight, bias, "x_t")
-        scalars = _check_number("pad_value", pad_value), _check_number("residual_scale", residual_scale)
+        scalars = _check_pad_value(pad_value, x_t.dtype), _check_number("residual_scale", residual_scale)
         batch, channels_in = x_t.shape
         state_shape = (batch, channels_in, kernel_size - 1)
         if state is not None:
@@ -320,6 +323,17 @@ def _check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
     return float(value)
+
+
+def _check_pad_value(value: object, dtype: torch.dtype) -> float:
+    """``pad_value`` as a float that ``dtype`` holds: infinities and NaN pass, a finite value past
+    the dtype's range is refused, as ``F.pad`` refuses it."""
+    value = _check_number("pad_value", value)
+    # Comparisons, not math.isfinite: torch.compile traces them where pad_value is symbolic.
+    if torch.finfo(dtype).max < abs(value) < math.inf:
+        raise ValueError(f"pad_value = {value} overflows {dtype} (the computation's dtype), whose largest value is "
+                         f"{torch.finfo(dtype).max}")
+    return value
 
 
 def _check_weight_and_bias(

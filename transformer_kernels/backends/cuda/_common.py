@@ -14,6 +14,16 @@ def raw_ops():
     return torch.ops.transformer_kernels_C
 
 
+def own_tensor(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s elements as a tensor of its own over the same memory (no copy), for an op to return
+    where it made a view: autograd refuses in-place changes to a view made by an op's forward,
+    which torch's own ops' outputs allow."""
+    if not view._is_view():
+        return view
+    own = torch.empty(0, dtype=view.dtype, device=view.device)
+    return own.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 def dtype_reason(dtype: torch.dtype) -> Optional[str]:
     if dtype not in SUPPORTED_DTYPES:
         return f"the CUDA kernels support float16 and bfloat16, got {dtype} (float32 runs on Triton or eager)"

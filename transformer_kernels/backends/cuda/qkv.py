@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ...ops.qkv import QkvProjectionArgs
-from ._common import dtype_reason, in_chunks, loads_in_chunks, raw_ops, size_reason
+from ._common import dtype_reason, in_chunks, loads_in_chunks, own_tensor, raw_ops, size_reason
 
 __all__ = ["forward", "backward", "unsupported_reason"]
 
@@ -44,7 +44,7 @@ def forward(
     bias = None if bias is None else bias.contiguous()
     outputs = raw_ops().qkv_forward(_as_3d(x), in_chunks(weight), bias, args.num_heads)
     shape = args.output_shape(x)
-    return [out.view(shape) for out in outputs]
+    return [out if out.shape == shape else own_tensor(out.view(shape)) for out in outputs]
 
 
 def _head_split_4d(grads: list[torch.Tensor]) -> list[torch.Tensor]:

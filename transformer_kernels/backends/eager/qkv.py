@@ -56,27 +56,28 @@ def forward(
     num_heads = args.num_heads
     head_dim = embed_dim // num_heads
     chunk_tokens = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    output_shape = args.output_shape(x)
     if x.numel() <= chunk_tokens * embed_dim or x.device.type != "cpu":
         # One piece (a decoding step, the seeds' short batches, any GPU input): the fewest host-side
         # ops.  On a GPU the chunks keep nothing in a cache and each costs launches: on an H200
         # (2026-11-27 report, bfloat16, E = 512) the chunked path took 0.37 and 0.64 ms at 2 and 4
         # times the tokens of a 0.11 ms call in one piece, where torch's matmul took alike at all three.
+        # Each output is a tensor of its own, not a view (autograd refuses in-place changes to a view
+        # that an op's forward made), and outputs of one op must not share storage: so each is a
+        # copy, even where a head-split view happens to be contiguous already.  One unbind_copy
+        # makes all of them (3 clones cost a decoding step 4.5 us more).
         packed = onednn.linear(x, weight, bias).view(num_seqs, seq_len, num_proj, num_heads, head_dim)
-        if num_proj == 1:
-            return [packed.select(2, 0).transpose(1, 2).contiguous().view(*batch, num_heads, seq_len, head_dim)]
-        # Outputs of one op must not share storage, so each is a copy, even where a head-split view
-        # happens to be contiguous already; one unbind_copy makes all of them (3 clones cost a
-        # decoding step 4.5 us more).
-        outputs = torch.unbind_copy(packed.permute(2, 0, 3, 1, 4), 0)
-        return [output.view(*batch, num_heads, seq_len, head_dim) for output in outputs]
+        outputs = torch.unbind_copy(packed.permute(2, 0, 3, 1, 4).reshape(num_proj, *output_shape), 0)
+        return list(outputs)
     sequences = x.reshape(num_seqs, seq_len, embed_dim)
-    outputs = [x.new_empty(num_seqs, num_heads, seq_len, head_dim) for _ in range(num_proj)]
+    outputs = [x.new_empty(output_shape) for _ in range(num_proj)]
     for seqs, positions in _token_chunks(num_seqs, seq_len, chunk_tokens):
         packed = onednn.linear(sequences[seqs, positions], weight, bias)
         packed = packed.view(*packed.shape[:2], num_proj, num_heads, head_dim)
         for i, output in enumerate(outputs):
-            output[seqs, :, positions].copy_(packed.select(2, i).transpose(1, 2))
-    return [output.view(*batch, num_heads, seq_len, head_dim) for output in outputs]
+            output.view(num_seqs, num_heads, seq_len, head_dim)[seqs, :, positions].copy_(
+                packed.select(2, i).transpose(1, 2))
+    return outputs
 
 
 # The packed product [T, n*E] is made and split into heads in chunks of about this many elements

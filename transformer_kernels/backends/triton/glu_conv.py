@@ -161,15 +161,18 @@ def _glu_conv_forward_kernel(
         ci_ok = ci < channels_in
         position = s + tap - pad_left
         in_sequence = (position >= 0) & (position < length_in)
-        # Padding positions read pad_value, and so, harmlessly, do rows past the end
-        # (not stored) and channels past C_in (they meet zero weights).  PAD_BY_FILL: pad_value
-        # is +0.0, the asynchronous copy's own fill, so the 16-bit tile goes from shared memory
-        # straight to the dot; any other value is selected in registers and stored back first.
+        # Padding positions read pad_value; rows past the end and channels past C_in read 0, which
+        # meets zero weights (an infinite or NaN pad_value there would make every sum NaN).
+        # PAD_BY_FILL: pad_value is +0.0, the asynchronous copy's own fill, so the 16-bit tile
+        # goes from shared memory straight to the dot; any other value is selected in registers.
         x_tile = tl.load(
             (x_rows + position.to(tl.int64) * stride_xl)[:, None] + ci[None, :] * stride_xc,
             mask=(row_ok & in_sequence)[:, None] & ci_ok[None, :],
-            other=0.0 if PAD_BY_FILL else pad_value,
-        ).to(x_ptr.dtype.element_ty)
+            other=0.0,
+        )
+        if not PAD_BY_FILL:
+            x_tile = tl.where((row_ok & ~in_sequence)[:, None] & ci_ok[None, :], pad_value, x_tile)
+        x_tile = x_tile.to(x_ptr.dtype.element_ty)
         w_ptrs = weight_ptr + tap * stride_wk + ci[:, None] * stride_wi + cols[None, :] * stride_wo
         w_mask = ci_ok[:, None] & col_ok[None, :]
         w_value = tl.load(w_ptrs, mask=w_mask, other=0.0)

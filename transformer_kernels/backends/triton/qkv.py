@@ -39,6 +39,7 @@ from ._common import (
     KernelConfig,
     KernelLaunch,
     LaunchTemplates,
+    TensorLayout,
     TensorLayouts,
     WantedGradients,
     cdiv,
@@ -554,26 +555,27 @@ class _PreparedForward:
     tiles through the SM count).  With ``LaunchTemplates.verify`` set (the test suite sets it),
     every call also builds its launch as :func:`forward` would, and fails unless it is the same."""
 
-    __slots__ = ("template", "config", "output_shape", "output_options", "num_proj", "prepared_backward")
+    __slots__ = ("template", "sm_count", "output_layout", "num_proj", "prepared_backward")
 
     def __init__(self, x, weight, bias, args: QkvProjectionArgs) -> None:
         self.num_proj = weight.shape[0] // x.shape[-1]
-        self.output_shape = tuple(args.output_shape(x))
-        self.output_options = dict(dtype=x.dtype, device=x.device)
-        outputs = [x.new_empty(self.output_shape) for _ in range(self.num_proj)]
-        self.config = _forward_config(x, weight)
-        self.template = _forward_template(x, weight, bias, outputs, self.config)
+        outputs = [x.new_empty(args.output_shape(x)) for _ in range(self.num_proj)]
+        self.output_layout = TensorLayout.of(outputs[0])
+        # The tiles follow from the layout and the SM count, which only the tests change (replacing
+        # multiprocessor_count): an identity check per call, not the tile choice again.
+        self.sm_count = multiprocessor_count
+        self.template = _forward_template(x, weight, bias, outputs, _forward_config(x, weight))
         self.prepared_backward: Optional[_PreparedBackward] = None
 
     def __call__(self, x, weight, bias, args: QkvProjectionArgs, backend: str) -> list[torch.Tensor]:
         """The registered op's implementation for this layout (same signature)."""
-        config = _forward_config(x, weight)
-        if config is not self.config:
+        if multiprocessor_count is not self.sm_count:
             return forward(x, weight, bias, args)
-        outputs = [torch.empty(self.output_shape, **self.output_options) for _ in range(self.num_proj)]
+        outputs = [self.output_layout.empty() for _ in range(self.num_proj)]
         launches = filled(self.template, _forward_pointers(x, weight, bias, outputs), {})
         if LaunchTemplates.verify:
-            check_prepared_launches(launches, [_forward_launch(x, weight, bias, outputs, config)], "QKV forward")
+            expected = _forward_launch(x, weight, bias, outputs, _forward_config(x, weight))
+            check_prepared_launches(launches, [expected], "QKV forward")
         run_launches(launches, x)
         return outputs
 
