@@ -70,6 +70,12 @@ def glu_conv_cases(device: torch.device, dtype: torch.dtype) -> list[torch.Tenso
         residual = torch.randn(batch, channels, device=device, dtype=dtype)
         out, state = tk.glu_conv1d_step(x_t, None, weight, residual=residual, residual_scale=0.5, backend="triton")
         results += [out, state, *torch.autograd.grad(out, (x_t, weight), torch.randn_like(out))]
+        # The same step in place (glu_conv1d_update): a ring of any strides, a position per row.
+        ring = torch.randn(batch, kernel_size, channels_in, device=device, dtype=dtype).transpose(1, 2)
+        positions = torch.arange(batch, device=device) % 5
+        with torch.no_grad():
+            results += [tk.glu_conv1d_update(x_t, ring, weight, position=positions, residual=residual,
+                                             backend="triton"), ring.clone()]
     return results
 
 

@@ -76,6 +76,12 @@ def _calls() -> dict[str, callable]:
     def glu_step():
         return tk.glu_conv1d_step(step_x, step_state, conv_weight, backend="triton")
 
+    # The same step in place: a ring of k inputs and the position on the device.
+    ring, position = torch.randn(BATCH, EMBED, conv_weight.shape[2]), torch.tensor(5)
+
+    def glu_update():
+        return tk.glu_conv1d_update(step_x, ring, conv_weight, position=position, backend="triton")
+
     def with_backward(call, inputs):
         def run():
             outputs = call()
@@ -100,6 +106,7 @@ def _calls() -> dict[str, callable]:
         "glu fwd": glu,
         "glu fwd+bwd": with_backward(glu, (conv_x, conv_weight)),
         "glu step, no grad": inference(glu_step),
+        "glu update, no grad": inference(glu_update),
         "glu weight pack": functools.partial(triton_glu_conv._packed_weight, conv_weight.detach()),
     }
 

@@ -49,7 +49,7 @@ from transformer_kernels.ops._call_plans import CallPlans
 # The backends the tests run.  A "cuda" case its backend cannot serve is reported as skipped with the
 # reason (conftest.py's pytest_runtest_makereport).
 BACKENDS = ("eager", "triton", "cuda")
-OPS = ("attention", "glu_conv", "qkv")
+OPS = ("attention", "glu_conv", "glu_conv_update", "qkv")
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 

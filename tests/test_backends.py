@@ -65,6 +65,13 @@ FUNCTIONS = {
         # The first step: a causal convolution over k - 1 padding positions and x_t.
         lambda x_t, weight: reference_glu_conv1d(x_t[:, :, None], weight, padding="causal")[:, :, 0],
     ),
+    "glu_conv1d_update": PublicFunction(
+        "glu_conv_update", _glu_step_inputs,
+        lambda x_t, weight, **kwargs: tk.glu_conv1d_update(
+            x_t, x_t.new_zeros(*x_t.shape, weight.shape[2]), weight, position=torch.tensor(0, device=x_t.device),
+            **kwargs),
+        lambda x_t, weight: reference_glu_conv1d(x_t[:, :, None], weight, padding="causal")[:, :, 0],
+    ),
     "qkv_projection": PublicFunction(
         "qkv", _qkv_inputs, lambda *inputs, **kwargs: tk.qkv_projection(*inputs, num_heads=4, **kwargs),
         lambda *inputs: reference_qkv(*inputs, 4),
@@ -109,7 +116,8 @@ def test_backend_names_in_auto_order():
 ])
 def test_backend_modules_provide_forward_backward_and_reason(op, backend):
     module = backend_module(op, backend)
-    for name in ("forward", "backward", "unsupported_reason"):
+    # glu_conv1d_update is inference only: no backward.
+    for name in ("forward", "unsupported_reason") + (() if op == "glu_conv_update" else ("backward",)):
         assert callable(getattr(module, name)), f"{backend} {op} module has no {name}"
 
 

@@ -132,7 +132,6 @@ def test_qkv_backward_budget(host_ops):
     assert len(backward_ops) <= BACKWARD_BUDGET, backward_ops
 
 
-
 def test_glu_step_runs_its_kernel_on_the_weight_as_it_is(monkeypatch):
     """A decoding step allocates its outputs and concatenates its window, and copies nothing else:
     not the weight, which the whole-sequence kernels read repacked.  (Under a dispatch mode a call
@@ -147,3 +146,14 @@ def test_glu_step_runs_its_kernel_on_the_weight_as_it_is(monkeypatch):
     assert [op for op in recorder.ops if op not in views] == ["new_empty", "cat", "new_empty", "new_empty"], (
         recorder.ops
     )
+
+
+def test_glu_update_only_allocates_its_output(monkeypatch):
+    """The in-place decoding step reads its ring and x_t in the kernel: its one allocation is its
+    output, and nothing is concatenated or copied (the weight neither)."""
+    monkeypatch.setattr(triton_common.KernelLaunch, "__call__", lambda self: None)
+    x_t, ring, weight, position = torch.randn(2, 64), torch.randn(2, 64, 3), torch.randn(128, 64, 3), torch.tensor(5)
+    recorder = OpRecorder(_recorded, descend=True)
+    with recorder:
+        tk.glu_conv1d_update(x_t, ring, weight, position=position, backend="triton")
+    assert recorder.ops == ["new_empty"], recorder.ops

@@ -69,7 +69,7 @@ FALLBACKS = {
     ("attention_delta_*@sm_*", "none"): "row sums of dO * O, no dot",
     ("attention_key_bounds@sm_*", "none"): "a scan of the padding mask, no dot",
     ("split_sum-*@sm_*", "none"): "a sum of float32 partial sums, no dot",
-    ("glu_step-*@sm_*", "none"): "a decoding step's batched GEMV on FMAs: a few rows, too short for a dot's tile",
+    ("glu_step*@sm_*", "none"): "a decoding step's batched GEMV on FMAs: a few rows, too short for a dot's tile",
     ("glu_conv_*16-tf32@sm_*", "sync:x_tile"): (
         "the tap shifts x's tile by an unknown offset, so 16-bit x loads 2 bytes at a time, "
         "under cp.async's 4-byte minimum (float32 x is pipelined)"

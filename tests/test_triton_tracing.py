@@ -180,3 +180,22 @@ def test_dynamic_shapes_keep_the_ops_whole():
     for batch, length in ((4, 24), (6, 32)):
         inputs, padding = _layer_inputs(batch, length)
         _assert_close(_loss_and_grads(compiled, inputs, padding), _loss_and_grads(_layer_loss, inputs, padding))
+
+
+@_compiling_on_a_gpu
+def test_inductor_compiles_the_in_place_decoding_step():
+    """glu_conv1d_update mutates its ring: traced into its kernel, the mutation is functionalized
+    and written back, so compiled decoding updates the ring as eager decoding does."""
+    weight = torch.randn(16, 8, 3, device="cuda") / 4
+    x = torch.randn(2, 8, 5, device="cuda")
+
+    def step(x_t, ring, position):
+        return tk.glu_conv1d_update(x_t, ring, weight, position=position, backend="triton")
+
+    compiled = torch.compile(step, fullgraph=True)
+    rings = [torch.zeros(2, 8, 3, device="cuda") for _ in range(2)]
+    with torch.no_grad():
+        for t in range(5):
+            position = torch.tensor(t, device="cuda")
+            _assert_close(compiled(x[:, :, t], rings[0], position), step(x[:, :, t], rings[1], position))
+    _assert_close(rings[0], rings[1])

@@ -12,12 +12,14 @@ check_torch_version()
 from . import backends  # registers every backend
 from .ops.attention import scaled_dot_product_attention
 from .ops.glu_conv import glu_conv1d, glu_conv1d_step
+from .ops.glu_conv_update import glu_conv1d_update
 from .ops.qkv import qkv_projection
 
 __all__ = [
     "BackendUnavailableError",
     "glu_conv1d",
     "glu_conv1d_step",
+    "glu_conv1d_update",
     "qkv_projection",
     "scaled_dot_product_attention",
     "use_backend",

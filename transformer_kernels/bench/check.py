@@ -76,7 +76,8 @@ def outputs_and_grads(
 @dataclasses.dataclass(frozen=True)
 class CheckCase:
     """One point of an op's grid: ``inputs(device)`` gives float64 tensors (and masks), ``ours(backend)``
-    and ``reference`` the functions compared on them; ``names`` name the outputs then the gradients."""
+    and ``reference`` the functions compared on them; ``names`` name the outputs then the gradients
+    (none where ``backward`` is False: an op without autograd)."""
 
     op: str
     name: str
@@ -84,6 +85,7 @@ class CheckCase:
     ours: Callable[[str], Callable]
     reference: Callable
     names: tuple[str, ...]
+    backward: bool = True
 
 
 def _randn(*shape: int) -> Callable[[torch.Generator], torch.Tensor]:
@@ -154,6 +156,32 @@ def _glu(name: str, batch: int, channels: int, out_channels: int, length: int, k
         lambda x, w, b: call(reference.glu_conv1d, x, w, b), ("out", "grad x", "grad weight", "grad bias"))
 
 
+def _glu_update(name: str, batch: int, channels: int, out_channels: int, length: int, kernel_size: int) -> CheckCase:
+    """``glu_conv1d_update`` stepping through a sequence, rows at positions a step apart, against the
+    sequence's causal convolution with padding value 1."""
+    def inputs(device: torch.device) -> list:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, channels, length, generator=generator, dtype=torch.float64)
+        weight = torch.randn(2 * out_channels, channels, kernel_size, generator=generator, dtype=torch.float64)
+        bias = torch.randn(2 * out_channels, generator=generator, dtype=torch.float64)
+        return [t.to(device) for t in (x, weight / (channels * kernel_size) ** 0.5, bias)]
+
+    def ours(backend: str) -> Callable:
+        def steps(x, w, b):
+            ring = torch.ones(batch, channels, kernel_size, dtype=x.dtype, device=x.device)
+            with torch.no_grad():
+                return torch.stack([
+                    tk.glu_conv1d_update(x[:, :, t], ring, w, b, position=torch.tensor(t, device=x.device),
+                                         backend=backend)
+                    for t in range(length)
+                ], 2)
+        return steps
+
+    return CheckCase("glu_conv_update", name, inputs, ours,
+                     lambda x, w, b: reference.glu_conv1d(x, w, b, padding="causal", pad_value=1.0), ("out",),
+                     backward=False)
+
+
 GRID = [
     _attention("padded_B3_H4_L13_D24", 3, 4, 4, 13, 13, 24, padded=True),
     _attention("causal_top_left_Lq7_Lk12_D40", 2, 2, 2, 7, 12, 40, causal="top_left"),
@@ -165,6 +193,7 @@ GRID = [
     _glu("same_residual_B2_C12_L9_k3", 2, 12, 12, 9, 3, residual=True),
     _glu("causal_pad1_B2_C10to6_L7_k4", 2, 10, 6, 7, 4, padding="causal", pad_value=1.0),
     _glu("same_B1_C8_L5_k5", 1, 8, 8, 5, 5),
+    _glu_update("B3_C10to6_L6_k3", 3, 10, 6, 6, 3),
 ]
 
 
@@ -197,16 +226,17 @@ def _run_case(case: CheckCase, backend: str, dtype: torch.dtype, device: torch.d
     exact_inputs = case.inputs(device)
     low_inputs = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in exact_inputs]
     try:
-        ours = outputs_and_grads(case.ours(backend), low_inputs)
+        ours = outputs_and_grads(case.ours(backend), low_inputs, backward=case.backward)
     except BackendUnavailableError as error:
         return CheckResult(**label, status="n/a", reason=str(error))
-    exact = outputs_and_grads(case.reference, exact_inputs, ours.grad_outputs, dtype=torch.float64)
+    exact = outputs_and_grads(case.reference, exact_inputs, ours.grad_outputs, dtype=torch.float64,
+                              backward=case.backward)
     if dtype == torch.float64:
         rule = f"≤ {EXACT_TOL:.0e}·(1 + max|exact|)"
         bounds = [EXACT_TOL * (1 + e.abs().max().item()) for e in exact.all]
     else:
         rule = f"≤ 2 × torch's own {label['dtype']} error + 1e-5"
-        torch_low = outputs_and_grads(case.reference, low_inputs, ours.grad_outputs)
+        torch_low = outputs_and_grads(case.reference, low_inputs, ours.grad_outputs, backward=case.backward)
         bounds = [2 * (t.double() - e).abs().max().item() + 1e-5 for t, e in zip(torch_low.all, exact.all)]
     errors = [(o.double() - e).abs().max().item() if torch.isfinite(o).all() else float("inf")
               for o, e in zip(ours.all, exact.all)]

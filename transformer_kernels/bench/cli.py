@@ -30,7 +30,7 @@ from . import check, environment, plots, report, run, suites, timing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # --only names -> the ops --check knows them by.
-CHECK_OPS = {"attention": "attention", "qkv": "qkv", "glu": "glu_conv"}
+CHECK_OPS = {"attention": ("attention",), "qkv": ("qkv",), "glu": ("glu_conv", "glu_conv_update")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -267,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _readme(parser, args.readme, args.results)
     names = _suite_names(parser, args.only)
     device = _device(parser, args.device)
-    check_ops = [CHECK_OPS[name] for name in names if name in CHECK_OPS]
+    check_ops = [op for name in names if name in CHECK_OPS for op in CHECK_OPS[name]]
     unchecked = [name for name in names if name not in CHECK_OPS]
     if args.check and (not check_ops or (unchecked and args.only != parser.get_default("only"))):
         parser.error(f"--check covers the suites {','.join(CHECK_OPS)}; --only names "

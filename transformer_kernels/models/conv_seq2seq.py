@@ -51,7 +51,9 @@ class EncoderOutput(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class DecoderState:
     """The cache of :meth:`ConvDecoder.step`: the encoder's output (computed once) and, per decoder
-    layer, the inputs of its last ``kernel_size - 1`` positions ``[N, hid_dim, kernel_size - 1]``."""
+    layer, its convolution's last inputs: fused, the ring ``[N, hid_dim, kernel_size]`` of
+    :func:`~transformer_kernels.glu_conv1d_update` (position ``p`` in slot ``p % kernel_size``);
+    reference, the last ``kernel_size - 1`` positions ``[N, hid_dim, kernel_size - 1]``."""
 
     encoder: EncoderOutput
     conv_states: tuple[Tensor, ...]
@@ -187,6 +189,8 @@ class ConvDecoder(torch.nn.Module):
     def initial_state(self, encoder: EncoderOutput) -> DecoderState:
         """The state before the first :meth:`step`: every convolution's window holds its padding."""
         batch = encoder.conved.shape[0]
+        if self.impl == "fused":
+            return DecoderState(encoder, tuple(conv.initial_conv_state(batch) for conv in self.convs))
         return DecoderState(encoder, tuple(conv.initial_state(batch) for conv in self.convs))
 
     # generate() may replay step() from a CUDA graph: its state's tensors are updated in place and
@@ -202,8 +206,7 @@ class ConvDecoder(torch.nn.Module):
         hidden = self.emb2hid(embedded)
         for conv, conv_state in zip(self.convs, state.conv_states):
             conv_input = self.dropout(hidden)
-            conved, new_state = self._conv_step(conv, conv_input, conv_state)
-            conv_state.copy_(new_state)
+            conved = self._conv_step(conv, conv_input, conv_state, position)
             query = (self.attn_hid2emb(conved) + embedded) * _SCALE
             attended = _attention(query[:, None, :], state.encoder, self.impl)[:, 0]
             conved = (conved + self.attn_emb2hid(attended)) * _SCALE
@@ -222,13 +225,15 @@ class ConvDecoder(torch.nn.Module):
         return DecoderState(state.encoder.index_select(indices),
                             tuple(s.index_select(0, indices) for s in state.conv_states))
 
-    def _conv_step(self, conv: GLUConv1d, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        """One causal position of ``conv``: ``x`` ``[N, C_in]`` -> ``(out [N, C], new state)``."""
+    def _conv_step(self, conv: GLUConv1d, x: Tensor, state: Tensor, position: Tensor) -> Tensor:
+        """One causal position of ``conv``: ``x`` ``[N, C_in]`` -> ``out [N, C]``, ``state`` (see
+        :class:`DecoderState`) moved on by ``x`` in place."""
         if self.impl == "fused":
-            return conv.step(x, state)
+            return conv.update(x, state, position)
         window = torch.cat([state, x[:, :, None]], dim=2)
         out = reference.glu_conv1d(window, conv.weight, conv.bias, padding="causal", pad_value=conv.pad_value)
-        return out[:, :, -1], window[:, :, 1:]
+        state.copy_(window[:, :, 1:])
+        return out[:, :, -1]
 
 
 class ConvSeq2Seq(torch.nn.Module):
@@ -378,9 +383,9 @@ class ConvSeq2Seq(torch.nn.Module):
     ) -> Tensor:
         """Decode ``src`` greedily (``beam_size=1``) or by beam search, with caches.
 
-        The encoder runs once; its output is carried with the beams.  Each decoder layer keeps a
-        rolling window of its last ``kernel_size - 1`` inputs (:meth:`GLUConv1d.step`), so a step
-        costs one position, and the tokens are exactly those of re-running the decoder on the
+        The encoder runs once; its output is carried with the beams.  Each decoder layer keeps its
+        last inputs, fused in a ring that one kernel reads and updates in place
+        (:meth:`GLUConv1d.update`), so a step costs one position, and the tokens are exactly those of re-running the decoder on the
         whole prefix every step.  On a GPU the steps after the first replay a CUDA graph.  Runs in
         evaluation mode (no dropout) whatever the module's mode, which it restores.
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._checks import is_int
 from ..ops.glu_conv import _check_number, glu_conv1d, glu_conv1d_step
+from ..ops.glu_conv_update import glu_conv1d_update
 from ._checks import check_backend
 
 __all__ = ["GLUConv1d"]
@@ -34,7 +35,8 @@ class GLUConv1d(torch.nn.Module):
         padding: ``"same"``: ``(k - 1) // 2`` positions before the sequence and ``k // 2``
             after it (``nn.Conv1d(..., padding=(k - 1) // 2)`` for odd ``k``), the encoder's.
             ``"causal"``: ``k - 1`` positions before it, none after, so output ``t`` sees
-            inputs ``t - k + 1 .. t`` (the decoder's); only a causal module can :meth:`step`.
+            inputs ``t - k + 1 .. t`` (the decoder's); only a causal module can :meth:`step` and
+            :meth:`update`.
         pad_value: the value of the padding positions (``0.0`` is ``nn.Conv1d``'s zero
             padding; the conv seq2seq decoder pads with its target pad index).
         bias: whether the convolution has a bias.
@@ -56,6 +58,9 @@ class GLUConv1d(torch.nn.Module):
         >>> dec = GLUConv1d(512, 512, 3, padding="causal", pad_value=1.0)
         >>> state = dec.initial_state(8)                                  # [8, 512, 2]
         >>> y_t, state = dec.step(torch.randn(8, 512), state)            # y_t [8, 512]
+        >>> ring = dec.initial_conv_state(8)                              # [8, 512, 3], in place:
+        >>> with torch.no_grad():
+        ...     y_t = dec.update(torch.randn(8, 512), ring, torch.tensor(0))  # position 0
     """
 
     def __init__(
@@ -122,12 +127,20 @@ class GLUConv1d(torch.nn.Module):
     def initial_state(self, batch_size: int) -> Tensor:
         """The decoding state before the first step: ``[batch_size, C_in, k - 1]`` of
         ``pad_value`` (the causal padding), with the parameters' dtype and device."""
-        self._check_causal("initial_state")
+        return self._padding_state("initial_state", batch_size, self.kernel_size - 1)
+
+    def initial_conv_state(self, batch_size: int) -> Tensor:
+        """The ring of :meth:`update` before position 0: ``[batch_size, C_in, k]`` of ``pad_value``
+        (the causal padding), with the parameters' dtype and device."""
+        return self._padding_state("initial_conv_state", batch_size, self.kernel_size)
+
+    def _padding_state(self, method: str, batch_size: int, positions: int) -> Tensor:
+        self._check_causal(method)
         if not is_int(batch_size):
             raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
         if batch_size < 0:
             raise ValueError(f"batch_size must be non-negative, got {batch_size}")
-        return self.weight.new_full((batch_size, self.in_channels, self.kernel_size - 1), self.pad_value)
+        return self.weight.new_full((batch_size, self.in_channels, positions), self.pad_value)
 
     def step(
         self, x_t: Tensor, state: Optional[Tensor], residual: Optional[Tensor] = None, residual_scale: float = 1.0
@@ -141,6 +154,21 @@ class GLUConv1d(torch.nn.Module):
         self._check_causal("step")
         return glu_conv1d_step(
             x_t, state, self.weight, self.bias, pad_value=self.pad_value, residual=residual,
+            residual_scale=residual_scale, backend=self.backend,
+        )
+
+    def update(
+        self, x_t: Tensor, conv_state: Tensor, position: Tensor, residual: Optional[Tensor] = None,
+        residual_scale: float = 1.0,
+    ) -> Tensor:
+        """One decoding step that updates its state in place (inference only): ``x_t`` ``[B, C_in]``
+        is the input at ``position`` (an integer tensor, 0-dim or ``[B]``, on ``x_t``'s device),
+        ``conv_state`` the ring ``[B, C_in, k]`` of :meth:`initial_conv_state` (position ``p`` in
+        slot ``p % k``), ``residual`` ``[B, C]`` or None.  Returns ``y_t`` ``[B, C]`` and writes
+        ``x_t`` into the ring; see :func:`transformer_kernels.glu_conv1d_update`."""
+        self._check_causal("update")
+        return glu_conv1d_update(
+            x_t, conv_state, self.weight, self.bias, position=position, residual=residual,
             residual_scale=residual_scale, backend=self.backend,
         )
 

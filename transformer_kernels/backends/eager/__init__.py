@@ -4,9 +4,9 @@ floating dtype."""
 from types import ModuleType
 
 from ..._backend import register_backend
-from . import attention, glu_conv, qkv
+from . import attention, glu_conv, glu_conv_update, qkv
 
-_MODULES = {"attention": attention, "glu_conv": glu_conv, "qkv": qkv}
+_MODULES = {"attention": attention, "glu_conv": glu_conv, "glu_conv_update": glu_conv_update, "qkv": qkv}
 
 
 def _load(op: str) -> ModuleType:

@@ -6,6 +6,11 @@ both read as the rows they are in memory (the weight as ``nn.Conv1d`` holds it).
 kernels read the weight repacked as ``[k, C_in, 2C]``, a copy made on every call: for a step, that
 copy is a launch and a pass over the weight as long as the step itself.  The step's forward saves
 ``z`` (``[B, 1, 2C]``, a few values per row) for backward, which runs the eager backend's on it.
+
+The same kernel runs :func:`~transformer_kernels.glu_conv1d_update` (``RING``): the window's first
+``k - 1`` inputs come from the ring ``conv_state`` (position ``p`` in slot ``p % k``), its last from
+``x_t``, and the programs of the first channel block store ``x_t`` into its slot, which no program
+of the launch reads (it holds position ``p - k``); inference only, no ``z``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from ._common import (
     run_launches,
 )
 
-__all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "compile_targets"]
+__all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "ring_launch", "as_rows",
+           "compile_targets"]
 
 # Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows;
 # a larger batch (a beam search over a large batch) takes the whole-sequence kernels' tensor-core
@@ -55,14 +61,19 @@ _ROWS = KernelConfig(block_m=8, block_n=4, block_k=128, num_warps=4, num_stages=
 #       acc_a[b, c] += sum_j window[b, j] * W[c, j];  acc_g[b, c] += sum_j window[b, j] * W[C + c, j]
 # Epilogue (fp32), as the whole-sequence forward's: z = acc + bias, stored for backward;
 # out = (a * sigmoid(g) + residual) * residual_scale.
+# RING: window[b, j] (j = channel * k + tap) is conv_state[b, channel, (p + 1 + tap) % k] for the
+# row's position p and tap < k - 1, and x_t[b, channel] for tap k - 1; no z; the programs of
+# channel block 0 then store x_t[b, :] into conv_state[b, :, p % k].
 @triton.jit
 def _glu_step_kernel(
-    window_ptr,
+    window_ptr,  # RING: the ring conv_state [B, C_in, k]
     weight_ptr,
     bias_ptr,
     residual_ptr,
     out_ptr,
     z_ptr,
+    new_input_ptr,  # RING: x_t [B, C_in]
+    position_ptr,  # RING: the rows' positions, [B] or one (stride 0)
     batch,
     channels_out,
     reduction,
@@ -74,8 +85,16 @@ def _glu_step_kernel(
     stride_ob,
     stride_oc,
     stride_bias,
+    channels_in,
+    stride_state_c,
+    stride_state_s,
+    stride_new_b,
+    stride_new_c,
+    stride_position,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    RING: tl.constexpr,
+    KERNEL_SIZE: tl.constexpr,  # RING: k (a constant, so that the slot arithmetic needs no division)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -88,6 +107,13 @@ def _glu_step_kernel(
     window_rows = window_ptr + rows.to(tl.int64) * stride_window_row
     value_rows = weight_ptr + cols.to(tl.int64) * stride_weight_row
     gate_rows = weight_ptr + (cols.to(tl.int64) + channels_out) * stride_weight_row
+    if RING:
+        new_rows = new_input_ptr + rows.to(tl.int64) * stride_new_b
+        # Non-negative by contract; taken modulo k the floor way all the same, so that no slot is out of
+        # range.  Tap t of a row at position p reads slot (p + 1 + t) % k: t + rotation, wrapped once.
+        positions = tl.load(position_ptr + rows * stride_position, mask=row_ok, other=0).to(tl.int32)
+        positions = positions % KERNEL_SIZE + KERNEL_SIZE
+        rotation = (positions + 1) % KERNEL_SIZE
 
     # Per-lane partial sums over the K slice, reduced across lanes once after the loop.
     partial_a = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -95,7 +121,19 @@ def _glu_step_kernel(
     for start in range(0, reduction, BLOCK_K):
         j = start + tl.arange(0, BLOCK_K)
         j_ok = j < reduction
-        x = tl.load(window_rows[:, None] + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+        if RING:
+            channel = j // KERNEL_SIZE
+            tap = j - channel * KERNEL_SIZE
+            is_new = tap == KERNEL_SIZE - 1
+            slot = tap[None, :] + rotation[:, None]
+            slot = tl.where(slot >= KERNEL_SIZE, slot - KERNEL_SIZE, slot)
+            old = tl.load(window_rows[:, None] + channel[None, :] * stride_state_c + slot * stride_state_s,
+                          mask=row_ok[:, None] & (j_ok & ~is_new)[None, :], other=0.0)
+            new = tl.load(new_rows[:, None] + channel[None, :] * stride_new_c,
+                          mask=row_ok[:, None] & (j_ok & is_new)[None, :], other=0.0)
+            x = tl.where(is_new[None, :], new, old)
+        else:
+            x = tl.load(window_rows[:, None] + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
         w_mask = col_ok[:, None] & j_ok[None, :]
         w_value = tl.load(value_rows[:, None] + j[None, :], mask=w_mask, other=0.0)
         w_gate = tl.load(gate_rows[:, None] + j[None, :], mask=w_mask, other=0.0)
@@ -110,9 +148,10 @@ def _glu_step_kernel(
         acc_g += tl.load(bias_ptr + (channels_out + cols) * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tile_mask = row_ok[:, None] & col_ok[None, :]
     rows = rows.to(tl.int64)
-    z_ptrs = z_ptr + (rows * 2 * channels_out)[:, None] + cols[None, :]
-    tl.store(z_ptrs, acc_a.to(z_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(z_ptrs + channels_out, acc_g.to(z_ptr.dtype.element_ty), mask=tile_mask)
+    if not RING:
+        z_ptrs = z_ptr + (rows * 2 * channels_out)[:, None] + cols[None, :]
+        tl.store(z_ptrs, acc_a.to(z_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(z_ptrs + channels_out, acc_g.to(z_ptr.dtype.element_ty), mask=tile_mask)
     y = acc_a * tl.sigmoid(acc_g)
     if HAS_RESIDUAL:
         y += tl.load(
@@ -121,6 +160,14 @@ def _glu_step_kernel(
     y = y * residual_scale
     tl.store(out_ptr + (rows * stride_ob)[:, None] + cols[None, :] * stride_oc, y.to(out_ptr.dtype.element_ty),
              mask=tile_mask)
+    if RING:
+        if tl.program_id(0) == 0:
+            new_slot = (positions % KERNEL_SIZE) * stride_state_s
+            for start in range(0, channels_in, BLOCK_K):
+                channel = start + tl.arange(0, BLOCK_K)
+                mask = row_ok[:, None] & (channel < channels_in)[None, :]
+                value = tl.load(new_rows[:, None] + channel[None, :] * stride_new_c, mask=mask)
+                tl.store(window_rows[:, None] + channel[None, :] * stride_state_c + new_slot[:, None], value, mask=mask)
 
 
 def uses_step_kernel(x: torch.Tensor, weight: torch.Tensor, args: GluConvArgs) -> bool:
@@ -140,13 +187,14 @@ def _rows_in_place(t: torch.Tensor) -> bool:
     return (kernel_size == 1 or t.stride(2) == 1) and (channels_in == 1 or t.stride(1) == kernel_size)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if _rows_in_place(t) else t.contiguous()
 
 
-def _pointers(window, weight, bias, residual, out, z) -> tuple:
+def _pointers(window, weight, bias, residual, out, z, new_input=None, position=None) -> tuple:
     """``_glu_step_kernel``'s tensor arguments (an absent one repeats another tensor)."""
-    return window, weight, weight if bias is None else bias, out if residual is None else residual, out, z
+    return (window, weight, weight if bias is None else bias, out if residual is None else residual, out, z,
+            window if new_input is None else new_input, window if position is None else position)
 
 
 def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tuple[KernelLaunch, ...]:
@@ -155,31 +203,62 @@ def _template(window, weight, bias, residual, out, z, args: GluConvArgs) -> tupl
     layout = ("step", window.shape, window.stride(0), weight.shape, weight.stride(0),
               None if bias is None else bias.stride(),
               None if residual is None else residual.stride(), out.stride(), z.dtype, args.residual_scale)
+    return _TEMPLATES.template(layout, pointers, lambda: [_build(pointers, window, weight, bias, residual, out,
+                                                                 args.residual_scale, ring=None)], {})
 
-    def build() -> KernelLaunch:
-        batch, channels_out = window.shape[0], weight.shape[0] // 2
-        config = _ONE_ROW if batch == 1 else _ROWS
-        grid = (cdiv(channels_out, config.block_n), cdiv(batch, config.block_m))
-        return KernelLaunch(_glu_step_kernel, grid, (
-            *pointers,
-            batch,
-            channels_out,
-            weight.shape[1] * weight.shape[2],
-            float(args.residual_scale),
-            window.stride(0),
-            weight.stride(0),
-            *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
-            out.stride(0),
-            out.stride(1),
-            1 if bias is None else bias.stride(0),
-        ), dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, **config.launch_kwargs()))
 
-    return _TEMPLATES.template(layout, pointers, lambda: [build()], {})
+def _ring_template(x_t, conv_state, position, weight, bias, residual, out, residual_scale: float):
+    """The launch template of a :func:`~transformer_kernels.glu_conv1d_update` of these tensors'
+    layouts (weight rows in place; the ring, ``x_t`` and ``position`` of any strides)."""
+    pointers = _pointers(conv_state, weight, bias, residual, out, out, x_t, position)
+    layout = ("ring", conv_state.shape, conv_state.stride(), x_t.stride(), position.shape, position.stride(),
+              weight.shape, weight.stride(0), None if bias is None else bias.stride(),
+              None if residual is None else residual.stride(), out.stride(), residual_scale)
+    ring = (x_t, conv_state, position)
+    return _TEMPLATES.template(layout, pointers, lambda: [_build(pointers, conv_state, weight, bias, residual, out,
+                                                                 residual_scale, ring)], {})
+
+
+def _build(pointers, window, weight, bias, residual, out, residual_scale: float, ring) -> KernelLaunch:
+    """The kernel's launch on ``pointers`` (:func:`_pointers`): a step's (``ring`` None; ``window`` ``[B, C_in, k]``
+    rows in place) or, with ``ring = (x_t, conv_state, position)``, an update's (``window`` the ring)."""
+    batch, channels_in, kernel_size = window.shape
+    channels_out = weight.shape[0] // 2
+    config = _ONE_ROW if batch == 1 else _ROWS
+    grid = (cdiv(channels_out, config.block_n), cdiv(batch, config.block_m))
+    if ring is None:
+        ring_arguments = (channels_in, 0, 0, 0, 0, 0)
+    else:
+        x_t, conv_state, position = ring
+        ring_arguments = (channels_in, conv_state.stride(1), conv_state.stride(2), *x_t.stride(),
+                          position.stride(0) if position.dim() else 0)
+    return KernelLaunch(_glu_step_kernel, grid, (
+        *pointers,
+        batch,
+        channels_out,
+        channels_in * kernel_size,
+        float(residual_scale),
+        window.stride(0),
+        weight.stride(0),
+        *((residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)),
+        out.stride(0),
+        out.stride(1),
+        1 if bias is None else bias.stride(0),
+        *ring_arguments,
+    ), dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, RING=ring is not None,
+            KERNEL_SIZE=1 if ring is None else kernel_size, **config.launch_kwargs()))
 
 
 def _launch(window, weight, bias, residual, out, z, args: GluConvArgs) -> KernelLaunch:
     (launch,) = filled(_template(window, weight, bias, residual, out, z, args),
                        _pointers(window, weight, bias, residual, out, z), {})
+    return launch
+
+
+def ring_launch(x_t, conv_state, position, weight, bias, residual, out, residual_scale: float) -> KernelLaunch:
+    """The launch of a :func:`~transformer_kernels.glu_conv1d_update` (weight rows in place)."""
+    (launch,) = filled(_ring_template(x_t, conv_state, position, weight, bias, residual, out, residual_scale),
+                       _pointers(conv_state, weight, bias, residual, out, out, x_t, position), {})
     return launch
 
 
@@ -191,7 +270,7 @@ def forward(x, weight, bias, residual, args: GluConvArgs) -> tuple[torch.Tensor,
     """``(out, z)``: ``out`` ``[B, C, 1]`` in ``x``'s layout and the pre-activation ``z`` ``[B, 1, 2C]``."""
     out, z = empty_output(x, weight.shape[0] // 2, 1), empty_saved(x, weight)
     if x.shape[0] > 0:
-        run_launches([_launch(_as_rows(x), _as_rows(weight), bias, residual, out, z, args)], x)
+        run_launches([_launch(as_rows(x), as_rows(weight), bias, residual, out, z, args)], x)
     return out, z
 
 
@@ -239,20 +318,26 @@ class PreparedStep:
 _TARGET_PROBLEMS = {"B16": (16, 256, 4), "B1-ragged": (1, 37, 3)}
 
 
-def _target_launch(dtype: torch.dtype, problem: str) -> KernelLaunch:
+def _target_launch(dtype: torch.dtype, problem: str, ring: bool) -> KernelLaunch:
     batch, channels_in, kernel_size = _TARGET_PROBLEMS[problem]
     channels = 256
     window = torch.empty(batch, channels_in, kernel_size, dtype=dtype)
     weight = torch.empty(2 * channels, channels_in, kernel_size, dtype=dtype)
-    bias, residual = torch.empty(2 * channels, dtype=dtype), torch.empty(batch, channels, 1, dtype=dtype)
-    out, z = torch.empty(batch, channels, 1, dtype=dtype), empty_saved(window, weight)
-    return _launch(window, weight, bias, residual, out, z, GluConvArgs(0, 0, 0.0, 0.5))
+    bias = torch.empty(2 * channels, dtype=dtype)
+    if ring:  # glu_conv1d_update: a ring, x_t and a position per row
+        x_t, residual, out = (torch.empty(batch, size, dtype=dtype) for size in (channels_in, channels, channels))
+        return ring_launch(x_t, window, torch.empty(batch, dtype=torch.int64), weight, bias, residual, out, 0.5)
+    residual, out = torch.empty(batch, channels, 1, dtype=dtype), torch.empty(batch, channels, 1, dtype=dtype)
+    return _launch(window, weight, bias, residual, out, empty_saved(window, weight), GluConvArgs(0, 0, 0.0, 0.5))
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The step kernel for each dtype and representative problem, with bias and residual."""
+    """The step kernel for each dtype and representative problem, with bias and residual, as
+    :func:`~transformer_kernels.glu_conv1d_step` and as :func:`~transformer_kernels.glu_conv1d_update`
+    (``RING``) launch it."""
     return [
-        CompileTarget(f"glu_step-{TORCH_TO_TRITON_DTYPE[dtype]}-{problem}",
-                      lambda dtype=dtype, problem=problem: _target_launch(dtype, problem))
+        CompileTarget(f"glu_step{'_ring' if ring else ''}-{TORCH_TO_TRITON_DTYPE[dtype]}-{problem}",
+                      lambda dtype=dtype, problem=problem, ring=ring: _target_launch(dtype, problem, ring))
         for dtype in (torch.float16, torch.bfloat16, torch.float32) for problem in _TARGET_PROBLEMS
+        for ring in (False, True)
     ]

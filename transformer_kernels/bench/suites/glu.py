@@ -18,7 +18,10 @@ says so).  Errors are measured against ``transformer_kernels.reference.glu_conv1
 
 Decoding steps (op ``glu_conv1d_step``, CUDA): one step of the decoder layer (C=512, k=3) at
 batch x beam 1-64, ours vs the seed's step (the cached window convolved with ``F.conv1d``, then
-GLU): microsecond calls, where a C++ launch should beat a Python-launched kernel.
+GLU): microsecond calls, where a C++ launch should beat a Python-launched kernel.  The same steps
+in place (op ``glu_conv1d_update``: a ring read and written by one kernel) against what a decoder
+keeping its state in one buffer pays otherwise: ``step_copy``, ``glu_conv1d_step`` (Triton on a
+GPU, eager on a CPU) and the new state copied back, and the seed's step with its copy back.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ CPU_CASES = [Case(16, 20), Case(16, 60), Case(16, 40, decoder=True), Case(4, 40,
 # Issue 4: GPU forward+backward >= 1.5x the seed path with peak memory <= 0.6x of it;
 # CPU eager never slower than the seed path.
 STEP_OP = "glu_conv1d_step"
+UPDATE_OP = "glu_conv1d_update"
 STEP_BATCHES = (1, 8, 64)
 
 
@@ -244,10 +248,57 @@ def _step_group(batch: int, channels: int, setting: Setting) -> Group:
     )
 
 
+def _update_group(batch: int, channels: int, setting: Setting) -> Group:
+    """The decoding step of :func:`_step_group` in place: at position 2 of a ring of ``pad_index``,
+    which each call writes ``x_t`` into (the same slot every time), against the functional step and
+    the seed's, each with the copy of the new state into the decoder's buffer (another one than it
+    reads, so that every call computes the same)."""
+    backends = backends_for("glu_conv_update", setting)
+    step_group = _step_group(batch, channels, setting)
+
+    @functools.cache
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(2 * channels, channels, 3, generator=generator) / math.sqrt(3 * channels)
+        bias = torch.randn(2 * channels, generator=generator) * 0.1
+        x_t = torch.randn(batch, channels, generator=generator)
+        return tuple(t.to(setting.device, setting.dtype) for t in (x_t, weight, bias))
+
+    def setup(impl: str) -> Impl:
+        x_t, weight, bias = inputs()
+        if impl in ("seed", "step_copy"):
+            state = torch.full((batch, channels, 2), PAD_INDEX, device=setting.device, dtype=setting.dtype)
+            next_state = torch.empty_like(state)
+            step_backend = "triton" if setting.cuda else "eager"
+
+            def step():
+                if impl == "seed":
+                    window = torch.cat((state, x_t.unsqueeze(2)), dim=2)
+                    y_t = F.glu(F.conv1d(window, weight, bias), dim=1).squeeze(2)
+                    new_state = window[:, :, 1:]
+                else:
+                    y_t, new_state = tk.glu_conv1d_step(x_t, state, weight, bias, backend=step_backend)
+                next_state.copy_(new_state)
+                return y_t
+        else:
+            ring = torch.full((batch, channels, 3), PAD_INDEX, device=setting.device, dtype=setting.dtype)
+            position = torch.tensor(2, device=setting.device)
+
+            def step():
+                return tk.glu_conv1d_update(x_t, ring, weight, bias, position=position, backend=impl)
+        return Impl(step, [])
+
+    return dataclasses.replace(
+        step_group, op=UPDATE_OP, setups={impl: functools.partial(setup, impl)
+                                          for impl in [*backends.ours, "step_copy", "seed"]},
+        unavailable=backends.unavailable, ours=backends.ours,
+    )
+
+
 def groups(setting: Setting) -> list[Group]:
     step_groups = []
     if setting.cuda:
-        step_groups = [_step_group(batch, 512, setting) for batch in STEP_BATCHES]
+        step_groups = [make(batch, 512, setting) for make in (_step_group, _update_group) for batch in STEP_BATCHES]
     elif setting.size == "tiny":
-        step_groups = [_step_group(2, 16, setting)]
+        step_groups = [_step_group(2, 16, setting), _update_group(2, 16, setting)]
     return [group for case in cases(setting) for group in _case_groups(case, setting)] + step_groups
