@@ -46,7 +46,7 @@ def qkv(device: torch.device, dtype: torch.dtype) -> None:
 
 def glu_conv(device: torch.device, dtype: torch.dtype) -> None:
     """Forward, grad_z, grad_x, grad_weight + grad_bias, both paddings and layouts; then a decoding
-    step, forward and backward."""
+    step, forward and backward, and the same step in place on a ring."""
     weight = torch.randn(136, 24, 3, device=device, dtype=dtype, requires_grad=True)
     bias = torch.randn(136, device=device, dtype=dtype, requires_grad=True)
     channel_last = torch.randn(2, 70, 24, device=device, dtype=dtype).transpose(1, 2)
@@ -59,6 +59,9 @@ def glu_conv(device: torch.device, dtype: torch.dtype) -> None:
     x_t = torch.randn(3, 24, device=device, dtype=dtype, requires_grad=True)
     out_t, _ = tk.glu_conv1d_step(x_t, None, weight, bias, pad_value=1.0, backend="cuda")
     out_t.sum().backward()
+    ring = torch.randn(3, 24, 3, device=device, dtype=dtype)
+    with torch.no_grad():
+        tk.glu_conv1d_update(x_t, ring, weight, bias, position=torch.arange(3, device=device), backend="cuda")
 
 
 def main() -> int:

@@ -107,6 +107,31 @@ std::tuple<at::Tensor, at::Tensor> glu_conv1d_step(const at::Tensor& window, con
   return {out, preactivation};
 }
 
+at::Tensor glu_conv1d_update(const at::Tensor& x_t, at::Tensor& conv_state, const at::Tensor& position,
+                             const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, double residual_scale) {
+  constexpr const char* op = "glu_conv1d_update";
+  check_cuda(conv_state, op, "conv_state");
+  tk::glu_conv::StepProblem p = step_problem(conv_state, weight, bias, residual, residual_scale, op, "conv_state");
+  check_like(x_t, conv_state, op, "x_t");
+  TORCH_CHECK(x_t.dim() == 2 && x_t.size(0) == p.batch && x_t.size(1) == p.channels_in && x_t.is_contiguous(), op,
+              ": x_t must be a contiguous [B, C_in] = [", p.batch, ", ", p.channels_in, "] tensor, got shape ",
+              x_t.sizes(), " and strides ", x_t.strides());
+  TORCH_CHECK(position.device() == conv_state.device() && position.scalar_type() == at::kLong &&
+                  (position.dim() == 0 || (position.dim() == 1 && position.size(0) == p.batch && position.stride(0) == 1)),
+              op, ": position must be an int64 tensor of shape [] or [B] = [", p.batch, "] (unit stride) on ",
+              conv_state.device(), ", got ", position.scalar_type(), " of shape ", position.sizes(), " on ",
+              position.device());
+  const c10::cuda::OptionalCUDAGuard guard(conv_state.device());
+  at::Tensor out = at::empty({p.batch, p.channels_out}, conv_state.options());
+  p.out_stride_b = out.stride(0);
+  p.out_stride_c = out.stride(1);
+  check_launch(tk::glu_conv::update(p, conv_state.data_ptr(), x_t.data_ptr(), position.data_ptr<int64_t>(),
+                                    position.dim() == 0 ? 0 : 1, weight.data_ptr(), optional_ptr(bias),
+                                    optional_ptr(residual), out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               op);
+  return out;
+}
 
 void glu_conv1d_forward(const at::Tensor& xpad, const at::Tensor& packed_weight,
                         const std::optional<at::Tensor>& packed_bias, const std::optional<at::Tensor>& residual,
@@ -297,6 +322,8 @@ TORCH_LIBRARY(transformer_kernels_C, m) {
   m.def("qkv_grad_weight(Tensor[] grads, Tensor x, Tensor weight, bool with_bias) -> (Tensor, Tensor)");
   m.def("glu_conv1d_step(Tensor window, Tensor weight, Tensor? bias, Tensor? residual, float residual_scale) "
         "-> (Tensor, Tensor)");
+  m.def("glu_conv1d_update(Tensor x_t, Tensor(a!) conv_state, Tensor position, Tensor weight, Tensor? bias, "
+        "Tensor? residual, float residual_scale) -> Tensor");
   m.def("glu_conv1d_forward(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor? residual, "
         "Tensor(a!) out, int length_in, int pad_left, float residual_scale) -> ()");
   m.def("glu_conv1d_grad_preactivation(Tensor xpad, Tensor packed_weight, Tensor? packed_bias, Tensor grad_out, "
@@ -315,6 +342,7 @@ TORCH_LIBRARY_IMPL(transformer_kernels_C, CUDA, m) {
   m.impl("qkv_grad_input", &qkv_grad_input);
   m.impl("qkv_grad_weight", &qkv_grad_weight);
   m.impl("glu_conv1d_step", &glu_conv1d_step);
+  m.impl("glu_conv1d_update", &glu_conv1d_update);
   m.impl("glu_conv1d_forward", &glu_conv1d_forward);
   m.impl("glu_conv1d_grad_preactivation", &glu_conv1d_grad_preactivation);
   m.impl("glu_conv1d_grad_input", &glu_conv1d_grad_input);

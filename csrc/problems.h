@@ -108,13 +108,14 @@ inline tk::qkv::Problem qkv_problem(const at::Tensor& x, const at::Tensor& weigh
 
 // The decoding step's problem but for its output strides: window [B, C_in, k] and weight [2C, C_in, k]
 // contiguous, bias [2C], residual [B, C, 1] with any strides.
+// window_name: what the op calls the window (glu_conv1d_update's is its ring, conv_state).
 inline tk::glu_conv::StepProblem step_problem(const at::Tensor& window, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& bias,
                                               const std::optional<at::Tensor>& residual, double residual_scale,
-                                              const char* op) {
+                                              const char* op, const char* window_name = "window") {
   check_like(weight, window, op, "weight");
-  TORCH_CHECK(window.dim() == 3 && window.is_contiguous(), op,
-              ": window must be a contiguous [B, C_in, k] tensor, got shape ", window.sizes(), " and strides ",
+  TORCH_CHECK(window.dim() == 3 && window.is_contiguous(), op, ": ", window_name,
+              " must be a contiguous [B, C_in, k] tensor, got shape ", window.sizes(), " and strides ",
               window.strides());
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(1) == window.size(1) &&
                   weight.size(2) == window.size(2) && weight.size(0) % 2 == 0,
@@ -125,11 +126,11 @@ inline tk::glu_conv::StepProblem step_problem(const at::Tensor& window, const at
   TORCH_CHECK(weight.numel() < (int64_t(1) << 31) && window.numel() < (int64_t(1) << 31), op,
               ": tensors must have fewer than 2**31 elements");
   // The kernel reads rows of K = C_in * k elements (both are contiguous): the chunks run along K.
-  check_chunks(window.view({window.size(0), window.size(1) * window.size(2)}), op, "window");
+  check_chunks(window.view({window.size(0), window.size(1) * window.size(2)}), op, window_name);
   check_chunks(weight.view({weight.size(0), weight.size(1) * weight.size(2)}), op, "weight");
   const int64_t batch = window.size(0), channels = weight.size(0) / 2;
   tk::glu_conv::StepProblem p{};  // the output strides stay 0 until the caller sets them
-  p.dtype = dtype_of(window, op, "window");
+  p.dtype = dtype_of(window, op, window_name);
   p.batch = int(batch);
   p.channels_in = int(window.size(1));
   p.channels_out = int(channels);

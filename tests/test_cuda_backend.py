@@ -17,9 +17,12 @@ from transformer_kernels.backends.cuda import AUTO_PREFERRED_MAJORS, MEASURED_FA
 from transformer_kernels.backends.cuda import _common as cuda_common
 from transformer_kernels.backends.cuda import attention as cuda_attention
 from transformer_kernels.backends.cuda import glu_conv as cuda_glu_conv
+from transformer_kernels.backends.cuda import glu_conv_update as cuda_glu_conv_update
+from transformer_kernels.backends.eager import glu_conv_update as eager_glu_conv_update
 from transformer_kernels.backends.cuda import qkv as cuda_qkv
 from transformer_kernels.ops.attention import KEY_BOUNDS_MIN_LENGTH, AttentionArgs, Causal, key_padding_bounds
 from transformer_kernels.ops.glu_conv import GluConvArgs, empty_output
+from transformer_kernels.ops.glu_conv_update import GluUpdateArgs
 from transformer_kernels.ops.qkv import QkvProjectionArgs
 from transformer_kernels.reference.glu_conv import glu_conv1d as reference_glu_conv1d
 
@@ -122,6 +125,45 @@ def test_decoding_step_hands_the_kernel_aligned_operands(monkeypatch, misaligned
     assert cuda_glu_conv._uses_step_kernel(x, weight, args)
     out, _ = cuda_glu_conv.forward(x, weight, None, None, args)
     torch.testing.assert_close(out, torch.nn.functional.glu(torch.nn.functional.conv1d(x, weight), 1))
+
+
+class _HostUpdateOps:
+    """A host stand-in for the raw in-place step, to the contract ``csrc/bindings.cpp`` and
+    ``glu_conv.h`` state: a contiguous aligned ring written in place, contiguous x_t, an int64
+    position of unit stride, an aligned weight, residual ``[B, C, 1]``."""
+
+    @staticmethod
+    def glu_conv1d_update(x_t, conv_state, position, weight, bias, residual, residual_scale):
+        assert conv_state.is_contiguous() and conv_state.data_ptr() % 16 == 0 and x_t.is_contiguous()
+        assert position.dtype == torch.int64 and (position.dim() == 0 or position.stride(0) == 1)
+        assert weight.is_contiguous() and weight.data_ptr() % 16 == 0 and residual.shape[2:] == (1,)
+        return eager_glu_conv_update.forward(x_t, conv_state, position, weight, bias, residual[:, :, 0],
+                                             GluUpdateArgs(residual_scale))
+
+
+def test_in_place_step_python_layer_hands_the_kernel_what_it_reads(monkeypatch):
+    """Strided x_t, int32 positions of stride 2 and a residual [B, C] reach the raw op as it takes
+    them, and the ring is the caller's own, updated in place; a ring the kernel cannot update in
+    place is refused, not copied."""
+    monkeypatch.setattr(cuda_glu_conv_update, "raw_ops", _HostUpdateOps)
+    half = dict(dtype=torch.float16)
+    x_t = torch.randn(8, 3, **half).t()
+    ring, weight = torch.randn(3, 8, 3, **half), torch.randn(8, 8, 3, **half)
+    position = torch.tensor([4, 0, 1, 0, 7, 0], dtype=torch.int32)[::2]
+    residual, args = torch.randn(3, 4, **half), GluUpdateArgs(0.5)
+    assert cuda_glu_conv_update.unsupported_reason(x_t, ring, position, weight, None, residual, args) is None
+    expected_ring = ring.clone()
+    expected = eager_glu_conv_update.forward(x_t, expected_ring, position, weight, None, residual, args)
+    out = cuda_glu_conv_update.forward(x_t, ring, position, weight, None, residual, args)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(ring, expected_ring, rtol=0, atol=0)
+    strided_ring = torch.randn(3, 3, 8, **half).transpose(1, 2)
+    assert "contiguous conv_state" in cuda_glu_conv_update.unsupported_reason(
+        x_t, strided_ring, position, weight, None, residual, args)
+    assert "C_in * k a multiple of 8, got 15" in cuda_glu_conv_update.unsupported_reason(
+        x_t[:5], torch.randn(3, 5, 3, **half), position, torch.randn(8, 5, 3, **half), None, residual, args)
+    assert "float16 and bfloat16" in cuda_glu_conv_update.unsupported_reason(
+        x_t.float(), ring.float(), position, weight.float(), None, residual.float(), args)
 
 
 def test_in_chunks_copies_a_contiguous_view_that_starts_off_16_bytes():

@@ -344,6 +344,32 @@ def test_glu_step_kernel_on_the_host_matches_the_eager_step(
     assert_close(z.view(batch, 1, 2 * channels), expected_z, "pre-activation")
 
 
+@pytest.mark.parametrize("batch, channels_in, channels, kernel_size, with_bias", [
+    (3, 16, 8, 3, True),     # 8-element slices that cross channels of 3 taps
+    (11, 64, 12, 4, False),  # two CTAs of batch rows, the second partial
+    (2, 8, 4, 1, True),      # a ring of one slot: the window is the new input alone
+])
+def test_glu_update_kernel_on_the_host_matches_the_eager_update(emulator, batch, channels_in, channels, kernel_size,
+                                                                 with_bias):
+    """The CUDA step through a ring (glu_conv1d_update): the same outputs and ring as the eager
+    backend's, for rows at positions of every residue modulo k (and a negative one, taken modulo k
+    the floor way)."""
+    x_t = torch.randn(batch, channels_in, dtype=torch.float64)
+    ring = torch.randn(batch, channels_in, kernel_size, dtype=torch.float64)
+    weight = torch.randn(2 * channels, channels_in, kernel_size, dtype=torch.float64)
+    bias = torch.randn(2 * channels, dtype=torch.float64) if with_bias else None
+    positions = torch.arange(batch) * 5 - 1
+    expected_ring = ring.clone()
+    expected = transformer_kernels.glu_conv1d_update(x_t, expected_ring, weight, bias, position=positions,
+                                                      residual_scale=0.7, backend="eager")
+    out, new_ring = emulator(
+        "glu_update", [batch, channels_in, channels, kernel_size, 0.7, int(with_bias)],
+        [ring, x_t, positions.double(), weight, *([bias] if with_bias else [])],
+    )
+    assert_close(out.view(batch, channels), expected, "out")
+    assert_close(new_ring.view(ring.shape), expected_ring, "ring")
+
+
 # ---------------------------------------------------------------------------------------------------
 # The attention kernels' mask, key-block and dropout logic (csrc/common/attention_masks.h), against
 # the op layer's definitions and the Triton backend's kernels (run by Triton's interpreter on CPU).

@@ -26,6 +26,15 @@ struct StepProblem {
 cudaError_t step(const StepProblem& p, const void* window, const void* weight, const void* bias,
                  const void* residual, void* out, void* preactivation, cudaStream_t stream);
 
+// The same step in place (glu_conv1d_update): the window's first k - 1 inputs from the ring
+// [B, C_in, k] (contiguous; input position p in slot p % k), its last from new_input [B, C_in]
+// (contiguous), the rows' positions position[b * position_stride] (stride 0: one for every row);
+// new_input is then stored into slot p % k.  No pre-activation.  Requires what step requires, of
+// the ring in place of the window.
+cudaError_t update(const StepProblem& p, void* ring, const void* new_input, const int64_t* position,
+                   int64_t position_stride, const void* weight, const void* bias, const void* residual, void* out,
+                   cudaStream_t stream);
+
 // Whole-sequence convolution (glu_conv.cu), implicit GEMMs over (k x C_in) on the sm_80 tensor-core GEMM.
 // Tensors in the kernels' layouts (the Python backend converts):
 //   xpad          [B, Lp, C_in] contiguous: x padded with pad_value, channel-last, Lp = L_out + k - 1

@@ -24,22 +24,46 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-template <class T>
+// kRing: glu_conv1d_update, the window read through the ring (glu_step_tiles.h); the CTAs of the
+// first channel block then store their rows' new inputs into the ring, in slots no CTA reads.
+template <class T, bool kRing>
 __global__ void __launch_bounds__(kWarps * 32) glu_step_kernel(const __grid_constant__ StepArgs<T> a) {
   const int lane = threadIdx.x % 32;
   const int c = blockIdx.x * kWarps + threadIdx.x / 32;
-  if (c >= a.channels_out) return;  // the whole warp: no barrier follows
 
   // Batches past CUDA's 65535 cap on gridDim.y take several row groups per CTA.
   for (int b0 = blockIdx.y * kRows; b0 < a.batch; b0 += gridDim.y * kRows) {
-    float value[kRows] = {}, gate[kRows] = {};
-    a.template partial_sums<kRows>(c, b0, lane, 32, value, gate);
-    #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float value_sum = warp_sum(value[r]), gate_sum = warp_sum(gate[r]);  // in every lane
-      if (lane == r && b0 + r < a.batch) a.store(b0 + r, c, value_sum, gate_sum);
+    if (c < a.channels_out) {  // the whole warp: no barrier in this loop
+      float value[kRows] = {}, gate[kRows] = {};
+      a.template partial_sums<kRows, kRing>(c, b0, lane, 32, value, gate);
+      #pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float value_sum = warp_sum(value[r]), gate_sum = warp_sum(gate[r]);  // in every lane
+        if (lane == r && b0 + r < a.batch) a.store(b0 + r, c, value_sum, gate_sum);
+      }
+    }
+    if constexpr (kRing) {
+      if (blockIdx.x == 0) {
+        const int rows = min(kRows, a.batch - b0);
+        for (int i = threadIdx.x; i < rows * a.channels_in; i += blockDim.x) {
+          a.store_new_input(b0 + i / a.channels_in, i % a.channels_in);
+        }
+      }
     }
   }
+}
+
+dim3 step_grid(const StepProblem& p) {
+  return dim3(ceil_div(p.channels_out, kWarps), std::min(ceil_div(p.batch, kRows), kMaxGridY));
+}
+
+template <class T>
+StepArgs<T> step_args(const StepProblem& p, const void* window, const void* weight, const void* bias,
+                      const void* residual, void* out, void* preactivation) {
+  return StepArgs<T>{static_cast<const T*>(window), static_cast<const T*>(weight), static_cast<const T*>(bias),
+                     static_cast<const T*>(residual), static_cast<T*>(out), static_cast<T*>(preactivation),
+                     p.batch, p.channels_in, p.channels_out, p.kernel_size,
+                     p.residual_stride_b, p.residual_stride_c, p.out_stride_b, p.out_stride_c, p.residual_scale};
 }
 
 }  // namespace
@@ -49,12 +73,24 @@ cudaError_t step(const StepProblem& p, const void* window, const void* weight, c
   return dispatch_dtype(p.dtype, [&](auto element) -> cudaError_t {
     using T = decltype(element);
     if (p.batch == 0) return cudaSuccess;
-    StepArgs<T> args{static_cast<const T*>(window), static_cast<const T*>(weight), static_cast<const T*>(bias),
-                     static_cast<const T*>(residual), static_cast<T*>(out), static_cast<T*>(preactivation),
-                     p.batch, p.channels_in, p.channels_out, p.kernel_size,
-                     p.residual_stride_b, p.residual_stride_c, p.out_stride_b, p.out_stride_c, p.residual_scale};
-    dim3 grid(ceil_div(p.channels_out, kWarps), std::min(ceil_div(p.batch, kRows), kMaxGridY));
-    glu_step_kernel<T><<<grid, kWarps * 32, 0, stream>>>(args);
+    const StepArgs<T> args = step_args<T>(p, window, weight, bias, residual, out, preactivation);
+    glu_step_kernel<T, false><<<step_grid(p), kWarps * 32, 0, stream>>>(args);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t update(const StepProblem& p, void* ring, const void* new_input, const int64_t* position,
+                   int64_t position_stride, const void* weight, const void* bias, const void* residual, void* out,
+                   cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto element) -> cudaError_t {
+    using T = decltype(element);
+    if (p.batch == 0) return cudaSuccess;
+    StepArgs<T> args = step_args<T>(p, ring, weight, bias, residual, out, nullptr);
+    args.ring = static_cast<T*>(ring);
+    args.new_input = static_cast<const T*>(new_input);
+    args.position = position;
+    args.position_stride = position_stride;
+    glu_step_kernel<T, true><<<step_grid(p), kWarps * 32, 0, stream>>>(args);
     return cudaGetLastError();
   });
 }

@@ -243,6 +243,39 @@ void glu_step() {
   write_tensor(z);
 }
 
+// glu_conv1d_update: the step through a ring of positions (int64, one per row), then each row's
+// new input stored into its slot, as the CTAs of the first channel block store them.
+void glu_update() {
+  constexpr int kRows = 8, kLanes = 32;
+  int batch = read_int(), channels_in = read_int(), channels = read_int(), kernel_size = read_int();
+  float scale;
+  std::cin >> scale;
+  int has_bias = read_int();
+  Tensor ring = read_tensor(), new_input = read_tensor(), positions = read_tensor(), weight = read_tensor();
+  Tensor bias = has_bias ? read_tensor() : Tensor();
+  std::vector<int64_t> position(positions.begin(), positions.end());
+  Tensor out(size_t(batch) * channels, 0.f);
+  tk::glu_conv::StepArgs<float> args{ring.data(), weight.data(), has_bias ? bias.data() : nullptr, nullptr,
+                                     out.data(), nullptr, batch, channels_in, channels, kernel_size, 0, 0,
+                                     channels, 1, scale};
+  args.ring = ring.data();
+  args.new_input = new_input.data();
+  args.position = position.data();
+  args.position_stride = 1;
+  for (int c = 0; c < channels; ++c) {
+    for (int b0 = 0; b0 < batch; b0 += kRows) {
+      float value[kRows] = {}, gate[kRows] = {};
+      for (int lane = 0; lane < kLanes; ++lane) args.partial_sums<kRows, true>(c, b0, lane, kLanes, value, gate);
+      for (int r = 0; r < kRows && b0 + r < batch; ++r) args.store(b0 + r, c, value[r], gate[r]);
+    }
+  }
+  for (int b = 0; b < batch; ++b) {
+    for (int ci = 0; ci < channels_in; ++ci) args.store_new_input(b, ci);
+  }
+  write_tensor(out);
+  write_tensor(ring);
+}
+
 }  // namespace
 
 int main() {
@@ -257,6 +290,7 @@ int main() {
   else if (kernel == "glu_grad_input") glu_grad_input();
   else if (kernel == "glu_grad_weight") glu_grad_weight();
   else if (kernel == "glu_step") glu_step();
+  else if (kernel == "glu_update") glu_update();
   else {
     std::cerr << "unknown kernel " << kernel << '\n';
     return 1;

@@ -4,7 +4,7 @@
 returns the new state as a view of that window, so a decoder that keeps its state in one buffer
 pays, per layer and step, the ``cat``, the convolution and a copy back.  Here the state is a ring
 of ``k`` slots that the backend reads around the new input and writes the new input into, in one
-kernel on Triton: input position ``p`` lives in slot ``p % k``.  The slot the new input takes holds
+kernel on Triton and on the CUDA extension: input position ``p`` lives in slot ``p % k``.  The slot the new input takes holds
 position ``p - k``, which no output of this step reads, so no program of the kernel overwrites
 what another still reads.  Inference only, like ``causal_conv1d_update`` (Mamba's), whose in-place
 update and ``cache_seqlens`` ring this follows.  Registered as
@@ -72,7 +72,9 @@ def glu_conv1d_update(
             position of ``x_t`` in its sequence.  Read on the device, so a CUDA
             graph that captures the call reads the position of each replay.
         residual: ``[B, C]`` or ``None``; residual_scale: as in :func:`glu_conv1d`.
-        backend: as in :func:`glu_conv1d`; the cuda backend has no kernel for it.
+        backend: as in :func:`glu_conv1d`.  The cuda backend's kernel takes a
+            contiguous ``conv_state`` of float16 or bfloat16 with ``C_in * k`` a
+            multiple of 8.
 
     Returns:
         ``out_t`` ``[B, C]``.

@@ -74,13 +74,14 @@ _modules: dict[str, ModuleType] = {}
 def _load(op: str) -> ModuleType:
     if not _modules:  # once: an import statement costs microseconds even when done
         # An import statement, not importlib: torch.compile traces it.
-        from . import attention, glu_conv, qkv
+        from . import attention, glu_conv, glu_conv_update, qkv
 
-        _modules.update(attention=attention, glu_conv=glu_conv, qkv=qkv)
+        _modules.update(attention=attention, glu_conv=glu_conv, glu_conv_update=glu_conv_update, qkv=qkv)
     return _modules[op]
 
 
 register_backend(
-    "cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason, ops=("attention", "glu_conv", "qkv"),
+    "cuda", rank=0, auto_device_types=("cuda",), device_reason=_device_reason,
+    ops=("attention", "glu_conv", "glu_conv_update", "qkv"),
     load=_load, auto_reason=_auto_reason,
 )
