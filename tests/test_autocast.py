@@ -108,6 +108,34 @@ def test_decoding_step_runs_in_the_autocast_dtype():
     torch.testing.assert_close(out, expected)
 
 
+def test_in_place_decoding_step_updates_the_callers_ring_under_autocast():
+    """Under autocast the update computes in bfloat16 and writes the new input into the caller's
+    float32 ring (autocast casts it to a copy, whose update goes back)."""
+    x, weight = torch.randn(3, 8, 5), torch.randn(16, 8, 3) / 4
+    ring = torch.zeros(3, 8, 3)
+    with torch.no_grad(), torch.autocast("cpu"):
+        steps = [tk.glu_conv1d_update(x[:, :, t], ring, weight, position=torch.tensor(t)) for t in range(5)]
+        expected = tk.glu_conv1d(x, weight, padding="causal")
+    assert steps[0].dtype == torch.bfloat16 and ring.dtype == torch.float32
+    torch.testing.assert_close(torch.stack(steps, 2), expected)
+    torch.testing.assert_close(ring[:, :, [2, 0, 1]], x[:, :, 2:].bfloat16().float())
+
+
+def test_conv_seq2seq_cached_steps_track_its_forward_under_autocast():
+    """The decoder's rings are made in the autocast dtype, and each cached step's log-probabilities
+    are the forward's at that position to bfloat16 rounding."""
+    torch.manual_seed(0)
+    model = ConvSeq2Seq(30, 25, emb_dim=16, hid_dim=24, num_encoder_layers=2, num_decoder_layers=2, dropout=0.0,
+                        max_len=20, pad_index=1).eval()
+    src, tgt = torch.randint(2, 30, (4, 7)), torch.randint(2, 25, (4, 6))
+    with torch.no_grad(), torch.autocast("cpu"):
+        expected = model(src, tgt)[0].float().log_softmax(-1)
+        state = model.decoder.initial_state(model.encode(src))
+        steps = torch.stack([model.decoder.step(tgt[:, t], torch.tensor(t), state).float() for t in range(6)], 1)
+    assert all(ring.dtype == torch.bfloat16 for ring in state.conv_states)
+    torch.testing.assert_close(steps, expected, atol=0.05, rtol=0)
+
+
 @pytest.mark.parametrize("model_class", [ConvSeq2Seq, Transformer])
 def test_fused_models_match_the_reference_under_autocast(model_class):
     src, tgt = torch.randint(2, 30, (3, 9)), torch.randint(2, 30, (3, 7))

@@ -485,18 +485,27 @@ def test_only_needed_gradients(backend, gradient_spy):
     spy.assert_computed(x=False, weight=True, bias=False)
 
 
-@pytest.mark.parametrize("shape", [(0, 5, 8), (2, 0, 8), (0, 8)], ids=["no_batch", "no_tokens", "2d_no_tokens"])
+@pytest.mark.parametrize("shape", [(0, 5, 16), (2, 0, 16), (0, 16)], ids=["no_batch", "no_tokens", "2d_no_tokens"])
 @pytest.mark.parametrize("backend", backend_params("qkv"))
 def test_empty_batch(backend, shape):
-    device = device_for(backend)
-    x = torch.randn(shape, device=device, requires_grad=True)
-    weight = torch.randn(24, 8, device=device, requires_grad=True)
-    b = torch.randn(24, device=device, requires_grad=True)
+    device, dtype = device_for(backend), working_dtype(backend)
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(48, 16, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(48, device=device, dtype=dtype, requires_grad=True)
     outputs = tk.qkv_projection(x, weight, b, num_heads=2, backend=backend)
-    assert [o.shape for o in outputs] == [(*shape[:-2], 2, shape[-2], 4)] * 3
+    assert [o.shape for o in outputs] == [(*shape[:-2], 2, shape[-2], 8)] * 3
     sum(o.sum() for o in outputs).backward()
     assert x.grad.shape == x.shape
     assert torch.count_nonzero(weight.grad) == 0 and torch.count_nonzero(b.grad) == 0
+
+
+@requires_triton
+def test_a_backend_that_cannot_serve_the_dtype_raises_without_tokens_too():
+    """An explicitly requested backend's refusal does not depend on the call having tokens (the
+    calls without any run on eager's GEMMs)."""
+    x, weight = torch.randn(0, 5, 16, dtype=torch.float64), torch.randn(48, 16, dtype=torch.float64)
+    with pytest.raises(BackendUnavailableError, match="backend='triton' cannot serve this call"):
+        tk.qkv_projection(x.to(device_for("triton")), weight.to(device_for("triton")), num_heads=2, backend="triton")
 
 
 # --------------------------------------------------------------------------- registration

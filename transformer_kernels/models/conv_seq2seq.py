@@ -22,6 +22,7 @@ from torch import Tensor
 from .. import reference
 from .._checks import check_same_device, check_tensor, is_int
 from ..nn.glu_conv import GLUConv1d
+from ..ops._autocast import autocast
 from ..ops.attention import MAX_HEAD_DIM, scaled_dot_product_attention
 from .generation import generate, in_eval_mode
 
@@ -190,7 +191,10 @@ class ConvDecoder(torch.nn.Module):
         """The state before the first :meth:`step`: every convolution's window holds its padding."""
         batch = encoder.conved.shape[0]
         if self.impl == "fused":
-            return DecoderState(encoder, tuple(conv.initial_conv_state(batch) for conv in self.convs))
+            # In the dtype the steps compute in (autocast's, where it is on), which glu_conv1d_update
+            # then writes directly, without a cast copy and a copy back.
+            return DecoderState(encoder, tuple(autocast(conv.weight, conv.initial_conv_state(batch))[0]
+                                               for conv in self.convs))
         return DecoderState(encoder, tuple(conv.initial_state(batch) for conv in self.convs))
 
     # generate() may replay step() from a CUDA graph: its state's tensors are updated in place and

@@ -377,12 +377,12 @@ def scaled_dot_product_attention(
     q, k, v, args, output_shape = _normalize(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
+    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)  # raises as for any call
     if 0 in output_shape or k.shape[2] == 0:  # not numel(): it would fix a symbolic shape's sizes
         return _without_scores(q, k, v, args.attn_mask).view(output_shape)
     if args.dropout_p == 1.0:  # every weight dropped: as if no key were there
         mask = None if args.attn_mask is None else args.attn_mask[..., :0]
         return _without_scores(q, k[:, :, :0], v[:, :, :0], mask).view(output_shape)
-    chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
     needs_backward = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
         or (args.attn_mask is not None and args.attn_mask.requires_grad)

@@ -79,9 +79,15 @@ def glu_conv1d_update(
     Returns:
         ``out_t`` ``[B, C]``.
 
+    Under ``torch.autocast`` it computes in the autocast dtype, as
+    :func:`glu_conv1d_step` does; a ``conv_state`` of another dtype is then read
+    cast and written back (two copies of the ring a call: keep the ring in the
+    autocast dtype to avoid them).
+
     Not differentiable: for gradients use :func:`glu_conv1d_step`.  Raises
     ``RuntimeError`` where autograd would have to record the call.
     """
+    caller_state = conv_state
     x_t, conv_state, weight, bias, residual = autocast(x_t, x_t, conv_state, weight, bias, residual)
 
     def checked() -> tuple[GluUpdateArgs, str]:
@@ -110,7 +116,10 @@ def glu_conv1d_update(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_t, conv_state, weight, bias, residual)):
         raise RuntimeError("glu_conv1d_update is not differentiable (it updates conv_state in place): use "
                            "glu_conv1d_step for gradients, or call it under torch.no_grad()")
-    return glu_conv1d_update_op(x_t, conv_state, position, weight, bias, residual, args, name)
+    out = glu_conv1d_update_op(x_t, conv_state, position, weight, bias, residual, args, name)
+    if conv_state is not caller_state:  # autocast cast the ring (a copy): the update goes to the caller's
+        caller_state.copy_(conv_state)
+    return out
 
 
 # glu_conv1d_update's checked decisions (GluUpdateArgs and backend) per call layout (_call_plans.py).

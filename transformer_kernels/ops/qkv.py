@@ -155,9 +155,9 @@ def qkv_projection(
         check_tensor("x", x, dtypes=_DTYPES)
         _check_arguments(x, weight, bias, num_heads)
         args = QkvProjectionArgs(num_heads)
+        chosen = select_backend("qkv", "qkv_projection", backend, x, x, weight, bias, args)  # raises as for any call
         # No tokens: nothing for a kernel to do; eager's GEMMs give the empty results and zero gradients.
-        return args, "eager" if x.numel() == 0 else select_backend("qkv", "qkv_projection", backend, x, x, weight,
-                                                                   bias, args)
+        return args, "eager" if x.numel() == 0 else chosen
 
     tensors = layout_key(backend, x, weight, bias) if type(num_heads) is int else None
     (args, name), forward = _PLANS.decide(
