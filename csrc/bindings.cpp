@@ -117,8 +117,10 @@ at::Tensor glu_conv1d_update(const at::Tensor& x_t, at::Tensor& conv_state, cons
   TORCH_CHECK(x_t.dim() == 2 && x_t.size(0) == p.batch && x_t.size(1) == p.channels_in && x_t.is_contiguous(), op,
               ": x_t must be a contiguous [B, C_in] = [", p.batch, ", ", p.channels_in, "] tensor, got shape ",
               x_t.sizes(), " and strides ", x_t.strides());
+  // One position for every row: a 0-dim tensor, or [B] of one row (whatever its stride).
+  const bool one_position = position.dim() == 0 || (position.dim() == 1 && position.size(0) == 1);
   TORCH_CHECK(position.device() == conv_state.device() && position.scalar_type() == at::kLong &&
-                  (position.dim() == 0 || (position.dim() == 1 && position.size(0) == p.batch && position.stride(0) == 1)),
+                  (one_position || (position.dim() == 1 && position.size(0) == p.batch && position.stride(0) == 1)),
               op, ": position must be an int64 tensor of shape [] or [B] = [", p.batch, "] (unit stride) on ",
               conv_state.device(), ", got ", position.scalar_type(), " of shape ", position.sizes(), " on ",
               position.device());
@@ -127,7 +129,7 @@ at::Tensor glu_conv1d_update(const at::Tensor& x_t, at::Tensor& conv_state, cons
   p.out_stride_b = out.stride(0);
   p.out_stride_c = out.stride(1);
   check_launch(tk::glu_conv::update(p, conv_state.data_ptr(), x_t.data_ptr(), position.data_ptr<int64_t>(),
-                                    position.dim() == 0 ? 0 : 1, weight.data_ptr(), optional_ptr(bias),
+                                    one_position ? 0 : 1, weight.data_ptr(), optional_ptr(bias),
                                     optional_ptr(residual), out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
                op);
   return out;

@@ -166,3 +166,59 @@ def test_compiled_decoding_loop_updates_the_ring():
         steps = [step(x[:, :, t], ring, torch.tensor(t)) for t in range(5)]
     torch.testing.assert_close(torch.stack(steps, 2), _causal(x, weight, None, None, 0.0, 1.0).float())
     torch.testing.assert_close(ring[:, :, [1, 0]], x[:, :, 3:])
+
+
+@pytest.mark.parametrize("backend", backend_params("glu_conv_update"))
+def test_positions_past_32_bits_take_their_slot(backend):
+    """An int64 position is taken modulo k in its own width (Triton narrowed it first: past 2**31 the
+    window and the slot written were another position's)."""
+    device, dtype = device_for(backend), torch.float16 if backend == "cuda" else torch.float32
+    x_t, weight = torch.randn(3, 8, device=device, dtype=dtype), torch.randn(8, 8, 3, device=device, dtype=dtype)
+    rings = torch.randn(3, 8, 3, device=device, dtype=dtype)
+    positions = torch.tensor([2**31, 2**32 + 1, 2**40 + 5], device=device)
+    expected_ring = rings.cpu().double()
+    with torch.no_grad():
+        out = tk.glu_conv1d_update(x_t, rings, weight, position=positions, backend=backend)
+        expected = tk.glu_conv1d_update(x_t.cpu().double(), expected_ring, weight.cpu().double(),
+                                        position=(positions % 3).cpu(), backend="eager")
+    torch.testing.assert_close(out.double().cpu(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(rings.double().cpu(), expected_ring, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params("glu_conv_update"))
+def test_a_backward_that_saved_the_ring_before_its_update_refuses(backend):
+    """The kernel's write is counted on conv_state's version, as a torch in-place op's: a gradient
+    computed from the ring's earlier values raises instead of reading the new ones."""
+    device, dtype = device_for(backend), torch.float16 if backend == "cuda" else torch.float32
+    ring = torch.randn(2, 8, 3, device=device, dtype=dtype)
+    factor = torch.randn(2, 8, 3, device=device, dtype=dtype, requires_grad=True)
+    saved = (ring * factor).sum()  # saves ring for factor's gradient
+    with torch.no_grad():
+        tk.glu_conv1d_update(torch.randn(2, 8, device=device, dtype=dtype), ring,
+                             torch.randn(8, 8, 3, device=device, dtype=dtype), position=torch.tensor(1, device=device),
+                             backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
+def test_vmap_needs_the_ring_vmapped_wherever_the_inputs_are():
+    """Each index of a vmapped x_t would write the one ring that is not vmapped over: refused, as torch
+    refuses a batched in-place write into an unbatched tensor; a ring per index works."""
+    x, weight = torch.randn(4, 2, 6), torch.randn(8, 6, 3)
+
+    def update(x_t, ring):
+        return tk.glu_conv1d_update(x_t, ring, weight, position=torch.tensor(0))
+
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="writes conv_state in place, which is not vmapped over"):
+            torch.func.vmap(update, in_dims=(0, None))(x, torch.zeros(2, 6, 3))
+        rings = torch.zeros(4, 2, 6, 3)
+        out = torch.func.vmap(update)(x, rings)
+    torch.testing.assert_close(rings[:, :, :, 0], x, rtol=0, atol=0)
+    torch.testing.assert_close(out, torch.stack([update(x[i], torch.zeros(2, 6, 3)) for i in range(4)]))
+
+
+def test_an_expanded_ring_is_refused():
+    x_t, weight = torch.randn(3, 6), torch.randn(8, 6, 3)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="conv_state is expanded"):
+        tk.glu_conv1d_update(x_t, torch.zeros(1, 6, 3).expand(3, 6, 3), weight, position=torch.tensor(0))

@@ -136,16 +136,22 @@ def _qkv(name: str, batch: int, length: int, embed_dim: int, heads: int, bias: b
         ("out q", "out k", "out v", "grad x", "grad weight", *(("grad bias",) if bias else ())))
 
 
-def _glu(name: str, batch: int, channels: int, out_channels: int, length: int, kernel_size: int, *,
-         padding: str = "same", pad_value: float = 0.0, residual: bool = False) -> CheckCase:
-    scale = 0.5**0.5 if residual else 1.0
-
+def _glu_inputs(batch: int, channels: int, out_channels: int, length: int, kernel_size: int) -> Callable:
+    """``inputs(device)`` of a GLU convolution case: ``x``, a weight of unit-variance outputs, a bias."""
     def inputs(device: torch.device) -> list:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(batch, channels, length, generator=generator, dtype=torch.float64)
         weight = torch.randn(2 * out_channels, channels, kernel_size, generator=generator, dtype=torch.float64)
         bias = torch.randn(2 * out_channels, generator=generator, dtype=torch.float64)
         return [t.to(device) for t in (x, weight / (channels * kernel_size) ** 0.5, bias)]
+
+    return inputs
+
+
+def _glu(name: str, batch: int, channels: int, out_channels: int, length: int, kernel_size: int, *,
+         padding: str = "same", pad_value: float = 0.0, residual: bool = False) -> CheckCase:
+    scale = 0.5**0.5 if residual else 1.0
+    inputs = _glu_inputs(batch, channels, out_channels, length, kernel_size)
 
     def call(fn, x, w, b, **kwargs):
         return fn(x, w, b, padding=padding, pad_value=pad_value, residual=x if residual else None,
@@ -157,14 +163,9 @@ def _glu(name: str, batch: int, channels: int, out_channels: int, length: int, k
 
 
 def _glu_update(name: str, batch: int, channels: int, out_channels: int, length: int, kernel_size: int) -> CheckCase:
-    """``glu_conv1d_update`` stepping through a sequence, rows at positions a step apart, against the
-    sequence's causal convolution with padding value 1."""
-    def inputs(device: torch.device) -> list:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, channels, length, generator=generator, dtype=torch.float64)
-        weight = torch.randn(2 * out_channels, channels, kernel_size, generator=generator, dtype=torch.float64)
-        bias = torch.randn(2 * out_channels, generator=generator, dtype=torch.float64)
-        return [t.to(device) for t in (x, weight / (channels * kernel_size) ** 0.5, bias)]
+    """``glu_conv1d_update`` stepping through a sequence from a ring of ones, against the sequence's
+    causal convolution with padding value 1."""
+    inputs = _glu_inputs(batch, channels, out_channels, length, kernel_size)
 
     def ours(backend: str) -> Callable:
         def steps(x, w, b):

@@ -160,6 +160,8 @@ class RegisteredOp:
         # Which inputs are tensor lists and which fields hold tensors, worked out once: every call
         # collects its tensors (to choose its route) from these positions.
         self._has_list_input = any(entry.startswith("Tensor[]") for entry in inputs)
+        # The inputs the op writes in place ("Tensor(a!) name"): (position, name).
+        self._mutated_inputs = tuple((i, entry.split()[-1]) for i, entry in enumerate(inputs) if "!" in entry.split()[0])
         self._tensor_fields = tuple(field for field in self.field_names if hints[field] in (Tensor, Optional[Tensor]))
         # Where each tensor field's gradient flag sits in ctx.needs_input_grad, by route: the
         # registered op takes every field, the autograd.Function only the tensor fields.
@@ -197,7 +199,16 @@ class RegisteredOp:
     def _vmap(self, info, in_dims, *flat):
         """The op under ``torch.vmap``: once per index of the vmapped dimension (_transforms.py), each
         call routed again, so that a transform below this vmap that needs a gradient (an outer
-        ``grad``) takes the op's transform function."""
+        ``grad``) takes the op's transform function.  An input the op writes in place must be vmapped
+        over wherever another input is (each index would overwrite the others' writes), as torch's
+        in-place ops require."""
+        for index, name in self._mutated_inputs:
+            if in_dims[index] is None and any(dim is not None for dim in in_dims):
+                raise RuntimeError(
+                    f"vmap: {self.qualname} writes {name} in place, which is not vmapped over while another "
+                    f"input is: every index of the vmapped dimension would write the same {name}; vmap over "
+                    f"{name} too"
+                )
         return vmap_by_loop(lambda *args: self(*self.unpack(args)), info.batch_size, in_dims, flat)
 
     def unpack(self, flat: Sequence[Any]) -> tuple:

@@ -4,9 +4,9 @@
 returns the new state as a view of that window, so a decoder that keeps its state in one buffer
 pays, per layer and step, the ``cat``, the convolution and a copy back.  Here the state is a ring
 of ``k`` slots that the backend reads around the new input and writes the new input into, in one
-kernel on Triton and on the CUDA extension: input position ``p`` lives in slot ``p % k``.  The slot the new input takes holds
-position ``p - k``, which no output of this step reads, so no program of the kernel overwrites
-what another still reads.  Inference only, like ``causal_conv1d_update`` (Mamba's), whose in-place
+kernel on Triton and on the CUDA extension: input position ``p`` lives in slot ``p % k``.  The slot
+the new input takes holds position ``p - k``, which no output of this step reads, so no program of
+the kernel overwrites what another still reads.  Inference only, like ``causal_conv1d_update`` (Mamba's), whose in-place
 update and ``cache_seqlens`` ring this follows.  Registered as
 ``torch.ops.transformer_kernels.glu_conv1d_update`` (mutating its ``conv_state``, with a fake
 kernel), so it works under ``torch.compile`` and CUDA graphs (the position is read on the device).
@@ -98,6 +98,9 @@ def glu_conv1d_update(
         if tuple(conv_state.shape) != (batch, channels_in, kernel_size):
             raise ValueError(f"conv_state must have shape [B, C_in, k] = {[batch, channels_in, kernel_size]}, "
                              f"got {tuple(conv_state.shape)}")
+        if any(stride == 0 and size > 1 for size, stride in zip(conv_state.shape, conv_state.stride())):
+            raise RuntimeError("conv_state is expanded (a stride of 0: elements share memory), so it cannot be "
+                               "written in place")
         if conv_state.dtype != x_t.dtype:
             raise TypeError(f"conv_state must have the same dtype as x_t ({x_t.dtype}), got {conv_state.dtype}")
         check_tensor("position", position, dtypes=(torch.int32, torch.int64))
@@ -135,7 +138,11 @@ glu_conv1d_update_op = RegisteredOp(
 
 @glu_conv1d_update_op.implement
 def _glu_conv1d_update(x_t, conv_state, position, weight, bias, residual, args: GluUpdateArgs, backend: str):
-    return backend_module("glu_conv_update", backend).forward(x_t, conv_state, position, weight, bias, residual, args)
+    out = backend_module("glu_conv_update", backend).forward(x_t, conv_state, position, weight, bias, residual, args)
+    # A kernel's write is no torch op: the version counter says that conv_state changed, so that
+    # autograd refuses a backward that saved it before (as torch's own in-place ops make it).
+    torch.autograd.graph.increment_version(conv_state)
+    return out
 
 
 @glu_conv1d_update_op.fake

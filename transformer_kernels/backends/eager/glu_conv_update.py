@@ -29,7 +29,7 @@ def forward(
     args: GluUpdateArgs,
 ) -> torch.Tensor:
     batch, channels_in, kernel_size = conv_state.shape
-    slots = ring_slots(position.expand(batch), kernel_size)  # [B, k]: the window's slots, the new input's last
+    slots = _ring_slots(position.expand(batch), kernel_size)  # [B, k]: the window's slots, the new input's last
     window = conv_state.gather(2, slots[:, None, :-1].expand(batch, channels_in, kernel_size - 1))
     window = torch.cat([window, x_t[:, :, None]], dim=2)
     step = GluConvArgs(0, 0, 0.0, args.residual_scale)
@@ -38,8 +38,9 @@ def forward(
     return out[:, :, 0]
 
 
-def ring_slots(position: torch.Tensor, kernel_size: int) -> torch.Tensor:
+def _ring_slots(position: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """``[B, k]``: the slots of positions ``p - k + 1 .. p`` for each row's position ``p`` (``[B]``),
-    oldest first: ``(p - k + 1 + tap) % k``, which is ``(p + 1 + tap) % k``."""
+    oldest first: ``(p - k + 1 + tap) % k``, which is ``(p % k + 1 + tap) % k`` (taken modulo k first,
+    so that no position near the integer's limit overflows)."""
     taps = torch.arange(kernel_size, device=position.device)
-    return (position[:, None].long() + 1 + taps) % kernel_size
+    return (position[:, None].long() % kernel_size + 1 + taps) % kernel_size

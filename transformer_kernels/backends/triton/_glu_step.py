@@ -109,11 +109,13 @@ def _glu_step_kernel(
     gate_rows = weight_ptr + (cols.to(tl.int64) + channels_out) * stride_weight_row
     if RING:
         new_rows = new_input_ptr + rows.to(tl.int64) * stride_new_b
-        # Non-negative by contract; taken modulo k the floor way all the same, so that no slot is out of
+        # p % k in the position's own width (int64 positions past 2**31 too), then narrowed; negative
+        # positions break the contract, but are taken modulo k the floor way so no slot is out of
         # range.  Tap t of a row at position p reads slot (p + 1 + t) % k: t + rotation, wrapped once.
-        positions = tl.load(position_ptr + rows * stride_position, mask=row_ok, other=0).to(tl.int32)
-        positions = positions % KERNEL_SIZE + KERNEL_SIZE
-        rotation = (positions + 1) % KERNEL_SIZE
+        positions = tl.load(position_ptr + rows * stride_position, mask=row_ok, other=0)
+        residues = (positions % KERNEL_SIZE).to(tl.int32)
+        residues = tl.where(residues < 0, residues + KERNEL_SIZE, residues)
+        rotation = (residues + 1) % KERNEL_SIZE
 
     # Per-lane partial sums over the K slice, reduced across lanes once after the loop.
     partial_a = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -162,7 +164,7 @@ def _glu_step_kernel(
              mask=tile_mask)
     if RING:
         if tl.program_id(0) == 0:
-            new_slot = (positions % KERNEL_SIZE) * stride_state_s
+            new_slot = residues * stride_state_s
             for start in range(0, channels_in, BLOCK_K):
                 channel = start + tl.arange(0, BLOCK_K)
                 mask = row_ok[:, None] & (channel < channels_in)[None, :]
