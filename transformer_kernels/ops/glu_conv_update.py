@@ -15,6 +15,7 @@ kernel), so it works under ``torch.compile`` and CUDA graphs (the position is re
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -113,10 +114,13 @@ def glu_conv1d_update(
                                     weight, bias, residual, args)
 
     key = layout_key(backend, x_t, conv_state, position, weight, bias, residual)
-    args, name = _PLANS.decide(
-        None if key is None or type(residual_scale) is not float else (*key, residual_scale), checked, lambda _: None
-    )[0]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_t, conv_state, weight, bias, residual)):
+    if key is not None and type(residual_scale) is float and residual_scale == residual_scale:
+        key = (*key, residual_scale, math.copysign(1.0, residual_scale))  # the sign tells 0.0 from -0.0
+    else:  # no plan: a scalar the checks convert, or NaN (which no key equals)
+        key = None
+    args, name = _PLANS.decide(key, checked, lambda _: None)[0]
+    tensors = (x_t, conv_state, weight, bias, residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("glu_conv1d_update is not differentiable (it updates conv_state in place): use "
                            "glu_conv1d_step for gradients, or call it under torch.no_grad()")
     out = glu_conv1d_update_op(x_t, conv_state, position, weight, bias, residual, args, name)

@@ -1,6 +1,6 @@
 """``glu_conv1d_update`` composed of PyTorch ops: the window gathered from the ring, the step's
-convolution as :mod:`.glu_conv` runs it, then the new input scattered into its slot.  Every op
-reads the position on the device, so a CUDA graph can capture the call."""
+convolution as :mod:`.glu_conv` runs it, then the new input scattered into its slot.  Off the CPU
+every op reads the position on the device, so a CUDA graph can capture the call."""
 
 from __future__ import annotations
 
@@ -29,11 +29,21 @@ def forward(
     args: GluUpdateArgs,
 ) -> torch.Tensor:
     batch, channels_in, kernel_size = conv_state.shape
+    step = GluConvArgs(0, 0, 0.0, args.residual_scale)
+    residual = None if residual is None else residual[:, :, None]
+    if position.dim() == 0 and position.device.type == "cpu":
+        # A CPU tensor's value costs nothing to read: the window is one cat of at most two slices of
+        # the ring (the oldest slot first) and x_t, the functional step's ops (the device route's
+        # index arithmetic, gather and scatter cost a decoding step on a CPU 8%).
+        slot = int(position) % kernel_size
+        oldest = (slot + 1) % kernel_size
+        old = [conv_state[:, :, oldest:], conv_state[:, :, :slot]] if oldest else [conv_state[:, :, :slot]]
+        out, _ = glu_conv.forward(torch.cat([*old, x_t[:, :, None]], dim=2), weight, bias, residual, step)
+        conv_state.select(2, slot).copy_(x_t)
+        return out[:, :, 0]
     slots = _ring_slots(position.expand(batch), kernel_size)  # [B, k]: the window's slots, the new input's last
     window = conv_state.gather(2, slots[:, None, :-1].expand(batch, channels_in, kernel_size - 1))
-    window = torch.cat([window, x_t[:, :, None]], dim=2)
-    step = GluConvArgs(0, 0, 0.0, args.residual_scale)
-    out, _ = glu_conv.forward(window, weight, bias, None if residual is None else residual[:, :, None], step)
+    out, _ = glu_conv.forward(torch.cat([window, x_t[:, :, None]], dim=2), weight, bias, residual, step)
     conv_state.scatter_(2, slots[:, None, -1:].expand(batch, channels_in, 1), x_t[:, :, None])
     return out[:, :, 0]
 
