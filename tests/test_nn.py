@@ -10,6 +10,7 @@ some paths) and tested on their own.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -285,23 +286,32 @@ def test_out_proj_is_read_as_parameters_like_torch(need_weights):
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
-def test_out_proj_weight_is_read_once_per_call_like_torch(need_weights, batched):
-    """A parametrization of out_proj.weight runs on every read of it (spectral_norm steps its power
-    iteration): torch's forward reads it once, and so does ours."""
-    reads = []
+@pytest.mark.parametrize("inputs", ["self", "shared_key_value", "cross", "unbatched"])
+def test_every_parameter_is_read_once_per_call(need_weights, inputs):
+    """A parametrization runs on every read of its parameter (spectral_norm steps its power
+    iteration): each of the module's parameters is read once per call, as torch reads out_proj.weight
+    and bias_k (its self-attention reads in_proj_weight and in_proj_bias three times)."""
+    reads = collections.Counter()
 
     class Counted(torch.nn.Module):
-        def forward(self, weight):
-            reads.append(1)
-            return weight
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
 
-    _, ours = module_pair(batch_first=True)
-    torch.nn.utils.parametrize.register_parametrization(ours.out_proj, "weight", Counted())
-    x = torch.randn(BATCH, LK, EMBED) if batched else torch.randn(LK, EMBED)
+        def forward(self, value):
+            reads[self.name] += 1
+            return value
+
+    ours = tknn.MultiheadAttention(EMBED, HEADS, batch_first=True, add_bias_kv=True)
+    for owner, name in ((ours, "in_proj_weight"), (ours, "in_proj_bias"), (ours, "bias_k"), (ours, "bias_v"),
+                        (ours.out_proj, "weight")):
+        torch.nn.utils.parametrize.register_parametrization(owner, name, Counted(name))
+    x, memory = torch.randn(BATCH, LQ, EMBED), torch.randn(BATCH, LK, EMBED)
+    arguments = {"self": (x, x, x), "shared_key_value": (x, memory, memory), "cross": (x, memory, memory.clone()),
+                 "unbatched": (x[0], x[0], x[0])}[inputs]
     reads.clear()
-    ours(x, x, x, need_weights=need_weights)
-    assert len(reads) == 1
+    ours(*arguments, need_weights=need_weights)
+    assert dict(reads) == {name: 1 for name in ("in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "weight")}
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -1079,6 +1089,10 @@ def test_glu_conv_argument_errors():
         causal.initial_state(2.0)
     with pytest.raises(ValueError, match="batch_size must be non-negative, got -1"):
         causal.initial_state(-1)
+    half = tknn.GLUConv1d(4, 4, 3, padding="causal", pad_value=1e5, dtype=torch.float16)
+    for make_state in (half.initial_state, half.initial_conv_state):  # as forward refuses it
+        with pytest.raises(ValueError, match="pad_value = 100000.0 overflows torch.float16"):
+            make_state(2)
 
 
 # ----------------------------------------------------------------------------

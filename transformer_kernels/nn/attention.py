@@ -275,7 +275,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             weights = self.in_proj_weight.chunk(3)
         else:
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
-        biases = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        bias = self.in_proj_bias  # each parameter read once (a parametrization runs on every read)
+        biases = (None, None, None) if bias is None else bias.chunk(3)
         return tuple(zip(weights, biases))
 
     def _query_and_key_value_rows(self) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor]]]:
@@ -284,7 +285,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         where a slice per part fills a zero gradient of the whole parameter per part and adds them."""
         sizes = [self.embed_dim, 2 * self.embed_dim]
         q_weight, kv_weight = self.in_proj_weight.split(sizes)
-        q_bias, kv_bias = (None, None) if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
+        bias = self.in_proj_bias
+        q_bias, kv_bias = (None, None) if bias is None else bias.split(sizes)
         return (q_weight, q_bias), (kv_weight, kv_bias)
 
     def _project_fused(
@@ -319,8 +321,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         a zero key/value, in torch's order; every query may attend to them."""
         appended = 0
         batch, heads, _, head_dim = k.shape
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.view(1, heads, 1, head_dim).expand(batch, -1, -1, -1)], dim=2)
+        bias_k = self.bias_k  # read once, as every parameter
+        if bias_k is not None:
+            k = torch.cat([k, bias_k.view(1, heads, 1, head_dim).expand(batch, -1, -1, -1)], dim=2)
             v = torch.cat([v, self.bias_v.view(1, heads, 1, head_dim).expand(batch, -1, -1, -1)], dim=2)
             appended += 1
         if self.add_zero_attn:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import is_int
-from ..ops.glu_conv import _check_number, glu_conv1d, glu_conv1d_step
+from ..ops.glu_conv import _check_number, _check_pad_value, glu_conv1d, glu_conv1d_step
 from ..ops.glu_conv_update import glu_conv1d_update
 from ._checks import check_backend
 
@@ -140,7 +140,8 @@ class GLUConv1d(torch.nn.Module):
             raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
         if batch_size < 0:
             raise ValueError(f"batch_size must be non-negative, got {batch_size}")
-        return self.weight.new_full((batch_size, self.in_channels, positions), self.pad_value)
+        return self.weight.new_full((batch_size, self.in_channels, positions),
+                                    _check_pad_value(self.pad_value, self.weight.dtype))
 
     def step(
         self, x_t: Tensor, state: Optional[Tensor], residual: Optional[Tensor] = None, residual_scale: float = 1.0
