@@ -74,8 +74,9 @@ def glu_conv1d_update(
             graph that captures the call reads the position of each replay.
         residual: ``[B, C]`` or ``None``; residual_scale: as in :func:`glu_conv1d`.
         backend: as in :func:`glu_conv1d`.  The cuda backend's kernel takes a
-            contiguous ``conv_state`` of float16 or bfloat16 with ``C_in * k`` a
-            multiple of 8.
+            contiguous ``conv_state`` with a 16-byte aligned start, of float16 or
+            bfloat16, with ``C_in * k`` a multiple of 8 (it writes the ring in
+            place, so it never takes a copy of it).
 
     Returns:
         ``out_t`` ``[B, C]``.
