@@ -161,7 +161,9 @@ class RegisteredOp:
         # collects its tensors (to choose its route) from these positions.
         self._has_list_input = any(entry.startswith("Tensor[]") for entry in inputs)
         # The inputs the op writes in place ("Tensor(a!) name"): (position, name).
-        self._mutated_inputs = tuple((i, entry.split()[-1]) for i, entry in enumerate(inputs) if "!" in entry.split()[0])
+        self._mutated_inputs = tuple(
+            (i, entry.split()[-1]) for i, entry in enumerate(inputs) if "!" in entry.split()[0]
+        )
         self._tensor_fields = tuple(field for field in self.field_names if hints[field] in (Tensor, Optional[Tensor]))
         # Where each tensor field's gradient flag sits in ctx.needs_input_grad, by route: the
         # registered op takes every field, the autograd.Function only the tensor fields.

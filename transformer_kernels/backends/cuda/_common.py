@@ -18,8 +18,6 @@ def own_tensor(view: torch.Tensor) -> torch.Tensor:
     """``view``'s elements as a tensor of its own over the same memory (no copy), for an op to return
     where it made a view: autograd refuses in-place changes to a view made by an op's forward,
     which torch's own ops' outputs allow."""
-    if not view._is_view():
-        return view
     own = torch.empty(0, dtype=view.dtype, device=view.device)
     return own.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 

@@ -36,7 +36,7 @@ from ._common import (
 )
 
 __all__ = ["uses_step_kernel", "empty_saved", "forward", "backward", "PreparedStep", "ring_launch", "as_rows",
-           "compile_targets"]
+           "MAX_LAUNCH_ROWS", "compile_targets"]
 
 # Up to this many rows a step runs on FMAs, each program reading its weight rows once for its rows;
 # a larger batch (a beam search over a large batch) takes the whole-sequence kernels' tensor-core
@@ -52,6 +52,8 @@ MAX_BATCH = 128
 # iterations load 8 KB of weight; else eight, whose iterations load 2 KB of weight and 2 KB of window.
 _ONE_ROW = KernelConfig(block_m=1, block_n=4, block_k=512, num_warps=4, num_stages=1)
 _ROWS = KernelConfig(block_m=8, block_n=4, block_k=128, num_warps=4, num_stages=1)
+# The most rows a launch takes: a grid's second dimension holds at most 65535 programs.
+MAX_LAUNCH_ROWS = _ROWS.block_m * 65535
 
 
 # Each program owns BLOCK_M rows times BLOCK_N output channels of both GLU halves, and reduces over K

@@ -9,20 +9,17 @@ import torch
 
 from ...ops.glu_conv_update import GluUpdateArgs
 from ._common import run_launches
-from ._glu_step import as_rows, ring_launch
+from ._glu_step import MAX_LAUNCH_ROWS, as_rows, ring_launch
 from .glu_conv import _SUPPORTED_DTYPES
 
 __all__ = ["unsupported_reason", "forward"]
-
-# Rows per program of the step kernel's multi-row configuration, and Triton's largest grid y.
-_MAX_BATCH = 8 * 65535
 
 
 def unsupported_reason(x_t, conv_state, position, weight, bias, residual, args: GluUpdateArgs) -> Optional[str]:
     if x_t.dtype not in _SUPPORTED_DTYPES:
         return f"the Triton kernels support float16, bfloat16 and float32, got {x_t.dtype}"
-    if x_t.shape[0] > _MAX_BATCH:
-        return f"the kernel's grid takes at most {_MAX_BATCH} rows, got {x_t.shape[0]}"
+    if x_t.shape[0] > MAX_LAUNCH_ROWS:
+        return f"the kernel's grid takes at most {MAX_LAUNCH_ROWS} rows, got {x_t.shape[0]}"
     return None
 
 

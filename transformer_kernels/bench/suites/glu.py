@@ -210,18 +210,28 @@ def _case_groups(case: Case, setting: Setting) -> list[Group]:
     ) for direction in directions(case, setting)]
 
 
+def _step_inputs(batch: int, channels: int, setting: Setting) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoding step's ``x_t`` ``[B, C]`` and the decoder layer's weight and bias (C_in = C, k = 3)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * channels, channels, 3, generator=generator) / math.sqrt(3 * channels)
+    bias = torch.randn(2 * channels, generator=generator) * 0.1
+    x_t = torch.randn(batch, channels, generator=generator)
+    return tuple(t.to(setting.device, setting.dtype) for t in (x_t, weight, bias))
+
+
+def _pad_state(batch: int, channels: int, positions: int, setting: Setting) -> torch.Tensor:
+    """A decoding state of ``positions`` inputs, all the causal padding (``pad_index``)."""
+    return torch.full((batch, channels, positions), PAD_INDEX, device=setting.device, dtype=setting.dtype)
+
+
 def _step_group(batch: int, channels: int, setting: Setting) -> Group:
     """One decoding step of the causal decoder layer, ``state`` a window of ``pad_index``."""
     backends = backends_for("glu_conv", setting)
 
     @functools.cache
     def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(2 * channels, channels, 3, generator=generator) / math.sqrt(3 * channels)
-        bias = torch.randn(2 * channels, generator=generator) * 0.1
-        x_t = torch.randn(batch, channels, generator=generator)
-        state = torch.full((batch, channels, 2), PAD_INDEX)
-        return tuple(t.to(setting.device, setting.dtype) for t in (x_t, state, weight, bias))
+        x_t, weight, bias = _step_inputs(batch, channels, setting)
+        return x_t, _pad_state(batch, channels, 2, setting), weight, bias
 
     def setup(impl: str) -> Impl:
         x_t, state, weight, bias = inputs()
@@ -256,18 +266,12 @@ def _update_group(batch: int, channels: int, setting: Setting) -> Group:
     backends = backends_for("glu_conv_update", setting)
     step_group = _step_group(batch, channels, setting)
 
-    @functools.cache
-    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(2 * channels, channels, 3, generator=generator) / math.sqrt(3 * channels)
-        bias = torch.randn(2 * channels, generator=generator) * 0.1
-        x_t = torch.randn(batch, channels, generator=generator)
-        return tuple(t.to(setting.device, setting.dtype) for t in (x_t, weight, bias))
+    inputs = functools.cache(functools.partial(_step_inputs, batch, channels, setting))
 
     def setup(impl: str) -> Impl:
         x_t, weight, bias = inputs()
         if impl in ("seed", "step_copy"):
-            state = torch.full((batch, channels, 2), PAD_INDEX, device=setting.device, dtype=setting.dtype)
+            state = _pad_state(batch, channels, 2, setting)
             next_state = torch.empty_like(state)
             step_backend = "triton" if setting.cuda else "eager"
 
@@ -281,7 +285,7 @@ def _update_group(batch: int, channels: int, setting: Setting) -> Group:
                 next_state.copy_(new_state)
                 return y_t
         else:
-            ring = torch.full((batch, channels, 3), PAD_INDEX, device=setting.device, dtype=setting.dtype)
+            ring = _pad_state(batch, channels, 3, setting)
             position = torch.tensor(2, device=setting.device)
 
             def step():
