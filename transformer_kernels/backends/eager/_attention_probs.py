@@ -120,7 +120,10 @@ class HeadBatches:
 def _folds(tensor: torch.Tensor) -> bool:
     """Whether ``[B, H, ...]`` flattens to ``[B * H, ...]`` as a view."""
     batch, heads = tensor.shape[:2]
-    return heads == 1 or batch == 1 or tensor.stride(0) == heads * tensor.stride(1)
+    if heads == 1 or batch == 1:
+        return True
+    stride_batch, stride_head = tensor.stride()[:2]
+    return stride_batch == heads * stride_head
 
 
 def _small(tensor: torch.Tensor) -> bool:
@@ -247,7 +250,7 @@ class _BatchChunk:
             return [self.of(t) for t in tensors], HeadBatches(False)
         if self.batch is None:
             folds = [_folds(t) for t in tensors]
-            if all(folds):
+            if False not in folds:
                 return list(tensors), HeadBatches(True)
             if all(f or _small(t) for f, t in zip(folds, tensors)):
                 return [t if f else self._folded_copy(index, t, into)
@@ -364,16 +367,25 @@ def _every_row_sees_a_key(lq: int, lk: int, args: AttentionArgs, may_sync: bool)
         return True
     if not may_sync:
         return False
-    seen_by_every_row = lk if shift is None else min(lk, shift + 1)
-    return not bool(args.key_padding_mask[:, :seen_by_every_row].all(1).any())
+    padding = args.key_padding_mask
+    if shift is not None and shift + 1 < lk:
+        padding = padding[:, :shift + 1]
+    return not bool(padding.all(1).any())
 
 
 def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
     """``out`` and, when a backward pass will run, the probabilities (else an empty tensor)."""
     dtype = compute_dtype(query.dtype)
+    if query.shape[2] == 1 and not needs_backward and args.dropout_p == 0.0 and query.dtype == dtype:
+        batches = HeadBatches.of(query, key, value)
+        if batches.folded:
+            return _one_query_row(query, key, value, args, batches), query.new_empty(0, dtype=dtype)
     out = empty_output(query, value)
-    saved = empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
-    kept = _kept_for_backward(saved, query, key, value)  # views of saved: made once, read by the chunks
+    if needs_backward:
+        saved = empty_saved_probs(query, key, value, dtype)
+        kept = _kept_for_backward(saved, query, key, value)  # views of saved: made once, read by the chunks
+    else:
+        saved, kept = query.new_empty(0, dtype=dtype), _NOTHING_KEPT
     chunks = _batch_chunks(query, key, value, args, dtype, needs_backward)
     # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
     may_sync = query.device.type == "cpu" or len(chunks) > 1
@@ -390,6 +402,19 @@ def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
         elif needs_backward:
             saved = chunk.store(probs, saved)
     return out, saved
+
+
+def _one_query_row(query, key, value, args: AttentionArgs, batches: HeadBatches) -> torch.Tensor:
+    """:func:`probs_forward` of a decoding step: one query row per head, operands that fold, of the
+    dtype it computes in, no dropout, no backward pass.  Its ops on the whole batch, without the
+    chunks, copies and saved buffers that it would find unneeded at the cost of a few microseconds
+    each, which a step pays per layer and token (greedy decoding of the small Transformer preset:
+    four attention calls a token)."""
+    scores, masked = _scores(query, key, args, batches)
+    may_sync = query.device.type == "cpu"  # as for a call in one chunk
+    probs = _softmax(scores, masked and not _every_row_sees_a_key(1, key.shape[2], args, may_sync), batches)
+    out = empty_output(query, value)  # one row: [B, H, 1, Ev] contiguous, which the product fills in place
+    return batches.matmul(probs, value, out=out)
 
 
 def _recomputed_probs(query, key, args: AttentionArgs) -> torch.Tensor:
@@ -475,6 +500,9 @@ class _KeptForBackward(NamedTuple):
 
     probs: Optional[torch.Tensor]
     operands: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+_NOTHING_KEPT = _KeptForBackward(None, None)  # what a forward without a backward pass keeps
 
 
 def _kept_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[tuple[int, ...]]:
