@@ -101,17 +101,35 @@ def test_use_backend_and_a_new_registry_are_decisions_too(normalized, monkeypatc
 
 
 def test_calls_that_are_not_run_as_given_keep_no_plan(normalized):
-    """3-D inputs (a view adds the head dim), broadcast inputs, and a key padding mask that is
-    broadcast: the checked route runs on views, so every call takes it."""
+    """Broadcast inputs (3-D ones of different batch sizes among them), and a key padding mask that
+    is broadcast: the checked route runs on expanded views, so every call takes it."""
     q, k, v = _inputs()
     for call in (
-        lambda: tk.scaled_dot_product_attention(q[0], k[0], v[0]),
         lambda: tk.scaled_dot_product_attention(q, k[:1], v[:1]),
+        lambda: tk.scaled_dot_product_attention(q[0], k[0, :1], v[0, :1]),
         lambda: tk.scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(8, dtype=torch.bool)),
     ):
         call()
         call()
     assert len(normalized) == 6
+
+
+def test_three_dimensional_inputs_run_as_one_head_through_a_plan(normalized):
+    """``[N, L, E]`` inputs of one batch size (a decoder's one-head attention): a plan runs them as
+    ``unsqueeze(1)``, as the checked route does, with each call's own padding, and gradients reach
+    the 3-D inputs."""
+    for lengths in ([8, 5], [3, 7], [8, 5]):
+        q, k, v = (t[:, 0].requires_grad_() for t in _inputs())
+        padding = torch.arange(8) >= torch.tensor(lengths)[:, None]
+        out = tk.scaled_dot_product_attention(q, k, v, key_padding_mask=padding, scale=1.0, backend="eager")
+        expected = reference_attention(q, k, v, scale=1.0, key_padding_mask=padding, masked_value=float("-inf"))
+        assert out.shape == (2, 8, 16)
+        assert_close_to_reference(out, expected, tol=1e-12)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert_close_to_reference(grad, expected_grad, tol=1e-10)
+    assert len(normalized) == 1
 
 
 def test_dropout_through_a_plan_draws_a_new_mask_each_call(normalized):

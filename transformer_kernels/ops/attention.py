@@ -372,8 +372,11 @@ def scaled_dot_product_attention(
                                  _dropout_seed(args.dropout_p, query.device))
         # The masks a plan takes never require grad (bool, or no mask).
         needs_backward = attention_forward.records_autograd(query, key, value)
+        if plan.one_head:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         typed = (query, key, value, args, needs_backward, plan.backend)
-        return attention_forward.call_plain(plan.forward, typed, needs_backward)[0]
+        out = attention_forward.call_plain(plan.forward, typed, needs_backward)[0]
+        return out.squeeze(1) if plan.one_head else out
     q, k, v, args, output_shape = _normalize(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
@@ -387,10 +390,11 @@ def scaled_dot_product_attention(
         query.requires_grad or key.requires_grad or value.requires_grad
         or (args.attn_mask is not None and args.attn_mask.requires_grad)
     )
-    if plan_key is not None and _passes_through(q, k, v, args, output_shape, *call):
+    form = None if plan_key is None else _plan_form(q, k, v, args, output_shape, *call)
+    if form is not None:
         plan_args = dataclasses.replace(args, key_padding_mask=None, dropout_seed=None)
         forward = prepared_forward("attention", chosen, _attention_forward, q, k, v, args, needs_backward)
-        _PLANS.put(plan_key, _Plan(chosen, plan_args, forward))
+        _PLANS.put(plan_key, _Plan(chosen, plan_args, forward, form == "one_head"))
     out, _ = attention_forward(q, k, v, args, needs_backward, chosen)
     return out if out.shape == output_shape else out.view(output_shape)
 
@@ -403,12 +407,14 @@ def scaled_dot_product_attention(
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The backend chosen for a layout, its :class:`AttentionArgs` without the call's own tensors
-    (``key_padding_mask`` and ``dropout_seed`` are None), and the registered forward's
-    implementation for the layout (``prepared_forward``)."""
+    (``key_padding_mask`` and ``dropout_seed`` are None), the registered forward's implementation
+    for the layout (``prepared_forward``), and whether the call's 3-D inputs run as one head
+    (see :func:`_plan_form`)."""
 
     backend: str
     args: AttentionArgs
     forward: Callable
+    one_head: bool
 
 
 _PLANS = CallPlans()
@@ -426,13 +432,28 @@ def _plan_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return None if tensors is None else (*tensors, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _passes_through(q, k, v, args, output_shape, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    key_padding_mask, backend) -> bool:
-    """Whether the checked route ran the call on its own tensors, as a plan would: no view, copy or
-    expansion of any input, and a result of the kernels' shape."""
+def _plan_form(q, k, v, args, output_shape, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+               key_padding_mask, backend) -> Optional[str]:
+    """How a plan runs the call as the checked route ran it (``q, k, v, args`` and the result's
+    ``output_shape`` from :func:`_normalize`), or None where it cannot: ``"as_is"``, on the call's
+    own tensors (no view, copy or expansion of any input, a result of the kernels' shape), or
+    ``"one_head"``, on 3-D inputs ``[N, L, E]`` of one batch size, each seen as ``unsqueeze(1)``
+    (a decoder's one-head attention, as ConvSeq2Seq's), the result without that dimension."""
+    if args.key_padding_mask is not key_padding_mask:
+        return None
+    if q is query and k is key and v is value:
+        return "as_is" if output_shape == (*q.shape[:3], v.shape[3]) else None
+    inserted = all(_one_head_of(normalized, given) for normalized, given in ((q, query), (k, key), (v, value)))
+    return "one_head" if inserted and output_shape == (q.shape[0], q.shape[2], v.shape[3]) else None
+
+
+def _one_head_of(normalized: Tensor, given: Tensor) -> bool:
+    """Whether ``normalized`` is ``given.unsqueeze(1)`` for a 3-D ``given``: its memory, with a
+    dimension of one head inserted."""
     return (
-        q is query and k is key and v is value and args.key_padding_mask is key_padding_mask
-        and output_shape == (*q.shape[:3], v.shape[3])
+        given.dim() == 3 and normalized.shape == (given.shape[0], 1, *given.shape[1:])
+        and normalized.data_ptr() == given.data_ptr()
+        and (normalized.stride(0), *normalized.stride()[2:]) == given.stride()
     )
 
 
@@ -444,9 +465,10 @@ def _check_plan(plan: _Plan, query, key, value, attn_mask, dropout_p, is_causal,
     q, k, v, args, output_shape = _normalize(*call)
     args = dataclasses.replace(args, dropout_p=_check_scalars(dropout_p, scale, query.shape[-1])[0])
     chosen = select_backend("attention", OP_NAME, backend, query, q, k, v, args)
-    decided = (chosen, args.attn_mask, args.causal, args.scale, args.dropout_p)
-    kept = (plan.backend, plan.args.attn_mask, plan.args.causal, plan.args.scale, plan.args.dropout_p)
-    if decided != kept or not _passes_through(q, k, v, args, output_shape, *call, backend):
+    form = _plan_form(q, k, v, args, output_shape, *call, backend)
+    decided = (chosen, args.attn_mask, args.causal, args.scale, args.dropout_p, form == "one_head")
+    kept = (plan.backend, plan.args.attn_mask, plan.args.causal, plan.args.scale, plan.args.dropout_p, plan.one_head)
+    if decided != kept or form is None:
         raise AssertionError(f"the attention plan kept for this call's layout decides {kept}, the checks {decided}")
 
 
