@@ -390,8 +390,9 @@ class ConvSeq2Seq(torch.nn.Module):
         The encoder runs once; its output is carried with the beams.  Each decoder layer keeps its
         last inputs, fused in a ring that one kernel reads and updates in place
         (:meth:`GLUConv1d.update`), so a step costs one position, and the tokens are exactly those
-        of re-running the decoder on the whole prefix every step.  On a GPU the steps after the first replay a CUDA graph.  Runs in
-        evaluation mode (no dropout) whatever the module's mode, which it restores.
+        of re-running the decoder on the whole prefix every step.  On a GPU the steps after the first
+        replay a CUDA graph.  Runs in evaluation mode (no dropout) whatever the module's mode, which
+        it restores.
 
         Args:
             src: ``[B, S]`` token ids.

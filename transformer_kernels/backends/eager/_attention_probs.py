@@ -120,10 +120,7 @@ class HeadBatches:
 def _folds(tensor: torch.Tensor) -> bool:
     """Whether ``[B, H, ...]`` flattens to ``[B * H, ...]`` as a view."""
     batch, heads = tensor.shape[:2]
-    if heads == 1 or batch == 1:
-        return True
-    stride_batch, stride_head = tensor.stride()[:2]
-    return stride_batch == heads * stride_head
+    return heads == 1 or batch == 1 or tensor.stride(0) == heads * tensor.stride(1)
 
 
 def _small(tensor: torch.Tensor) -> bool:
@@ -250,7 +247,7 @@ class _BatchChunk:
             return [self.of(t) for t in tensors], HeadBatches(False)
         if self.batch is None:
             folds = [_folds(t) for t in tensors]
-            if False not in folds:
+            if all(folds):
                 return list(tensors), HeadBatches(True)
             if all(f or _small(t) for f, t in zip(folds, tensors)):
                 return [t if f else self._folded_copy(index, t, into)
@@ -381,11 +378,8 @@ def probs_forward(query, key, value, args: AttentionArgs, needs_backward: bool):
         if batches.folded:
             return _one_query_row(query, key, value, args, batches), query.new_empty(0, dtype=dtype)
     out = empty_output(query, value)
-    if needs_backward:
-        saved = empty_saved_probs(query, key, value, dtype)
-        kept = _kept_for_backward(saved, query, key, value)  # views of saved: made once, read by the chunks
-    else:
-        saved, kept = query.new_empty(0, dtype=dtype), _NOTHING_KEPT
+    saved = empty_saved_probs(query, key, value, dtype) if needs_backward else query.new_empty(0, dtype=dtype)
+    kept = _kept_for_backward(saved, query, key, value)  # views of saved: made once, read by the chunks
     chunks = _batch_chunks(query, key, value, args, dtype, needs_backward)
     # On a GPU, a call in chunks is long enough for one host sync to cost nothing.
     may_sync = query.device.type == "cpu" or len(chunks) > 1
@@ -500,9 +494,6 @@ class _KeptForBackward(NamedTuple):
 
     probs: Optional[torch.Tensor]
     operands: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-_NOTHING_KEPT = _KeptForBackward(None, None)  # what a forward without a backward pass keeps
 
 
 def _kept_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[tuple[int, ...]]:
