@@ -67,9 +67,20 @@ def _resource_usage(cubin: bytes) -> dict:
 # operands across iterations) values are followed, not shapes of code matched.
 
 # String literals (inline PTX holds braces) and source locations (one level of
-# nested parentheses: loc("q_ptr"(#loc))) are blanked out before parsing.
+# nested parentheses: loc("q_ptr"(#loc))) are blanked out before parsing; an
+# op's location is kept first, to name what it loads (see _Ttgir.source_name).
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _LOCATION = re.compile(r"\bloc\((?:[^()]|\([^()]*\))*\)")
+_OP_LOCATION = re.compile(r"\bloc\(((?:[^()]|\([^()]*\))*)\)\s*$")
+# The module's location aliases, `#loc12 = loc(...)`, and the two kinds that
+# name values: a variable's name (`"k_t"(#loc7)`) and an inlined call
+# (`callsite(#loc3 at #loc9)`: the callee's location, then the call's).
+_LOCATION_ALIAS = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
+_NAME_LOCATION = re.compile(r'^"([^"]*)"\(')
+_CALLSITE_LOCATION = re.compile(r"^callsite\((#loc\d*) at (#loc\d*)\)$")
+# Variables of the kernels' jit helpers that load tiles for their callers: a
+# load there is named after the variable its call assigns, one call out.
+_HELPER_RESULTS = {"tile"}  # attention_kernels._load_tile
 _VALUE = re.compile(r"%[\w$.-]+(?:#\d+)?")
 # An op's attribute dictionary, which may hold ` : ` (`{num = 2 : i32}`) before
 # its operands end.
@@ -111,9 +122,15 @@ class _Ttgir:
         self.definitions = {}  # (region, name) -> ("op", op, result index) or ("iter_arg", loop body, index)
         self.loop_yields = {}  # loop body region -> the values its scf.yield carries to the next iteration
         self.ops = []
+        self.locations = {}  # location alias -> its body
+        for line in text.splitlines():
+            alias = _LOCATION_ALIAS.match(line)
+            if alias:
+                self.locations[alias.group(1)] = alias.group(2)
         new_region = itertools.count(1)
         regions = [0]  # the regions enclosing the current line, outermost first
         for line in text.splitlines():
+            location = _OP_LOCATION.search(line)
             line = _LOCATION.sub("", _STRING.sub('""', line))
             layout = _MMA_LAYOUT.match(line)
             if layout:
@@ -130,6 +147,7 @@ class _Ttgir:
                     "operands": _VALUE.findall(_ATTRIBUTES.sub("", line[definition.end():]).split(" : ")[0]),
                     "regions": tuple(regions),
                     "text": statement,
+                    "location": location.group(1) if location else None,
                 }
                 self.ops.append(op)
                 for index, result in enumerate(results):
@@ -203,11 +221,27 @@ class _Ttgir:
             return self.restaged(op["operands"][0], op["regions"])
         return []
 
+    def _frames(self, location: str) -> list:
+        """The variable each frame of ``location`` (an alias or a location's
+        body) assigns, innermost first (None where the frame's statement
+        assigns none): an inlined call's location is its callee's, then the
+        call's own."""
+        location = self.locations.get(location, location)
+        call = _CALLSITE_LOCATION.match(location)
+        if call:
+            return [*self._frames(call.group(1)), *self._frames(call.group(2))]
+        name = _NAME_LOCATION.match(location)
+        return [name.group(1) if name else None]
 
-def _source_name(op: dict) -> str:
-    """The source variable a load or buffer holds: MLIR names a value after it,
-    numbered to keep values apart (%k_t_99 -> k_t)."""
-    return re.sub(r"_\d+$", "", op["result"].lstrip("%"))
+    def source_name(self, op: dict) -> str:
+        """The source variable a load or buffer holds, from the load's location
+        (a buffer of async copies keeps its load's): the variable it is assigned
+        to, or for a tile that a loading helper returns (``_HELPER_RESULTS``),
+        the variable its call assigns.  Else from the value's name: MLIR names a
+        value after its variable, numbered to keep values apart (%k_t_99 -> k_t)."""
+        frames = [None] if op["location"] is None else self._frames(op["location"])
+        name = frames[1] if frames[0] in _HELPER_RESULTS and len(frames) > 1 else frames[0]
+        return name or re.sub(r"_\d+$", "", op["result"].lstrip("%"))
 
 
 def instruction_selection(ttgir: str, ptx: str) -> dict:
@@ -218,7 +252,7 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
     or "fma" (no tensor cores), read from the TTGIR; ``ptx_mma``: which of
     wgmma and mma.sync its PTX holds, which should agree.  ``operand_stages``:
     for each dot operand that the dot's loop loads from global memory, named
-    after its variable in the kernel, how many iterations' loads are in
+    after its variable in the kernel (:meth:`_Ttgir.source_name`), how many iterations' loads are in
     flight: for a load pipelined into async copies, the copies issued for its
     buffers (num_stages - 1 ahead of the loop, then one per iteration); 1 for
     a plain tt.load.  Operands loaded before the loop or computed in it are
@@ -245,7 +279,7 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
         if loop_body is None:
             continue
         if op["name"] == "ttng.warp_group_dot":
-            restaged.update(_source_name(source) for operand in op["operands"][:2]
+            restaged.update(module.source_name(source) for operand in op["operands"][:2]
                             for source in module.restaged(operand, op["regions"]))
         sources = [source for operand in op["operands"][:2] for source in module.origins(operand, op["regions"])]
         for kind, source in sources:
@@ -255,7 +289,7 @@ def instruction_selection(ttgir: str, ptx: str) -> dict:
                 stages = 1
             else:
                 continue
-            name = _source_name(source)
+            name = module.source_name(source)
             operand_stages[name] = min(stages, operand_stages.get(name, stages))
     return {
         "dots": sorted(dots),

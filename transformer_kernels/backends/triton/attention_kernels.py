@@ -271,17 +271,18 @@ def _query_block_program(head_batch_start, num_q_heads, group_size, seq_len_q, s
 
 
 @triton.jit
-def _tile_mask(rows_in, columns_in, MASK_ROWS: tl.constexpr, MASK_COLUMNS: tl.constexpr):
-    # The load mask of a K or V tile from the tests that apply (the caller
-    # loads without a mask when neither does, so interior blocks carry no
-    # predicates).
+def _load_tile(ptrs, rows_in, columns_in, MASK_ROWS: tl.constexpr, MASK_COLUMNS: tl.constexpr):
+    # A K or V tile, zero outside the rows and columns whose tests apply; with
+    # neither, a load without a mask, so interior blocks carry no predicates.
     if MASK_ROWS and MASK_COLUMNS:
-        mask = rows_in & columns_in
+        tile = tl.load(ptrs, mask=rows_in & columns_in, other=0.0)
     elif MASK_ROWS:
-        mask = rows_in
+        tile = tl.load(ptrs, mask=rows_in, other=0.0)
+    elif MASK_COLUMNS:
+        tile = tl.load(ptrs, mask=columns_in, other=0.0)
     else:
-        mask = columns_in
-    return mask
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
@@ -324,14 +325,7 @@ def _forward_inner(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < key_end
         k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        if MASKED or not EVEN_HEAD_DIM:
-            k_t = tl.load(
-                k_ptrs,
-                mask=_tile_mask(key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM),
-                other=0.0,
-            )
-        else:
-            k_t = tl.load(k_ptrs)
+        k_t = _load_tile(k_ptrs, key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
         keep = _key_keep(offs_n, key_in, key_padding_base, stride_kpn, holes, BLOCK_N, MASKED, HAS_KEY_PADDING)
         if HAS_DENSE_MASK:
@@ -371,14 +365,7 @@ def _forward_inner(
             )
             p = tl.where(kept, p * dropout_scale, 0.0)
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if MASKED or not EVEN_HEAD_DIM:
-            v = tl.load(
-                v_ptrs,
-                mask=_tile_mask(key_in[:, None], offs_dv[None, :] < head_dim_v, MASKED, not EVEN_HEAD_DIM),
-                other=0.0,
-            )
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_tile(v_ptrs, key_in[:, None], offs_dv[None, :] < head_dim_v, MASKED, not EVEN_HEAD_DIM)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -780,20 +767,8 @@ def _grad_query_inner(
         key_in = offs_n < key_end
         k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_ptrs = v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd
-        if MASKED or not EVEN_HEAD_DIM:
-            k_t = tl.load(
-                k_ptrs,
-                mask=_tile_mask(key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM),
-                other=0.0,
-            )
-            v_t = tl.load(
-                v_ptrs,
-                mask=_tile_mask(key_in[None, :], offs_dv[:, None] < head_dim_v, MASKED, not EVEN_HEAD_DIM),
-                other=0.0,
-            )
-        else:
-            k_t = tl.load(k_ptrs)
-            v_t = tl.load(v_ptrs)
+        k_t = _load_tile(k_ptrs, key_in[None, :], offs_d[:, None] < head_dim, MASKED, not EVEN_HEAD_DIM)
+        v_t = _load_tile(v_ptrs, key_in[None, :], offs_dv[:, None] < head_dim_v, MASKED, not EVEN_HEAD_DIM)
         qk = tl.dot(q, k_t, input_precision=INPUT_PRECISION)
         keep = _key_keep(offs_n, key_in, key_padding_base, stride_kpn, holes, BLOCK_N, MASKED, HAS_KEY_PADDING)
         p = tl.math.exp2(_masked_scores(
