@@ -328,11 +328,12 @@ def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple
     else:
         z = _im2col_preactivation(x, weight, bias, args)
         z_dim = 2
-    if z_dim == 1 and z.is_contiguous():
-        # After oneDNN, glu's own output has the output's layout (contiguous): the residual and the
-        # scale go in place on it.  glu.out into an empty output, then add(out=), took 10.1 against
-        # 7.1 us at B4 C8 L40, 39.6 against 34.7 at B16 C128 L40 and 1.34 against 1.25 ms at B128
-        # C512 L40 (2 threads; the seed's glu, add and mul, allocating each, 1.83 ms there).
+    if z_dim == 1:
+        # After oneDNN, glu's own output has the output's layout: z's, contiguous (as empty_saved
+        # states), so the residual and the scale go in place on it.  glu.out into an empty output,
+        # then add(out=), took 10.1 against 7.1 us at B4 C8 L40, 39.6 against 34.7 at B16 C128 L40
+        # and 1.34 against 1.25 ms at B128 C512 L40 (2 threads; the seed's glu, add and mul,
+        # allocating each, 1.83 ms there).
         out = F.glu(z, 1)
         if residual is not None:
             out.add_(residual)
@@ -341,9 +342,9 @@ def _forward(x, weight, bias, residual, args: GluConvArgs, chosen: str) -> tuple
         # glu's kernel is vectorized only when its output has z's layout: write it into
         # out when out has that layout, else compute it in z's (channel-last) layout and
         # let the residual add (or a copy) transpose it, which costs less.
-        out_as_z = out if z_dim == 1 else out.transpose(1, 2)
+        out_as_z = out.transpose(1, 2)
         if out_as_z.is_contiguous():
-            torch.ops.aten.glu.out(z, z_dim, out=out_as_z)
+            torch.ops.aten.glu.out(z, 2, out=out_as_z)
             glu = out
         else:
             glu = F.glu(z, 2).transpose(1, 2)
